@@ -1,0 +1,28 @@
+"""cuflash: exact FlashAttention for NumPy and CuPy arrays, without PyTorch.
+
+NumPy inputs run the tiled algorithm on the CPU; CuPy (and other DLPack GPU) inputs run CUDA
+kernels compiled at run time with NVRTC.  ``cuflash.reference`` holds the float64 oracle.
+"""
+
+from .api import (
+    attention,
+    attention_backward,
+    attention_varlen,
+    attention_varlen_backward,
+    attention_vjp,
+    merge_states,
+    softmax,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "attention",
+    "attention_backward",
+    "attention_vjp",
+    "attention_varlen",
+    "attention_varlen_backward",
+    "merge_states",
+    "softmax",
+    "__version__",
+]

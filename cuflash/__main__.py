@@ -1,0 +1,5 @@
+"""``python -m cuflash`` runs the command-line interface."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,87 @@
+"""Array kinds: NumPy on the CPU path, CuPy on the GPU path, other GPU arrays through DLPack.
+
+CuPy is imported lazily so that ``import cuflash`` works on machines without it.  Foreign GPU
+arrays (JAX, PyTorch, Numba) are taken zero-copy through ``__dlpack__`` or
+``__cuda_array_interface__`` without importing their library; results come back as CuPy arrays.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_module():
+    """The cupy module, or None when it is not installed or cannot load."""
+    try:
+        import cupy
+    except Exception:  # ImportError, or a broken CUDA install raising at import
+        return None
+    return cupy
+
+
+def gpu_available() -> bool:
+    cp = cupy_module()
+    if cp is None:
+        return False
+    try:
+        return cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+def is_gpu(x) -> bool:
+    cp = cupy_module()
+    return cp is not None and isinstance(x, cp.ndarray)
+
+
+def is_array(x) -> bool:
+    return isinstance(x, np.ndarray) or is_gpu(x)
+
+
+def as_array(x, name: str):
+    """Return x as a NumPy or CuPy array; foreign GPU arrays are wrapped zero-copy."""
+    if is_array(x):
+        return x
+    if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
+        cp = cupy_module()
+        if cp is None:
+            raise TypeError(f"{name} is a GPU array ({type(x).__name__}) but CuPy is not installed")
+        try:
+            if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "__dlpack__"):
+                return cp.asarray(x)
+            return cp.from_dlpack(x)
+        except (TypeError, BufferError, RuntimeError, ValueError) as exc:
+            if not hasattr(x, "__cuda_array_interface__"):
+                raise TypeError(f"{name} ({type(x).__name__}) could not be taken as a GPU array: {exc}") from exc
+            return cp.asarray(x)
+    raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack GPU array); got {type(x).__name__}")
+
+
+def check_array(x, name: str) -> None:
+    if not is_array(x):
+        raise TypeError(f"{name} must be a NumPy or CuPy array; got {type(x).__name__}")
+
+
+def same_kind(a, b) -> bool:
+    return is_gpu(a) == is_gpu(b)
+
+
+def module_of(x):
+    """numpy or cupy, whichever owns x."""
+    return cupy_module() if is_gpu(x) else np
+
+
+def to_numpy(x):
+    return x.get() if is_gpu(x) else np.asarray(x)
+
+
+def to_device_like(x, like):
+    """x on the same side (host/device) as ``like``."""
+    if is_gpu(like):
+        cp = cupy_module()
+        with cp.cuda.Device(like.device.id):
+            return cp.asarray(x)
+    return to_numpy(x)

@@ -1,0 +1,306 @@
+"""Validate the arguments of every public function once, before any work starts.
+
+Each check raises ``ValueError`` (shapes, values) or ``TypeError`` (dtypes, array kinds) with a
+message that names the argument, what was expected and what was given.  Defaults (the softmax
+scale, how ``causal`` folds into the window) are decided here and nowhere else: the CPU path and
+the GPU kernels receive an :class:`AttnProblem` whose fields no longer need interpretation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _arrays
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+CAUSAL_MODES = (False, True, "bottom_right", "top_left")
+LAYOUTS = ("bshd", "bhsd")
+
+
+@dataclass(frozen=True)
+class AttnProblem:
+    """One attention problem in the canonical (batch, seqlen, heads, headdim) view.
+
+    ``window_left``/``window_right`` already include ``causal`` (causal means right = 0), and -1
+    means unbounded.  Key j is visible from query i iff ``j < sk`` and
+    ``i + offset - window_left <= j <= i + offset + window_right`` where ``sk`` is the sequence's
+    valid key length and ``offset = sk - sq`` (bottom-right) or 0 (``top_left``).
+    """
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads_q: int
+    nheads_k: int
+    headdim_qk: int
+    headdim_v: int
+    dtype: np.dtype
+    softmax_scale: float
+    window_left: int
+    window_right: int
+    top_left: bool
+    softcap: float
+    alibi_slopes: Any  # None or (batch, nheads_q) float32, same array kind as q
+    seqlens_k: Any  # None or (batch,) integer array, same array kind as q
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head (GQA/MQA)."""
+        return self.nheads_q // self.nheads_k
+
+    @property
+    def is_empty(self) -> bool:
+        return self.batch == 0 or self.seqlen_q == 0 or self.nheads_q == 0
+
+
+def dtype_name(x) -> str:
+    return np.dtype(x.dtype).name
+
+
+def check_qkv(q, k, v, *, packed: bool = False):
+    """Check array kinds, dtypes and ranks of q, k, v; return the shared dtype."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _arrays.check_array(x, name)
+    if not (_arrays.same_kind(q, k) and _arrays.same_kind(q, v)):
+        raise TypeError(
+            f"q, k, v must all be NumPy arrays or all be GPU arrays; got {type(q).__name__}, "
+            f"{type(k).__name__}, {type(v).__name__}"
+        )
+    names = {dtype_name(x) for x in (q, k, v)}
+    if len(names) != 1:
+        raise TypeError(
+            f"q, k, v must share one dtype; got q {dtype_name(q)}, k {dtype_name(k)}, v {dtype_name(v)}"
+        )
+    dt = dtype_name(q)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"q has dtype {dt}; expected one of {', '.join(FLOAT_DTYPES)}")
+    rank = 3 if packed else 4
+    what = "(total_tokens, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != rank:
+            raise ValueError(f"{name} must have {rank} dimensions {what}; got shape {tuple(x.shape)}")
+    return q.dtype
+
+
+def check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'bshd' or 'bhsd'; got {layout!r}")
+    return layout
+
+
+def to_bshd(x, layout: str):
+    """A (batch, seqlen, heads, dim) view of x (no copy)."""
+    return x if layout == "bshd" else x.swapaxes(1, 2)
+
+
+def _check_int(value, name: str, *, minimum: int | None = None) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer; got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return value
+
+
+def normalize_mask_options(causal, window_size) -> tuple[int, int, bool]:
+    """Fold ``causal`` into the window: return (window_left, window_right, top_left)."""
+    if not any(causal is m or (isinstance(causal, str) and causal == m) for m in CAUSAL_MODES):
+        raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}")
+    left = _check_int(window_size[0], "window_size[0]", minimum=-1)
+    right = _check_int(window_size[1], "window_size[1]", minimum=-1)
+    if causal is not False:
+        right = 0 if right == -1 else min(right, 0)
+    return left, right, causal == "top_left"
+
+
+def check_scalar(value, name: str, default=None) -> float:
+    if value is None:
+        return default
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number; got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite; got {value}")
+    return value
+
+
+def debug_checks_enabled() -> bool:
+    return os.environ.get("CUFLASH_DEBUG", "0") not in ("", "0")
+
+
+def check_index_array(x, name: str, *, like, length: int | None = None, ndim: int = 1):
+    """Integer index array (int32 or int64) on the same side (CPU/GPU) as the data."""
+    if not _arrays.is_array(x):
+        raise TypeError(f"{name} must be an integer array; got {type(x).__name__}")
+    kind = np.dtype(x.dtype)
+    if kind not in (np.dtype(np.int32), np.dtype(np.int64)):
+        raise TypeError(f"{name} must have dtype int32 or int64; got {kind.name}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dimension(s); got shape {tuple(x.shape)}")
+    if length is not None and x.shape[0] != length:
+        raise ValueError(f"{name} must have length {length}; got {x.shape[0]}")
+    if _arrays.is_gpu(like) and not _arrays.is_gpu(x):
+        x = _arrays.to_device_like(x, like)
+    if not _arrays.is_gpu(like) and _arrays.is_gpu(x):
+        raise TypeError(f"{name} is a GPU array but q is a NumPy array; pass a NumPy array")
+    return x
+
+
+def host_values(x, name: str):
+    """Index values on the host when they can be read without a device copy (or in debug mode)."""
+    if not _arrays.is_gpu(x):
+        return np.asarray(x)
+    if debug_checks_enabled():
+        return _arrays.to_numpy(x)
+    return None
+
+
+def make_problem(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    seqlens_k=None,
+    layout="bshd",
+) -> AttnProblem:
+    """Check a padded-batch call and return its :class:`AttnProblem` (shapes in bshd order)."""
+    check_qkv(q, k, v)
+    check_layout(layout)
+    qb, kb, vb = (to_bshd(x, layout) for x in (q, k, v))
+    batch, seqlen_q, nheads_q, headdim_qk = qb.shape
+    _, seqlen_k, nheads_k, _ = kb.shape
+    headdim_v = vb.shape[3]
+    if kb.shape[0] != batch or vb.shape[0] != batch:
+        raise ValueError(f"q, k, v must share the batch size; got {batch}, {kb.shape[0]}, {vb.shape[0]}")
+    if kb.shape[3] != headdim_qk:
+        raise ValueError(f"k has head dim {kb.shape[3]}; it must equal q's head dim {headdim_qk}")
+    if vb.shape[1] != seqlen_k or vb.shape[2] != nheads_k:
+        raise ValueError(
+            f"v must have k's seqlen and heads ({seqlen_k}, {nheads_k}); got ({vb.shape[1]}, {vb.shape[2]})"
+        )
+    return _finish_problem(
+        q, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, headdim_qk, headdim_v,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
+    )
+
+
+def _finish_problem(
+    q, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, headdim_qk, headdim_v,
+    *, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlens_k,
+) -> AttnProblem:
+    """Checks shared by the padded and the variable-length entry points."""
+    if nheads_k == 0 and nheads_q != 0:
+        raise ValueError(f"k has 0 heads; q's {nheads_q} heads must be a multiple of it")
+    if nheads_k and nheads_q % nheads_k != 0:
+        raise ValueError(f"k has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it")
+    if headdim_qk == 0 or headdim_v == 0:
+        raise ValueError(f"head dims must be >= 1; got q/k {headdim_qk}, v {headdim_v}")
+    left, right, top_left = normalize_mask_options(causal, window_size)
+    scale = check_scalar(softmax_scale, "softmax_scale", default=1.0 / math.sqrt(headdim_qk))
+    cap = check_scalar(softcap, "softcap", default=0.0)
+    if cap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 disables it); got {cap}")
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = check_alibi_slopes(alibi_slopes, q, batch, nheads_q)
+    if seqlens_k is not None:
+        seqlens_k = check_index_array(seqlens_k, "seqlens_k", like=q, length=batch)
+        values = host_values(seqlens_k, "seqlens_k")
+        if values is not None and values.size and (values.min() < 0 or values.max() > seqlen_k):
+            raise ValueError(
+                f"seqlens_k values must lie in [0, {seqlen_k}] (k's seqlen); got min {values.min()}, "
+                f"max {values.max()}"
+            )
+    return AttnProblem(
+        batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, nheads_q=nheads_q, nheads_k=nheads_k,
+        headdim_qk=headdim_qk, headdim_v=headdim_v, dtype=np.dtype(q.dtype), softmax_scale=scale,
+        window_left=left, window_right=right, top_left=top_left, softcap=cap,
+        alibi_slopes=slopes, seqlens_k=seqlens_k,
+    )
+
+
+def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int):
+    """ALiBi slopes of shape (nheads,) or (batch, nheads) -> (batch, nheads) float32."""
+    if not _arrays.is_array(alibi_slopes):
+        raise TypeError(f"alibi_slopes must be an array; got {type(alibi_slopes).__name__}")
+    if np.dtype(alibi_slopes.dtype).kind != "f":
+        raise TypeError(f"alibi_slopes must be a float array; got dtype {np.dtype(alibi_slopes.dtype).name}")
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((nheads_q,), (batch, nheads_q)):
+        raise ValueError(f"alibi_slopes must have shape ({nheads_q},) or ({batch}, {nheads_q}); got {shape}")
+    slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float32)
+    xp = _arrays.module_of(q)
+    return xp.ascontiguousarray(xp.broadcast_to(slopes, (batch, nheads_q)))
+
+
+def check_out(out, name: str, shape: tuple, dtype, like):
+    """A caller-supplied output buffer must match exactly."""
+    if out is None:
+        return None
+    _arrays.check_array(out, name)
+    if not _arrays.same_kind(out, like):
+        raise TypeError(f"{name} must be the same kind of array as q ({type(like).__name__}); got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(out.shape)}")
+    if np.dtype(out.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}; got {np.dtype(out.dtype).name}")
+    return out
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """Check packed (total, heads, dim) inputs; return (batch, cu_q, cu_k, max_q, max_k)."""
+    check_qkv(q, k, v, packed=True)
+    cu_q = check_index_array(cu_seqlens_q, "cu_seqlens_q", like=q)
+    cu_k = check_index_array(cu_seqlens_k, "cu_seqlens_k", like=q)
+    if cu_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have at least one entry (batch + 1 offsets)")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1); got "
+            f"{cu_q.shape[0]} and {cu_k.shape[0]}"
+        )
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"v must have k's tokens and heads {tuple(k.shape[:2])}; got {tuple(v.shape[:2])}")
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"k has head dim {k.shape[2]}; it must equal q's head dim {q.shape[2]}")
+    batch = cu_q.shape[0] - 1
+    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
+        values = host_values(cu, name)
+        if values is None:
+            continue
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0; got {values[0]}")
+        if np.any(np.diff(values) < 0):
+            raise ValueError(f"{name} must be non-decreasing; got {values.tolist()}")
+        if values[-1] > total:
+            raise ValueError(f"{name}[-1] = {values[-1]} exceeds the {total} packed tokens")
+    max_q = _max_seqlen(cu_q, max_seqlen_q, "max_seqlen_q", q.shape[0])
+    max_k = _max_seqlen(cu_k, max_seqlen_k, "max_seqlen_k", k.shape[0])
+    return batch, cu_q, cu_k, max_q, max_k
+
+
+def _max_seqlen(cu, given, name, total):
+    values = host_values(cu, name)
+    if given is None:
+        if values is None:
+            # Reading device-resident offsets needs one small copy; it is the caller's choice to
+            # avoid it by passing max_seqlen_*.
+            values = _arrays.to_numpy(cu)
+        return int(np.diff(values).max()) if values.size > 1 else 0
+    given = _check_int(given, name, minimum=0)
+    if values is not None and values.size > 1 and int(np.diff(values).max()) > given:
+        raise ValueError(f"{name} = {given} is smaller than the longest sequence {int(np.diff(values).max())}")
+    return given

@@ -1,0 +1,564 @@
+"""Public functions: exact attention computed the FlashAttention way, on NumPy or CuPy arrays.
+
+Every function validates its arguments once (``_validate``), then runs the tiled algorithm on the
+CPU (``_cpu``, NumPy inputs) or the CUDA kernels (``_gpu``, CuPy and other GPU arrays).  The
+shared parameter descriptions are written once below and substituted into each docstring.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    from numpy.lib.array_utils import normalize_axis_index
+except ImportError:  # NumPy < 2
+    from numpy.core.multiarray import normalize_axis_index
+
+from . import _arrays, _cpu
+from . import _validate as V
+
+_OPTIONS_DOC = """\
+    softmax_scale : float, optional
+        Multiplies q·k before the softmax.  None (default) means ``1/sqrt(headdim_qk)``; 0.0 is
+        taken literally (uniform weights).
+    causal : bool or {"bottom_right", "top_left"}, default False
+        True (= "bottom_right", FlashAttention >= 2.1) lets query i see key j iff
+        ``j <= i + Sk - Sq``; "top_left" (torch/JAX) iff ``j <= i``.  With Sq == Sk they agree.
+        Rows that see no key return 0 with LSE -inf.
+    window_size : (int, int), default (-1, -1)
+        Inclusive local window (left, right) around the same diagonal:
+        key j is visible iff ``i + off - left <= j <= i + off + right`` with ``off = Sk - Sq``
+        (``0`` for "top_left"); -1 means unbounded.  ``causal`` sets right to 0.
+    softcap : float, default 0.0
+        When > 0, scores become ``softcap * tanh(s / softcap)`` before ALiBi and masking
+        (Gemma-2 style).
+    alibi_slopes : float array of shape (nheads,) or (batch, nheads), optional
+        ALiBi: adds ``-slope[h] * |i + off - j|`` to the scores (Press et al. 2022).
+    seqlens_k : int32/int64 array of shape (batch,), optional
+        Valid key length of each batch entry of padded k, v; keys past it are never read and
+        Sk in the causal and window rules is that length."""
+
+_METHOD_DOC = """\
+    Tiled exact attention with an online softmax (Dao et al., "FlashAttention", NeurIPS 2022, §3.1;
+    Dao, "FlashAttention-2", ICLR 2024, §3): the score matrix is never stored, only the output and
+    the per-row log-sum-exp."""
+
+
+def _doc(fn):
+    fn.__doc__ = fn.__doc__.replace("{options}", _OPTIONS_DOC).replace("{method}", _METHOD_DOC)
+    return fn
+
+
+def _run(gpu_name: str, cpu_fn, *args, **kwargs):
+    """Dispatch to the GPU implementation for GPU arrays, else to the CPU path."""
+    if any(_arrays.is_gpu(a) for a in args if a is not None):
+        from . import _gpu
+
+        return getattr(_gpu, gpu_name)(*args, **kwargs)
+    return cpu_fn(*args, **kwargs)
+
+
+def _empty_lse(xp, shape, dtype):
+    return xp.full(shape, -np.inf, dtype=dtype)
+
+
+def lse_dtype(dtype) -> np.dtype:
+    """LSE is float32, or float64 for float64 inputs."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+@_doc
+def attention(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    seqlens_k=None,
+    return_lse=False,
+    out=None,
+    layout="bshd",
+):
+    """Exact softmax attention ``softmax(scale · q kᵀ) v``, computed tile by tile.
+
+    Parameters
+    ----------
+    q : array of shape (batch, seqlen_q, nheads, headdim_qk)
+        Queries; ``layout="bhsd"`` takes (batch, nheads, seqlen_q, headdim_qk).  float16,
+        bfloat16 (``ml_dtypes.bfloat16``), float32 or float64.  NumPy arrays run on the CPU,
+        CuPy arrays (and DLPack GPU arrays) on their GPU, on CuPy's current stream.
+    k : array of shape (batch, seqlen_k, nheads_k, headdim_qk)
+        Keys; nheads must be a multiple of nheads_k (GQA/MQA: query head h uses key head
+        ``h // (nheads // nheads_k)``).
+    v : array of shape (batch, seqlen_k, nheads_k, headdim_v)
+        Values, same dtype as q.
+{options}
+    return_lse : bool, default False
+        Also return the natural-log log-sum-exp of the final scores over visible keys.
+    out : array of shape (batch, seqlen_q, nheads, headdim_v), optional
+        Preallocated output (q's dtype and array kind, shape in ``layout`` order).
+    layout : {"bshd", "bhsd"}, default "bshd"
+        Axis order of q, k, v and out.
+
+    Returns
+    -------
+    out : array of shape (batch, seqlen_q, nheads, headdim_v)
+        q's dtype and layout; accumulated in float32 (float64 for float64 inputs).
+    lse : array of shape (batch, nheads, seqlen_q), float32 (float64 for float64 inputs)
+        Only when ``return_lse``; -inf on rows that see no key.
+
+    Raises
+    ------
+    TypeError
+        Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays.
+    ValueError
+        Inconsistent shapes, nheads not a multiple of nheads_k, bad window, negative softcap,
+        seqlens_k outside [0, seqlen_k].
+
+    Notes
+    -----
+{method}
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 5, 2, 8)).astype(np.float32) for _ in range(3))
+    >>> out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    >>> out.shape, lse.shape
+    ((1, 5, 2, 8), (1, 2, 5))
+    """
+    q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    p = V.make_problem(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
+    )
+    xp = _arrays.module_of(q)
+    out_shape = (p.batch, p.seqlen_q, p.nheads_q, p.headdim_v)
+    if layout == "bhsd":
+        out_shape = (p.batch, p.nheads_q, p.seqlen_q, p.headdim_v)
+    out = V.check_out(out, "out", out_shape, q.dtype, q)
+    if out is None:
+        out = xp.empty(out_shape, dtype=q.dtype)
+    lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
+    if not p.is_empty:
+        qb, kb, vb, ob = (V.to_bshd(x, layout) for x in (q, k, v, out))
+        _run("forward", _cpu.forward, p, qb, kb, vb, ob, lse)
+    return (out, lse) if return_lse else out
+
+
+@_doc
+def attention_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    seqlens_k=None,
+    layout="bshd",
+    deterministic=False,
+    dq=None,
+    dk=None,
+    dv=None,
+):
+    """Gradients of :func:`attention` by recomputation from ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    dout : array of shape (batch, seqlen_q, nheads, headdim_v)
+        Gradient of the loss with respect to ``out``; any strides (even all zero).
+    q, k, v : arrays
+        The forward inputs (shapes as in :func:`attention`).
+    out : array of shape (batch, seqlen_q, nheads, headdim_v)
+        The forward output.
+    lse : array of shape (batch, nheads, seqlen_q)
+        The forward log-sum-exp (``return_lse=True``).
+{options}
+    layout : {"bshd", "bhsd"}, default "bshd"
+    deterministic : bool, default False
+        Bitwise-repeatable gradients (on the GPU: no order-dependent atomics, somewhat slower).
+        The CPU path is always deterministic.
+    dq, dk, dv : arrays, optional
+        Preallocated gradients (shapes and dtypes of q, k, v).
+
+    Returns
+    -------
+    dq, dk, dv : arrays with the shapes and dtypes of q, k, v
+        dk and dv sum over the query heads that share a key/value head.  Rows that see no key
+        have dq = 0 and contribute nothing to dk, dv.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention`; also when dout, out, lse do not match the problem.
+
+    Notes
+    -----
+{method}
+    Backward: D = rowsum(dO ∘ O), P = exp(S - lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
+    dQ = scale · dS K, dK = scale · dSᵀ Q (FlashAttention-2, Algorithm 2), with the softcap
+    derivative ``1 - tanh²`` applied to dS.
+    """
+    dout, q, k, v, out, lse = (
+        _arrays.as_array(x, n)
+        for x, n in zip((dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse"))
+    )
+    p = V.make_problem(
+        q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+        softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
+    )
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    o_shape = tuple(V.to_bshd(q, layout).shape[:3]) + (p.headdim_v,)
+    if layout == "bhsd":
+        o_shape = (o_shape[0], o_shape[2], o_shape[1], o_shape[3])
+    for name, x in (("dout", dout), ("out", out)):
+        V.check_out(x, name, o_shape, q.dtype, q)
+    V.check_out(lse, "lse", (p.batch, p.nheads_q, p.seqlen_q), lse_dtype(q.dtype), q)
+    xp = _arrays.module_of(q)
+    grads = []
+    for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
+        given = V.check_out(given, name, like.shape, like.dtype, q)
+        grads.append(xp.empty(like.shape, dtype=like.dtype) if given is None else given)
+    if p.is_empty or p.seqlen_k == 0 or p.nheads_k == 0:
+        for g in grads:
+            g[...] = 0
+        return tuple(grads)
+    views = [V.to_bshd(x, layout) for x in (dout, q, k, v, out)]
+    gviews = [V.to_bshd(g, layout) for g in grads]
+    _run("backward", _cpu.backward, p, *views, lse, *gviews, deterministic=bool(deterministic))
+    return tuple(grads)
+
+
+def attention_vjp(q, k, v, **options):
+    """Forward pass plus a closure for its vector-Jacobian product.
+
+    Parameters
+    ----------
+    q, k, v : arrays
+        As in :func:`attention`.
+    **options
+        Any keyword of :func:`attention` except ``return_lse`` and ``out``; ``deterministic``
+        is passed on to the backward.
+
+    Returns
+    -------
+    out : array
+        As :func:`attention`.
+    vjp : callable
+        ``vjp(dout) -> (dq, dk, dv)``, computed by :func:`attention_backward` from the saved
+        ``out`` and ``lse`` (nothing else is kept).
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention`.
+    """
+    for bad in ("return_lse", "out"):
+        if bad in options:
+            raise TypeError(f"attention_vjp does not take {bad!r}")
+    deterministic = options.pop("deterministic", False)
+    out, lse = attention(q, k, v, return_lse=True, **options)
+
+    def vjp(dout):
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+
+    return out, vjp
+
+
+@_doc
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    return_lse=False,
+    out=None,
+):
+    """Attention over a packed batch of variable-length sequences.
+
+    Parameters
+    ----------
+    q : array of shape (total_q, nheads, headdim_qk)
+        Queries of all sequences, concatenated along the first axis.
+    k : array of shape (total_k, nheads_k, headdim_qk)
+    v : array of shape (total_k, nheads_k, headdim_v)
+    cu_seqlens_q, cu_seqlens_k : int32/int64 arrays of shape (batch + 1,)
+        Offsets of each sequence in q and in k/v: sequence b owns rows
+        ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.  Zero-length sequences are allowed.
+    max_seqlen_q, max_seqlen_k : int, optional
+        Longest sequence; computed from the offsets when None (a small device-to-host copy for
+        GPU offsets).
+{options}
+    return_lse : bool, default False
+        Also return the log-sum-exp, shape (nheads, total_q).
+    out : array of shape (total_q, nheads, headdim_v), optional
+
+    Returns
+    -------
+    out : array of shape (total_q, nheads, headdim_v)
+        Rows past ``cu_seqlens_q[-1]`` belong to no sequence and are set to 0.
+    lse : array of shape (nheads, total_q), float32
+        Only when ``return_lse``; -inf on empty rows and rows past ``cu_seqlens_q[-1]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention`; offsets that do not start at 0, decrease or pass the number of
+        packed tokens (checked for NumPy offsets, and for GPU offsets with ``CUFLASH_DEBUG=1``).
+
+    Notes
+    -----
+{method}
+    Causal and window rules apply per sequence with that sequence's own Sq and Sk.
+    """
+    q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    p, cu_q, cu_k = _varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        causal, window_size, softcap, alibi_slopes,
+    )
+    xp = _arrays.module_of(q)
+    out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
+    out = V.check_out(out, "out", out_shape, q.dtype, q)
+    if out is None:
+        out = xp.empty(out_shape, dtype=q.dtype)
+    lse = xp.empty((p.nheads_q, q.shape[0]), dtype=lse_dtype(q.dtype))
+    out[...] = 0
+    lse[...] = -np.inf
+    if not p.is_empty:
+        _run("forward_varlen", _cpu.forward_varlen, p, q, k, v, out, lse, cu_q, cu_k)
+    return (out, lse) if return_lse else out
+
+
+@_doc
+def attention_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+):
+    """Gradients of :func:`attention_varlen` by recomputation.
+
+    Parameters
+    ----------
+    dout : array of shape (total_q, nheads, headdim_v)
+    q, k, v, out : arrays
+        As in :func:`attention_varlen`.
+    lse : array of shape (nheads, total_q)
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+        As in :func:`attention_varlen`.
+{options}
+    deterministic : bool, default False
+        Bitwise-repeatable gradients.
+
+    Returns
+    -------
+    dq, dk, dv : arrays with the shapes and dtypes of q, k, v
+        Rows outside every sequence get 0.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`attention_varlen`.
+
+    Notes
+    -----
+{method}
+    """
+    dout, q, k, v, out, lse = (
+        _arrays.as_array(x, n)
+        for x, n in zip((dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse"))
+    )
+    p, cu_q, cu_k = _varlen_problem(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+        causal, window_size, softcap, alibi_slopes,
+    )
+    o_shape = (q.shape[0], p.nheads_q, p.headdim_v)
+    V.check_out(dout, "dout", o_shape, q.dtype, q)
+    V.check_out(out, "out", o_shape, q.dtype, q)
+    V.check_out(lse, "lse", (p.nheads_q, q.shape[0]), lse_dtype(q.dtype), q)
+    xp = _arrays.module_of(q)
+    grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
+    if not p.is_empty and p.nheads_k:
+        _run("backward_varlen", _cpu.backward_varlen, p, dout, q, k, v, out, lse, *grads, cu_q, cu_k,
+             deterministic=bool(deterministic))
+    return tuple(grads)
+
+
+def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, window_size, softcap, alibi_slopes):
+    batch, cu_q, cu_k, max_q, max_k = V.check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
+    )
+    p = V._finish_problem(
+        q, batch, max_q, max_k, q.shape[1], k.shape[1], q.shape[2], v.shape[2],
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, seqlens_k=None,
+    )
+    return p, cu_q, cu_k
+
+
+def merge_states(*args, layout="bshd"):
+    """Combine partial attention results over disjoint key sets through their LSE.
+
+    ``merge_states(out_a, lse_a, out_b, lse_b)`` or ``merge_states(outs, lses)`` with the parts
+    stacked on a new leading axis.  The merged result equals attention over the union of the
+    key sets: ``lse = logaddexp(lse_a, lse_b)`` and
+    ``out = exp(lse_a - lse) · out_a + exp(lse_b - lse) · out_b``.
+
+    Parameters
+    ----------
+    out_a, out_b : arrays of shape (batch, seqlen, nheads, headdim) or (total, nheads, headdim)
+        Partial outputs (``layout="bhsd"``: (batch, nheads, seqlen, headdim)).
+    lse_a, lse_b : arrays of shape (batch, nheads, seqlen) or (nheads, total)
+        Their natural-log LSE, as :func:`attention` returns it.
+    outs, lses : arrays with one extra leading axis (the parts)
+    layout : {"bshd", "bhsd"}, default "bshd"
+        Order of the 4-D outputs; 3-D outputs are the packed (total, nheads, headdim) layout.
+
+    Returns
+    -------
+    out : array, the dtype and shape of one part
+    lse : array, the shape of one part's LSE (float32, float64 for float64 parts)
+        Parts whose LSE are all -inf merge to 0 and -inf.
+
+    Raises
+    ------
+    ValueError
+        Shapes that do not match, or a wrong number of arguments.
+    TypeError
+        Non-array arguments, mixed array kinds, integer dtypes.
+
+    Notes
+    -----
+    The log-sum-exp merge used by split-KV decoding (Dao et al., "Flash-Decoding", 2023) and
+    FlashInfer's cascade attention (Ye et al. 2024).
+    """
+    layout = V.check_layout(layout)
+    if len(args) == 4:
+        outs = [_arrays.as_array(args[0], "out_a"), _arrays.as_array(args[2], "out_b")]
+        lses = [_arrays.as_array(args[1], "lse_a"), _arrays.as_array(args[3], "lse_b")]
+    elif len(args) == 2:
+        o, l_ = _arrays.as_array(args[0], "outs"), _arrays.as_array(args[1], "lses")
+        if o.ndim < 4 or l_.ndim < 3 or o.shape[0] != l_.shape[0]:
+            raise ValueError(
+                f"outs and lses must be stacked on a leading parts axis of equal length; got shapes "
+                f"{tuple(o.shape)} and {tuple(l_.shape)}"
+            )
+        outs, lses = list(o), list(l_)
+    else:
+        raise ValueError(f"merge_states takes (out_a, lse_a, out_b, lse_b) or (outs, lses); got {len(args)} arguments")
+    ref = outs[0]
+    for i, (o, l_) in enumerate(zip(outs, lses)):
+        if not (_arrays.same_kind(o, ref) and _arrays.same_kind(l_, ref)):
+            raise TypeError("all outputs and LSEs must be NumPy arrays, or all GPU arrays")
+        if np.dtype(o.dtype).kind != "f" or np.dtype(l_.dtype).kind != "f":
+            raise TypeError(f"part {i}: outputs and LSEs must be floating point; got {o.dtype}, {l_.dtype}")
+        if tuple(o.shape) != tuple(ref.shape):
+            raise ValueError(f"part {i}: output shape {tuple(o.shape)} differs from {tuple(ref.shape)}")
+        expected = _lse_shape(ref, layout)
+        if tuple(l_.shape) != expected:
+            raise ValueError(f"part {i}: lse must have shape {expected}; got {tuple(l_.shape)}")
+    xp = _arrays.module_of(ref)
+    lse_t = lse_dtype(ref.dtype)
+    # Move the LSE onto the output's row axes, e.g. (B, H, S) -> (B, S, H, 1).
+    rows = [_lse_as_rows(xp.asarray(l_, dtype=lse_t), ref.ndim, layout)[..., None] for l_ in lses]
+    acc_t = np.float64 if lse_t == np.float64 else np.float32
+    m = rows[0]
+    for r in rows[1:]:
+        m = xp.maximum(m, r)
+    m_safe = xp.where(xp.isneginf(m), 0, m)  # all parts empty: avoid -inf - -inf = NaN
+    weights = [xp.exp(r - m_safe) for r in rows]
+    total = sum(weights)
+    merged = sum(w * o.astype(acc_t) for w, o in zip(weights, outs))
+    safe_total = xp.where(total > 0, total, 1)
+    out = (merged / safe_total).astype(ref.dtype)
+    lse_rows = xp.where(total > 0, m_safe + xp.log(safe_total), -np.inf)[..., 0]
+    return out, _rows_as_lse(lse_rows.astype(lse_t), ref.ndim, layout)
+
+
+def _lse_shape(out, layout):
+    if out.ndim == 3:
+        return (out.shape[1], out.shape[0])
+    if out.ndim != 4:
+        raise ValueError(f"outputs must have 3 or 4 dimensions; got shape {tuple(out.shape)}")
+    if layout == "bhsd":
+        return tuple(out.shape[:3])
+    return (out.shape[0], out.shape[2], out.shape[1])
+
+
+def _lse_as_rows(lse, ndim, layout):
+    if ndim == 3:
+        return lse.T
+    return lse if layout == "bhsd" else lse.swapaxes(1, 2)
+
+
+def _rows_as_lse(rows, ndim, layout):
+    return _lse_as_rows(rows, ndim, layout)
+
+
+def softmax(x, axis=-1):
+    """Softmax along one axis in a single streaming pass (online normaliser).
+
+    Parameters
+    ----------
+    x : NumPy or CuPy float array, any shape
+    axis : int, default -1
+
+    Returns
+    -------
+    array of x's shape and dtype
+        ``exp(x - max) / sum(exp(x - max))`` along ``axis``; a slice of all -inf gives zeros.
+
+    Raises
+    ------
+    TypeError
+        x is not a float array.
+    numpy.exceptions.AxisError
+        ``axis`` out of range.
+
+    Notes
+    -----
+    Milakov & Gimelshein, "Online normalizer calculation for softmax" (2018): a running max m and
+    a running sum l, rescaled by ``exp(m_old - m_new)`` when the max grows.
+    """
+    x = _arrays.as_array(x, "x")
+    if np.dtype(x.dtype).name not in V.FLOAT_DTYPES:
+        raise TypeError(f"x must be a float array; got dtype {np.dtype(x.dtype).name}")
+    axis = normalize_axis_index(axis, x.ndim)
+    if x.size == 0:
+        return _arrays.module_of(x).empty_like(x)
+    return _run("softmax", _cpu.softmax, x, axis)
