@@ -1,0 +1,162 @@
+"""GPU path: prepare CuPy arrays, fill FlashParams, launch the kernels on CuPy's current stream.
+
+Called by ``cuflash.api`` after validation, with (batch, seqlen, heads, dim) views.  Inputs are
+used in place when their last axis is contiguous and every other stride keeps 16-byte alignment
+(slices of packed QKV, transposed layouts and broadcast heads all qualify); otherwise one
+contiguous copy is made.  Head dims that are not multiples of 8 are zero-padded in a copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import _kernels
+from ._arrays import cupy_module
+from ._params import FlashParams
+
+_GRID_YZ_MAX = 65535
+_ALIGN = 16  # bytes: cp.async moves 16-byte chunks
+
+
+def _cp():
+    return cupy_module()
+
+
+def _check_gpu_dtype(q):
+    name = np.dtype(q.dtype).name
+    if name not in ("float16", "bfloat16"):
+        raise TypeError(
+            f"q has dtype {name}; GPU kernels take float16 or bfloat16 (use NumPy arrays for the "
+            f"float32/float64 CPU path, or cast with .astype)"
+        )
+    return name
+
+
+def _same_device(arrays):
+    ids = {a.device.id for a in arrays if a is not None}
+    if len(ids) > 1:
+        raise ValueError(f"all GPU arrays must live on one device; got devices {sorted(ids)}")
+    return ids.pop()
+
+
+def _aligned(x) -> bool:
+    item = x.itemsize
+    return (
+        x.strides[-1] == item
+        and all(s % _ALIGN == 0 for s in x.strides[:-1])
+        and x.data.ptr % _ALIGN == 0
+    )
+
+
+def _prepare(x, dim8: int):
+    """A kernel-readable version of x whose last axis has length dim8 (a multiple of 8)."""
+    cp = _cp()
+    if x.shape[-1] != dim8:
+        padded = cp.zeros(x.shape[:-1] + (dim8,), dtype=x.dtype)
+        padded[..., : x.shape[-1]] = x
+        return padded
+    return x if _aligned(x) else cp.ascontiguousarray(x)
+
+
+def _strides(x, packed: bool):
+    """(batch, row, head) strides in elements; packed arrays have no batch axis."""
+    e = [s // x.itemsize for s in x.strides]
+    return (0, e[0], e[1]) if packed else (e[0], e[1], e[2])
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+def _int32(x):
+    cp = _cp()
+    return None if x is None else cp.ascontiguousarray(x, dtype=cp.int32)
+
+
+def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None, lse_strides):
+    cp = _cp()
+    dtype = _check_gpu_dtype(q)
+    device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
+    with cp.cuda.Device(device):
+        d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
+        qx, kx, vx = _prepare(q, d8), _prepare(k, d8), _prepare(v, dv8)
+        direct = out.shape[-1] == dv8 and _aligned(out)
+        ox = out if direct else cp.empty(out.shape[:-1] + (dv8,), dtype=out.dtype)
+        seqlens_k = _int32(p.seqlens_k)
+        cu_q32, cu_k32 = _int32(cu_q), _int32(cu_k)
+        limit = cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+        variant = _kernels.fwd_variant(
+            dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=limit
+        )
+        prm = FlashParams()
+        prm.q, prm.k, prm.v, prm.out, prm.lse = (a.data.ptr for a in (qx, kx, vx, ox, lse))
+        prm.alibi_slopes = p.alibi_slopes.data.ptr if p.alibi_slopes is not None else None
+        prm.cu_seqlens_q = cu_q32.data.ptr if cu_q32 is not None else None
+        prm.cu_seqlens_k = cu_k32.data.ptr if cu_k32 is not None else None
+        prm.seqlens_k = seqlens_k.data.ptr if seqlens_k is not None else None
+        for prefix, x in (("q", qx), ("k", kx), ("v", vx), ("o", ox)):
+            bs, rs, hs = _strides(x, packed)
+            setattr(prm, f"{prefix}_batch_stride", bs)
+            setattr(prm, f"{prefix}_row_stride", rs)
+            setattr(prm, f"{prefix}_head_stride", hs)
+        prm.lse_batch_stride, prm.lse_head_stride = lse_strides
+        prm.batch, prm.nheads_q, prm.nheads_k = p.batch, p.nheads_q, p.nheads_k
+        prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
+        prm.headdim_qk, prm.headdim_v = d8, dv8
+        prm.window_left, prm.window_right, prm.top_left = p.window_left, p.window_right, int(p.top_left)
+        prm.softmax_scale, prm.softcap = p.softmax_scale, p.softcap
+
+        block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
+        bh = p.batch * p.nheads_q
+        grid_y = min(bh, _GRID_YZ_MAX)
+        grid = ((p.seqlen_q + block_m - 1) // block_m, grid_y, (bh + grid_y - 1) // grid_y)
+        fn = _kernels.get_function(variant, device)
+        arg = cp.cuda.function.CPointer(ctypes.addressof(prm))
+        fn(grid, (variant.threads,), (arg,), shared_mem=variant.smem_bytes)
+        if not direct:
+            out[...] = ox[..., : out.shape[-1]]
+
+
+def forward(p, q, k, v, out, lse):
+    """Padded batch: q (B, Sq, H, D), out (B, Sq, H, Dv) views; lse (B, H, Sq) contiguous."""
+    if p.seqlen_k == 0 or p.nheads_k == 0:
+        out[...] = 0
+        lse[...] = -np.inf
+        return
+    _launch_attention_fwd(p, q, k, v, out, lse, packed=False, lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q))
+
+
+def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
+    """Packed: q (total_q, H, D); lse (H, total_q); rows outside every sequence stay as set by the caller."""
+    if p.seqlen_q == 0 or k.shape[0] == 0:
+        return
+    _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]))
+
+
+def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic):
+    raise NotImplementedError(
+        "attention_backward on GPU arrays is not available yet; run it on NumPy arrays (cupy.asnumpy)"
+    )
+
+
+def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic):
+    raise NotImplementedError(
+        "attention_varlen_backward on GPU arrays is not available yet; run it on NumPy arrays (cupy.asnumpy)"
+    )
+
+
+def softmax(x, axis):
+    """Row softmax kernel over ``axis`` (moved last and made contiguous when needed)."""
+    cp = _cp()
+    name = np.dtype(x.dtype).name
+    with cp.cuda.Device(x.device.id):
+        moved = cp.ascontiguousarray(cp.moveaxis(x, axis, -1))
+        y = cp.empty_like(moved)
+        n = moved.shape[-1]
+        rows = moved.size // n
+        fn = _kernels.get_function(_kernels.softmax_variant(name), x.device.id)
+        # Grid x allows 2^31 - 1 blocks: one per row.
+        fn((rows,), (256,), (moved, y, np.int64(n)))
+        return cp.moveaxis(y, -1, axis)

@@ -1,0 +1,172 @@
+"""Find, specialise, compile and cache the CUDA kernels.
+
+Each ``.cu`` file in ``kernels/`` compiles on its own (its ``#ifndef`` defaults); a *variant* is
+that file plus ``-D`` options that fix the element type, head-dim bucket, tile shape and feature
+switches, and an ``extern "C"`` kernel name that spells all of them
+(``cuflash_fwd_bf16_d128_bm128_bn64_w8_softcap``).  The name is the cache key and the profiler
+label.  Local ``#include "x.cuh"`` lines are inlined here so that CuPy's on-disk cache, which
+hashes only the source text and options, sees every header change.
+
+Block sizes come from one table, :func:`fwd_tile`; tuning changes data there, not kernel code.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ._params import PARAMS_SIZE
+
+HEADDIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
+DTYPE_TAGS = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
+_SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+DEFAULT_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in limit; A100 has 163 KB, sm_86/89 99 KB
+
+
+def kernel_dir() -> Path:
+    """The folder holding the .cu sources: inside the installed package, or the checkout's kernels/."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):
+        if (candidate / "flash_fwd.cu").is_file():
+            return candidate
+    raise FileNotFoundError(f"cuflash kernel sources not found next to {here}")
+
+
+@functools.lru_cache(maxsize=None)
+def read_source(filename: str) -> str:
+    """Source text of one kernel file with its local includes inlined (each header once)."""
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        lines = []
+        for line in (kernel_dir() / name).read_text().splitlines():
+            m = re.match(r'\s*#include\s+"([^"]+)"', line)
+            if m:
+                if m.group(1) not in seen:
+                    seen.add(m.group(1))
+                    lines.append(expand(m.group(1)))
+            elif line.strip() != "#pragma once":
+                lines.append(line)
+        return "\n".join(lines)
+
+    return expand(filename)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compiled specialisation of a kernel file."""
+
+    filename: str
+    name: str
+    defines: tuple  # ((macro, value), ...)
+    threads: int
+    smem_bytes: int = 0
+
+    def options(self) -> tuple:
+        defs = [f"-D{k}={v}" for k, v in self.defines]
+        return ("--std=c++17", f"-DCUFLASH_PARAMS_SIZE={PARAMS_SIZE}", f"-DCUFLASH_KERNEL_NAME={self.name}", *defs)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    warps: int
+
+    def smem_bytes(self, headdim: int) -> int:
+        # Q (block_m rows) + K and V (block_n rows each), rows padded by 8 elements of 2 bytes.
+        return (self.block_m + 2 * self.block_n) * (headdim + 8) * 2
+
+
+def headdim_bucket(headdim: int) -> int:
+    for b in HEADDIM_BUCKETS:
+        if headdim <= b:
+            return b
+    raise ValueError(f"head dim {headdim} is larger than the largest supported, {HEADDIM_BUCKETS[-1]}")
+
+
+def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
+    """Forward block sizes per head-dim bucket (FA2-like: 16 or 32 query rows per warp)."""
+    if headdim <= 64:
+        cfg = TileConfig(128, 64, 4)
+    else:
+        cfg = TileConfig(128, 64, 8)
+    if cfg.smem_bytes(headdim) > smem_limit:
+        cfg = TileConfig(64, 64, 4)
+    if cfg.smem_bytes(headdim) > smem_limit:
+        cfg = TileConfig(64, 32, 4)
+    return cfg
+
+
+def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
+                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+    """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``."""
+    d = headdim_bucket(headdim)
+    t = fwd_tile(d, smem_limit)
+    name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}"
+    name += "_softcap" * softcap + "_alibi" * alibi
+    defines = (
+        ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
+        ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps),
+        ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+    )
+    return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
+
+
+def softmax_variant(dtype: str) -> Variant:
+    return Variant("softmax.cu", f"cuflash_softmax_{_SHORT[dtype]}", (("CUFLASH_DTYPE", DTYPE_TAGS[dtype]),), 256)
+
+
+def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
+    """Every variant the dispatcher can ask for on a GPU with this shared-memory limit."""
+    out = []
+    for dtype in ("float16", "bfloat16"):
+        for d in HEADDIM_BUCKETS:
+            for softcap in (False, True):
+                for alibi in (False, True):
+                    out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
+    out += [softmax_variant(dt) for dt in DTYPE_TAGS]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Run-time compilation (needs CuPy and a GPU) and compile-only checks (CuPy's NVRTC, no GPU).
+
+_functions: dict = {}
+
+
+def get_function(variant: Variant, device_id: int):
+    """The compiled kernel of ``variant`` on one device, compiled once and cached (also on disk by CuPy)."""
+    key = (variant.name, device_id)
+    fn = _functions.get(key)
+    if fn is None:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            module = cupy.RawModule(code=read_source(variant.filename), options=variant.options())
+            fn = module.get_function(variant.name)
+            if variant.smem_bytes > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = variant.smem_bytes
+        _functions[key] = fn
+    return fn
+
+
+def compile_for_arch(variant: Variant, arch: str) -> bytes:
+    """Compile ``variant`` to a cubin for ``arch`` (e.g. "80", "90") with NVRTC; no GPU needed.
+
+    Raises ``RuntimeError`` with the compiler log on failure.
+    """
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(read_source(variant.filename), f"{variant.name}.cu", [], [])
+    try:
+        opts = [*variant.options(), f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space"]
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"{variant.name} (sm_{arch}) failed to compile:\n{nvrtc.getProgramLog(prog)}") from exc
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,36 @@
+"""The ctypes mirror of ``struct FlashParams`` in kernels/params.cuh.
+
+Every field is 8 bytes wide (pointer, int64 or double), so C and ctypes cannot pad differently;
+the loader passes ``ctypes.sizeof(FlashParams)`` to the compiler, where a ``static_assert``
+rejects a struct that gained or lost a field on one side only.
+"""
+
+import ctypes
+
+_POINTERS = (
+    "q", "k", "v", "out", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k",
+)
+_INTEGERS = (
+    "q_batch_stride", "q_row_stride", "q_head_stride",
+    "k_batch_stride", "k_row_stride", "k_head_stride",
+    "v_batch_stride", "v_row_stride", "v_head_stride",
+    "o_batch_stride", "o_row_stride", "o_head_stride",
+    "lse_batch_stride", "lse_head_stride",
+    "batch", "nheads_q", "nheads_k",
+    "seqlen_q", "seqlen_k",
+    "headdim_qk", "headdim_v",
+    "window_left", "window_right",
+    "top_left",
+)
+_REALS = ("softmax_scale", "softcap")
+
+
+class FlashParams(ctypes.Structure):
+    _fields_ = (
+        [(name, ctypes.c_void_p) for name in _POINTERS]
+        + [(name, ctypes.c_longlong) for name in _INTEGERS]
+        + [(name, ctypes.c_double) for name in _REALS]
+    )
+
+
+PARAMS_SIZE = ctypes.sizeof(FlashParams)

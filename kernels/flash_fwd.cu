@@ -1,0 +1,273 @@
+// Exact attention forward, FlashAttention-2 style, for sm_80+ (mma.sync, ldmatrix, cp.async).
+//
+// Dao, "FlashAttention-2", ICLR 2024, Algorithm 1 and §3.2 (work partitioning).
+// Grid: x = query blocks of kBM rows (heaviest first, for causal balance), y/z = batch * heads
+// folded to stay under the 65535 limit.  Block: kWarps warps; warp w owns query rows
+// [16 kMT w, 16 kMT (w+1)) of the block, so the softmax of a row never leaves its warp.
+// Per key tile of kBN keys: S = Q K^T (tensor cores, fp32), score pipeline and mask (only on tiles
+// that touch the band edges or the key tail), online softmax, O += P V with P kept in registers.
+// Shared memory: Q (kBM x kD), K (kBN x kD), V (kBN x kD), rows padded by 16 bytes so ldmatrix
+// reads are free of bank conflicts.  V_j is loaded while S_j is computed and K_{j+1} while the
+// softmax of S_j runs.  Head dims below kD are zero-filled on load and never stored.
+// Not handled here: head dims that are not multiples of 8 (the caller pads), fp32/fp64 inputs.
+#include "mma.cuh"
+#include "online_softmax.cuh"
+#include "params.cuh"
+#include "seqinfo.cuh"
+
+// Compile-time configuration; the loader overrides these with -D options per variant.
+#ifndef CUFLASH_DTYPE
+#define CUFLASH_DTYPE half_t
+#endif
+#ifndef CUFLASH_HEADDIM
+#define CUFLASH_HEADDIM 64
+#endif
+#ifndef CUFLASH_BLOCK_M
+#define CUFLASH_BLOCK_M 64
+#endif
+#ifndef CUFLASH_BLOCK_N
+#define CUFLASH_BLOCK_N 64
+#endif
+#ifndef CUFLASH_WARPS
+#define CUFLASH_WARPS 4
+#endif
+#ifndef CUFLASH_SOFTCAP
+#define CUFLASH_SOFTCAP 0
+#endif
+#ifndef CUFLASH_ALIBI
+#define CUFLASH_ALIBI 0
+#endif
+#ifndef CUFLASH_KERNEL_NAME
+#define CUFLASH_KERNEL_NAME cuflash_fwd
+#endif
+
+// Copy a (kRows x kD) tile whose rows start `row_stride` elements apart into padded shared memory;
+// rows >= rows_valid and 8-column chunks >= chunks_valid become zeros.
+template <int kRows, int kD, int kThreads>
+__device__ __forceinline__ void load_tile(u16* smem, const u16* g, long long row_stride, int rows_valid,
+                                          int chunks_valid, int tid) {
+    constexpr int kChunks = kD / 8, kStride = kD + 8;
+#pragma unroll
+    for (int c = tid; c < kRows * kChunks; c += kThreads) {
+        int r = c / kChunks, col = c % kChunks;
+        bool valid = r < rows_valid && col < chunks_valid;
+        const u16* src = valid ? g + r * row_stride + col * 8 : g;
+        cp_async_16(smem + r * kStride + col * 8, src, valid);
+    }
+}
+
+template <class T, int kD, int kBM, int kBN, int kWarps, bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ void flash_fwd(const FlashParams& p) {
+    constexpr int kThreads = kWarps * 32;
+    constexpr int kMT = kBM / (16 * kWarps);  // 16-row MMA tiles per warp
+    constexpr int kNT = kBN / 8;              // 8-key column tiles of S
+    constexpr int kKS = kD / 16;              // 16-wide steps over the head dim
+    constexpr int kOT = kD / 8;               // 8-wide column tiles of O
+    constexpr int kStride = kD + 8;           // padded shared-memory row, in elements
+    constexpr bool kQInRegs = kD <= 128;      // larger Q fragments would crowd out the O accumulator
+    static_assert(kBM % (16 * kWarps) == 0 && kBN % 16 == 0 && kD % 32 == 0, "bad tile shape");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kBM, kStride), reused to stage O
+    u16* sK = sQ + kBM * kStride;                // (kBN, kStride)
+    u16* sV = sK + kBN * kStride;                // (kBN, kStride)
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);  // GQA: query heads share K/V head hk
+    const SeqInfo seq(p, b);
+    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // longest rows (causal) start first
+    if (m0 >= seq.sq) return;                             // varlen: this sequence is shorter
+
+    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
+    float* gLse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+    const int rows_valid = min(kBM, seq.sq - m0);
+    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+
+    int n_lo, n_hi;
+    seq.key_range(m0, m0 + kBM, n_lo, n_hi);
+    const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+
+    const float scale = static_cast<float>(p.softmax_scale);
+    const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
+    const float softcap = static_cast<float>(p.softcap);
+    const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+
+    float o[kMT][kOT][4];  // O accumulator, C-fragment layout, fp32
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int ot = 0; ot < kOT; ++ot)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[mt][ot][e] = 0.f;
+    RowState row[kMT][2];  // rows lane/4 and lane/4 + 8 of each MMA tile
+
+    if (nb_lo < nb_hi) {
+        load_tile<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
+        int n0 = (nb_hi - 1) * kBN;  // start at the tail/diagonal tile
+        load_tile<kBN, kD, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        cp_async_commit();
+
+        u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKS : 1][4];
+        const u16* sQw = sQ + warp * kMT * 16 * kStride;  // this warp's rows
+
+        for (int nb = nb_hi - 1; nb >= nb_lo; --nb) {
+            n0 = nb * kBN;
+            cp_async_wait<0>();
+            __syncthreads();  // K_nb (and Q) have landed; every warp finished reading V of the last tile
+            load_tile<kBN, kD, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+            cp_async_commit();
+            if constexpr (kQInRegs) {
+                if (nb == nb_hi - 1) {
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                        for (int ks = 0; ks < kKS; ++ks)
+                            ldmatrix_x4(qf[mt][ks], sQw + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
+                }
+            }
+
+            // S = Q K^T for this warp's rows: (16 kMT, kBN), fp32.
+            float s[kMT][kNT][4];
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < kKS; ++ks) {
+                u32 a[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    if constexpr (kQInRegs) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) a[mt][e] = qf[mt][ks][e];
+                    } else {
+                        ldmatrix_x4(a[mt], sQw + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
+                    }
+                }
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np) {
+                    u32 kb[4];  // B fragments of key columns 16np..16np+7 (kb[0..1]) and +8..15 (kb[2..3])
+                    ldmatrix_x4(kb, sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        mma_16x8x16<T>(s[mt][2 * np], a[mt], kb[0], kb[1]);
+                        mma_16x8x16<T>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
+                    }
+                }
+            }
+            __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
+            if (nb > nb_lo) {
+                int n_next = n0 - kBN;
+                load_tile<kBN, kD, kThreads>(sK, gK + n_next * p.k_row_stride, p.k_row_stride, seq.sk - n_next, qk_chunks, tid);
+                cp_async_commit();
+            }
+
+            // Score pipeline, mask, online softmax.  P overwrites S (still fp32 here).
+            const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int i = m0 + (warp * kMT + mt) * 16 + lane / 4 + half * 8;
+                    float tile_max = -__int_as_float(0x7f800000);
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int j = n0 + nt * 8 + (lane % 4) * 2 + e;
+                            float x = final_score_log2<kSoftcap, kAlibi>(s[mt][nt][half * 2 + e], scale, scale_log2, softcap, slope, i, j, seq.offset);
+                            if (masked && !seq.visible(i, j)) x = -__int_as_float(0x7f800000);
+                            s[mt][nt][half * 2 + e] = x;
+                            tile_max = fmaxf(tile_max, x);
+                        }
+                    float m_use;
+                    const float alpha = row[mt][half].update_max(quad_max(tile_max), m_use);
+                    float sum = 0.f;
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            float pv = exp2f(s[mt][nt][half * 2 + e] - m_use);
+                            s[mt][nt][half * 2 + e] = pv;
+                            sum += pv;
+                        }
+                    row[mt][half].l += sum;  // this thread's columns only; summed over the quad at the end
+#pragma unroll
+                    for (int ot = 0; ot < kOT; ++ot) {
+                        o[mt][ot][half * 2] *= alpha;
+                        o[mt][ot][half * 2 + 1] *= alpha;
+                    }
+                }
+            }
+
+            if (nb > nb_lo) cp_async_wait<1>(); else cp_async_wait<0>();
+            __syncthreads();  // V_nb has landed for every thread's copies
+
+            // O += P V.  The C fragments of S, packed to 16 bits, are the A fragments of P.
+#pragma unroll
+            for (int kk = 0; kk < kBN / 16; ++kk) {
+                u32 pa[kMT][4];
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+                    pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+                    pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+                    pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < kOT / 2; ++dp) {
+                    u32 vb[4];  // B fragments of O columns 16dp..+7 (vb[0..1]) and +8..15 (vb[2..3])
+                    ldmatrix_x4_trans(vb, sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+#pragma unroll
+                    for (int mt = 0; mt < kMT; ++mt) {
+                        mma_16x8x16<T>(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                        mma_16x8x16<T>(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                    }
+                }
+            }
+        }
+    }
+
+    // Epilogue: O /= l, LSE; stage this warp's rows of O in its own rows of sQ, then store 16-byte chunks.
+    __syncthreads();  // all warps are done with sQ/sK/sV (also covers the empty-range path)
+    u16* sO = sQ + warp * kMT * 16 * kStride;
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float lse;
+            const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
+            const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
+            const int i = (warp * kMT) * 16 + r;          // row within the block
+            if (lane % 4 == 0 && i < rows_valid) gLse[i] = lse;
+#pragma unroll
+            for (int ot = 0; ot < kOT; ++ot) {
+                u32 packed = pack2<T>(o[mt][ot][half * 2] * inv_l, o[mt][ot][half * 2 + 1] * inv_l);
+                *reinterpret_cast<u32*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = packed;
+            }
+        }
+    }
+    __syncwarp();
+    constexpr int kChunks = kD / 8;
+#pragma unroll
+    for (int c = lane; c < kMT * 16 * kChunks; c += 32) {
+        const int r = c / kChunks, col = c % kChunks;
+        const int i = warp * kMT * 16 + r;
+        if (i < rows_valid && col < v_chunks)
+            *reinterpret_cast<uint4*>(gO + i * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sO + r * kStride + col * 8);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32)
+CUFLASH_KERNEL_NAME(const FlashParams p) {
+    flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
+              CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+}

@@ -1,0 +1,36 @@
+// Online softmax for one query row, in log2 units (Milakov & Gimelshein 2018; FlashAttention-2 §3.1).
+//
+// After each key tile:   m' = max(m, rowmax(S)),   alpha = 2^(m - m'),
+//                        P = 2^(S - m'),           l' = alpha * l + rowsum(P),   O' = alpha * O + P V
+// and at the end         O = O / l,                lse = (m + log2 l) * ln 2.
+// A row that has seen only hidden keys keeps m = -inf; using 0 in its place makes every 2^(...)
+// exactly 0 instead of 2^(-inf - -inf) = NaN.  This is the only place that guard lives.
+#pragma once
+
+struct RowState {
+    float m = -__int_as_float(0x7f800000);  // running max of the scores seen (log2 units)
+    float l = 0.f;                          // running sum of 2^(s - m) over this thread's columns
+
+    // Take a new tile maximum (already reduced over the row); return (alpha, the max to subtract).
+    __device__ __forceinline__ float update_max(float tile_max, float& m_use) {
+        float m_new = fmaxf(m, tile_max);
+        m_use = safe_max(m_new);
+        float alpha = exp2f(m - m_use);     // m = -inf (first tile) gives 0: O and l are still 0
+        m = m_new;
+        l *= alpha;
+        return alpha;
+    }
+
+    __device__ __forceinline__ static float safe_max(float m) {
+        return m == -__int_as_float(0x7f800000) ? 0.f : m;
+    }
+
+    // l must already be summed over the threads sharing the row.  Returns 1/l (0 for an empty row)
+    // and writes the natural-log LSE (-inf for an empty row).
+    __device__ __forceinline__ float finalize(float l_row, float& lse) const {
+        constexpr float kLn2 = 0.6931471805599453f;
+        bool empty = !(l_row > 0.f);
+        lse = empty ? -__int_as_float(0x7f800000) : (m + log2f(l_row)) * kLn2;
+        return empty ? 0.f : 1.f / l_row;
+    }
+};

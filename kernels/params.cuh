@@ -1,0 +1,39 @@
+// FlashParams: everything a cuflash attention kernel needs, passed by value as one argument.
+//
+// Mirrored field for field by cuflash/_params.py (a ctypes.Structure).  Every field is 8 bytes
+// wide so the two layouts cannot disagree on padding; CUFLASH_PARAMS_SIZE (set by the loader from
+// ctypes.sizeof) is checked below so a field added on one side only fails to compile.
+#pragma once
+
+struct FlashParams {
+    const void* q;                 // (batch, seqlen_q, nheads_q, headdim_qk) elements of T, strided
+    const void* k;                 // (batch, seqlen_k, nheads_k, headdim_qk)
+    const void* v;                 // (batch, seqlen_k, nheads_k, headdim_v)
+    void* out;                     // (batch, seqlen_q, nheads_q, headdim_v)
+    float* lse;                    // natural-log LSE, row i of (b, h) at b*lse_batch_stride + h*lse_head_stride + q_start + i
+    const float* alibi_slopes;     // (batch, nheads_q) contiguous, or null
+    const int* cu_seqlens_q;       // (batch + 1) packed-row offsets of q/out, or null (padded batch)
+    const int* cu_seqlens_k;       // (batch + 1) packed-row offsets of k/v, or null
+    const int* seqlens_k;          // (batch) valid key length per batch entry, or null (= seqlen_k)
+
+    // Strides in elements.  Packed (varlen) tensors have batch stride 0.
+    long long q_batch_stride, q_row_stride, q_head_stride;
+    long long k_batch_stride, k_row_stride, k_head_stride;
+    long long v_batch_stride, v_row_stride, v_head_stride;
+    long long o_batch_stride, o_row_stride, o_head_stride;
+    long long lse_batch_stride, lse_head_stride;
+
+    long long batch, nheads_q, nheads_k;
+    long long seqlen_q, seqlen_k;  // padded sizes (varlen: the longest sequence)
+    long long headdim_qk, headdim_v;  // real head dims (multiples of 8; the kernel's kD may be larger)
+
+    long long window_left, window_right;  // inclusive, -1 = unbounded; causal already folded in (right = 0)
+    long long top_left;            // 1: diagonal through (0, 0); 0: bottom-right (offset sk - sq)
+
+    double softmax_scale;          // multiplies q.k
+    double softcap;                // > 0: s = softcap * tanh(s / softcap)
+};
+
+#ifdef CUFLASH_PARAMS_SIZE
+static_assert(sizeof(FlashParams) == CUFLASH_PARAMS_SIZE, "FlashParams differs from cuflash/_params.py");
+#endif
