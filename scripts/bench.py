@@ -1,0 +1,223 @@
+"""Attention throughput of cuflash and of the peers present on this machine, in one run.
+
+TF/s = FLOPs / time with the FlashAttention benchmark convention: forward FLOPs = 4·B·H·Sq·Sk·D,
+halved when causal; backward = 2.5 × forward.  Standard sweep (FlashAttention-2/3 papers):
+batch·seqlen = 16k tokens, nheads·headdim = 2048, head dims 64/128/256, seqlen 512 … 16k.
+Every cuflash configuration is checked against plain attention on a slice before it is timed.
+Peers: plain CuPy attention (matmul, softmax, matmul) always; torch SDPA (flash and cuDNN
+backends) and JAX's cuDNN attention when importable.  cuflash never imports them.
+
+Usage: python scripts/bench.py [--dtypes bf16,fp16] [--headdims 64,128,256] [--seqlens ...]
+                               [--no-peers] [--json FILE] [--markdown FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+import cuflash  # noqa: E402
+
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, backward=False):
+    """FlashAttention benchmark convention: 4·B·H·Sq·Sk·D, /2 causal, ×2.5 backward."""
+    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    if causal:
+        f /= 2
+    return f * (2.5 if backward else 1.0)
+
+
+def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0):
+    """Median milliseconds of fn() measured with CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    cp.cuda.Device().synchronize()
+    times = []
+    start_wall = time.perf_counter()
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+        if time.perf_counter() - start_wall > max_seconds and len(times) >= 3:
+            break
+    return float(np.median(times))
+
+
+def plain_cupy_attention(q, k, v, causal):
+    """Standard three-kernel attention in the input dtype, (B, H, S, D) layout."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = cp.matmul(q, k.swapaxes(-1, -2)) * q.dtype.type(scale)
+    if causal:
+        n = s.shape[-1]
+        s = cp.where(cp.tri(n, dtype=bool), s, q.dtype.type(-np.inf))
+    s = s.astype(cp.float32)
+    s -= s.max(axis=-1, keepdims=True)
+    p = cp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cp.matmul(p.astype(q.dtype), v)
+
+
+def _torch_peers():
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+    except Exception:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+
+    def make(backend):
+        def run(q, k, v, causal):
+            tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)) for x in (q, k, v))  # (B, H, S, D) views
+            with sdpa_kernel([backend]):
+                return lambda: sdpa(tq, tk, tv, is_causal=causal)
+        return run
+
+    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+
+
+def _jax_peer():
+    try:
+        import jax
+        import jax.numpy as jnp
+    except Exception:
+        return {}
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return {}
+
+    def run(q, k, v, causal):
+        jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))  # (B, S, H, D), JAX's own layout
+        f = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn"))
+        f(jq, jk, jv).block_until_ready()
+        return lambda: f(jq, jk, jv).block_until_ready()
+
+    return {"jax-cudnn": run}
+
+
+def check_against_plain(q, k, v, causal, out):
+    """Compare the last 64 query rows of one head with plain float32 attention (catches garbage)."""
+    qs, ks, vs = (x[:1, :, :1].astype(cp.float32) for x in (q, k, v))
+    ref = plain_cupy_attention(qs.swapaxes(1, 2), ks.swapaxes(1, 2), vs.swapaxes(1, 2), causal).swapaxes(1, 2)
+    err = float(cp.abs(out[:1, -64:, :1].astype(cp.float32) - ref[:, -64:]).max())
+    if not err < 2e-2 * max(1.0, float(cp.abs(ref).max())):
+        raise RuntimeError(f"cuflash output differs from plain attention by {err}")
+
+
+def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048):
+    batch, nheads = max(1, tokens // seqlen), hidden // headdim
+    dtype = DTYPES[dtype_name]
+    rng = np.random.default_rng(0)
+    shape = (batch, seqlen, nheads, headdim)
+    q, k, v = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype) for _ in range(3))
+    flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal)
+    row = dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal)
+    out = cuflash.attention(q, k, v, causal=causal)
+    check_against_plain(q, k, v, causal, out)
+    ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
+    row["cuflash"] = flops / ms / 1e9
+    for name, make in peers.items():
+        try:
+            if name == "cupy-plain":
+                qb, kb, vb = (x.swapaxes(1, 2) for x in (q, k, v))
+                fn = lambda: plain_cupy_attention(qb, kb, vb, causal)  # noqa: E731
+            else:
+                fn = make(q, k, v, causal)
+            row[name] = flops / time_gpu(fn, reps=10) / 1e9
+        except Exception as exc:  # out of memory, unsupported shape: report, keep going
+            row[name] = None
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        cp.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def environment():
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+        "cc": dev.compute_capability,
+        "cuflash": cuflash.__version__,
+        "cupy": cp.__version__,
+        "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        "nvrtc": ".".join(map(str, cp.cuda.nvrtc.getVersion())),
+        "python": platform.python_version(),
+    }
+    for mod in ("torch", "jax"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return env
+
+
+def to_markdown(rows, env):
+    names = ["cuflash"] + [k for k in rows[0] if k not in ("dtype", "headdim", "seqlen", "batch", "nheads", "causal", "cuflash") and not k.endswith("_error")]
+    lines = [
+        f"GPU {env['gpu']} (sm_{env['cc']}), {env['date']}, cuflash {env['cuflash']}, CuPy {env['cupy']}, "
+        f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax") if m in env),
+        "",
+        "| dtype | hdim | causal | seqlen | " + " | ".join(names) + " | cuflash / torch-flash |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for r in rows:
+        vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
+        ratio = f"{r['cuflash'] / r['torch-flash']:.2f}" if r.get("torch-flash") else "–"
+        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(vals) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--headdims", default="64,128,256")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="false,true")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+
+    base_peers = {} if args.no_peers else {"cupy-plain": None, **_torch_peers()}
+    jax_peers = {} if args.no_peers else _jax_peer()
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        for headdim in map(int, args.headdims.split(",")):
+            for causal in (c == "true" for c in args.causal.split(",")):
+                for seqlen in map(int, args.seqlens.split(",")):
+                    peers = dict(base_peers)
+                    if str(headdim) in args.jax_headdims.split(",") and dtype_name == "bf16":
+                        peers.update(jax_peers)
+                    row = bench_config(dtype_name, headdim, seqlen, causal, peers)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    env = environment()
+    md = to_markdown(rows, env)
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(md + "\n")
+
+
+if __name__ == "__main__":
+    main()

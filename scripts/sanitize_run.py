@@ -1,0 +1,54 @@
+"""A small sweep of every kernel feature, for compute-sanitizer (memcheck, racecheck).
+
+CuPy's memory pool is switched off so that each array is its own allocation and an
+out-of-bounds access is reported instead of landing in a neighbouring pool block.
+"""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
+
+import cuflash  # noqa: E402
+
+cp.cuda.set_allocator(None)
+rng = np.random.default_rng(0)
+
+
+def rand(shape, dtype):
+    return cp.asarray(rng.standard_normal(shape).astype(dtype))
+
+
+cases = [
+    dict(sq=1, sk=1, d=64, opts={}),
+    dict(sq=7, sk=63, d=40, opts=dict(causal=True)),
+    dict(sq=65, sk=129, d=128, opts=dict(window_size=(17, 5))),
+    dict(sq=130, sk=70, d=256, opts=dict(causal=True, softcap=5.0)),
+    dict(sq=63, sk=200, d=59, opts=dict(causal="top_left")),
+    dict(sq=100, sk=100, d=96, opts=dict(alibi_slopes=True)),
+    dict(sq=33, sk=97, d=32, opts=dict(seqlens_k=True, causal=True)),
+]
+for dtype in (np.float16, ml_dtypes.bfloat16):
+    for c in cases:
+        b, h, hk = 2, 4, 2
+        opts = dict(c["opts"])
+        if opts.get("alibi_slopes"):
+            opts["alibi_slopes"] = cp.asarray(np.linspace(0.1, 1, h, dtype=np.float32))
+        if opts.get("seqlens_k"):
+            opts["seqlens_k"] = cp.asarray(np.array([c["sk"], c["sk"] // 2], dtype=np.int32))
+        q, k, v = rand((b, c["sq"], h, c["d"]), dtype), rand((b, c["sk"], hk, c["d"]), dtype), rand((b, c["sk"], hk, c["d"]), dtype)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+        assert not bool(cp.isnan(out.astype(cp.float32)).any()), c
+    cu_q = cp.asarray(np.array([0, 5, 5, 70], dtype=np.int32))
+    cu_k = cp.asarray(np.array([0, 9, 20, 150], dtype=np.int32))
+    q, k, v = rand((70, 4, 64), dtype), rand((150, 2, 64), dtype), rand((150, 2, 64), dtype)
+    cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=65, max_seqlen_k=130, causal=True)
+for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+    cuflash.softmax(rand((3, 1000), dtype))
+cp.cuda.Device().synchronize()
+print("sanitize sweep done")

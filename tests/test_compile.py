@@ -1,0 +1,78 @@
+"""Every kernel variant the dispatcher can request compiles with NVRTC for sm_80 and sm_90.
+
+Needs CuPy's NVRTC binding and the NVRTC library (the ``cuda12``/``cuda13`` extras), not a GPU.
+"""
+
+import os
+import re
+
+import pytest
+
+from cuflash import _kernels
+from cuflash._params import PARAMS_SIZE, FlashParams
+
+ARCHS = ("80", "90")
+
+
+def _nvrtc_or_skip():
+    try:
+        from cupy.cuda import nvrtc
+
+        nvrtc.getVersion()
+    except Exception as exc:  # no CuPy, or CuPy without the NVRTC library
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must compile the kernels, but NVRTC is unavailable: {exc}")
+        pytest.skip(f"NVRTC not available ({exc}); install cuflash[cuda12] or cuflash[cuda13]")
+
+
+VARIANTS = _kernels.all_variants()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+def test_variant_compiles(variant, arch):
+    _nvrtc_or_skip()
+    cubin = _kernels.compile_for_arch(variant, arch)
+    assert cubin[:4] == b"\x7fELF"
+    assert variant.name.encode() in cubin  # the extern "C" entry point is in the binary
+
+
+def test_variant_names_are_unique_and_spell_the_switches():
+    names = [v.name for v in VARIANTS]
+    assert len(names) == len(set(names))
+    v = _kernels.fwd_variant("bfloat16", 100, softcap=True, alibi=False)
+    assert v.name.startswith("cuflash_fwd_bf16_d128_") and v.name.endswith("_softcap")
+    assert dict(v.defines)["CUFLASH_HEADDIM"] == 128
+
+
+def test_tile_table_respects_shared_memory_limits():
+    for limit in (99 * 1024, 163 * 1024, 227 * 1024):
+        for d in _kernels.HEADDIM_BUCKETS:
+            assert _kernels.fwd_tile(d, limit).smem_bytes(d) <= limit
+
+
+def test_headdim_bucket():
+    assert [_kernels.headdim_bucket(d) for d in (1, 32, 33, 64, 111, 256)] == [32, 32, 64, 64, 128, 256]
+    with pytest.raises(ValueError, match="head dim 257"):
+        _kernels.headdim_bucket(257)
+
+
+def test_params_struct_is_all_8_byte_fields():
+    # The C side static_asserts sizeof(FlashParams) == PARAMS_SIZE (passed at compile time);
+    # with only 8-byte fields, equal size and equal field order give equal layout.
+    assert PARAMS_SIZE == 8 * len(FlashParams._fields_)
+    src = _kernels.read_source("flash_fwd.cu")
+    body = src[src.index("struct FlashParams {"): src.index("};", src.index("struct FlashParams {"))]
+    c_names = []
+    for line in body.splitlines()[1:]:
+        decl = line.split("//")[0].strip().rstrip(";")
+        if decl:
+            c_names += re.findall(r"(\w+)\s*(?:,|$)", decl)
+    assert c_names == [name for name, _ in FlashParams._fields_]
+
+
+def test_sources_are_found_and_includes_inlined():
+    src = _kernels.read_source("flash_fwd.cu")
+    assert '#include "' not in src
+    assert src.count("struct FlashParams {") == 1
+    assert (_kernels.kernel_dir() / "flash_fwd.cu").is_file()

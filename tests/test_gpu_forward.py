@@ -1,0 +1,265 @@
+"""GPU forward kernel against the float64 reference (exactness rule), on NaN-poisoned outputs.
+
+Skipped without a CUDA GPU; scripts/gpu_check.sh runs these on the device machine.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _arrays
+from cuflash.reference import assert_exact, attention_ref, naive_attention
+
+from .conftest import requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+DTYPES = [np.float16, ml_dtypes.bfloat16]
+HEADDIMS = [32, 40, 59, 64, 72, 80, 96, 111, 128, 160, 192, 224, 256]
+
+
+def _cp():
+    return _arrays.cupy_module()
+
+
+def _rand(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def _check(q, k, v, *, layout="bshd", **opts):
+    """Run cuflash on the GPU with a NaN-poisoned out=, compare out and lse with the reference."""
+    cp = _cp()
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    shape = list(q.shape)
+    shape[-1] = v.shape[-1]
+    out = cp.full(tuple(shape), np.nan, dtype=q.dtype)
+    res, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, layout=layout, **opts)
+    assert res is out
+    ref_out, ref_lse = attention_ref(q, k, v, layout=layout, **opts)
+    naive_out, naive_lse = naive_attention(q, k, v, layout=layout, return_lse=True, **opts)
+    assert_exact(out.get(), ref_out, naive_out, "out")
+    assert_exact(lse.get(), ref_lse, naive_lse, "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", HEADDIMS)
+@pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (130, 1000)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_headdims_and_lengths(rng, dtype, headdim, seqlens, causal):
+    sq, sk = seqlens
+    q = _rand(rng, (2, sq, 3, headdim), dtype, 5.0)  # x5 so errors show
+    k = _rand(rng, (2, sk, 3, headdim), dtype)
+    v = _rand(rng, (2, sk, 3, headdim), dtype)
+    _check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dims", [(64, 32), (32, 128), (128, 64), (96, 256), (256, 8), (20, 36)])
+def test_value_headdim_differs(rng, dtype, dims):
+    d, dv = dims
+    q, k = _rand(rng, (1, 65, 4, d), dtype), _rand(rng, (1, 129, 4, d), dtype)
+    v = _rand(rng, (1, 129, 4, dv), dtype)
+    _check(q, k, v, causal=True)
+    _check(q, k, v)
+
+
+OPTIONS = [
+    dict(causal="top_left"),
+    dict(window_size=(0, 0)),
+    dict(window_size=(1, 0)),
+    dict(window_size=(0, 1)),
+    dict(window_size=(31, 0)),
+    dict(window_size=(17, 40)),
+    dict(window_size=(100, -1)),
+    dict(window_size=(-1, 5)),
+    dict(window_size=(20, 3), causal=True),
+    dict(window_size=(20, 3), causal="top_left"),
+    dict(softcap=50.0),
+    dict(softcap=1.0, causal=True),
+    dict(softcap=0.1),
+    dict(softmax_scale=0.0),
+    dict(softmax_scale=0.5, causal=True),
+    dict(alibi=True),
+    dict(alibi=True, causal=True),
+    dict(alibi="batch", softcap=5.0, causal=True),
+    dict(seqlens_k=True),
+    dict(seqlens_k=True, causal=True),
+    dict(seqlens_k=True, window_size=(8, 8), alibi=True),
+]
+
+
+def _materialise(opts, rng, batch, nheads):
+    opts = dict(opts)
+    alibi = opts.pop("alibi", None)
+    if alibi:
+        slopes = 2.0 ** (-8.0 * (np.arange(nheads) + 1) / nheads)
+        if alibi == "batch":
+            slopes = slopes[None, :] * rng.uniform(0.5, 2.0, (batch, 1))
+        opts["alibi_slopes"] = slopes.astype(np.float32)
+    return opts
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("seqlens", [(63, 65), (129, 63), (200, 1000), (1, 147)])
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_options(rng, dtype, headdim, seqlens, opts):
+    sq, sk = seqlens
+    batch, nheads = 3, 4
+    opts = _materialise(opts, rng, batch, nheads)
+    if opts.get("seqlens_k") is True:
+        opts["seqlens_k"] = np.array([sk, 0, max(sk // 3, 1)], dtype=np.int64)
+    q = _rand(rng, (batch, sq, nheads, headdim), dtype, 5.0)
+    k, v = _rand(rng, (batch, sk, nheads, headdim), dtype), _rand(rng, (batch, sk, nheads, headdim), dtype)
+    gpu_opts = dict(opts)
+    for name in ("alibi_slopes", "seqlens_k"):
+        if name in gpu_opts:
+            gpu_opts[name] = _cp().asarray(gpu_opts[name])
+    cp = _cp()
+    out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True, **gpu_opts)
+    ref_out, ref_lse = attention_ref(q, k, v, **opts)
+    naive_out, naive_lse = naive_attention(q, k, v, return_lse=True, **opts)
+    assert_exact(out.get(), ref_out, naive_out, "out")
+    assert_exact(lse.get(), ref_lse, naive_lse, "lse")
+
+
+@pytest.mark.parametrize("hq_hkv", [(8, 1), (8, 2), (12, 4), (6, 6)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa(rng, hq_hkv, causal):
+    hq, hkv = hq_hkv
+    q = _rand(rng, (2, 77, hq, 64), np.float16, 5.0)
+    k, v = _rand(rng, (2, 93, hkv, 64), np.float16), _rand(rng, (2, 93, hkv, 64), np.float16)
+    _check(q, k, v, causal=causal)
+
+
+def test_bhsd_layout(rng):
+    q = _rand(rng, (2, 4, 70, 64), ml_dtypes.bfloat16, 5.0)
+    k, v = _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16), _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16)
+    _check(q, k, v, layout="bhsd", causal=True)
+
+
+def test_strided_inputs_are_read_correctly(rng):
+    cp = _cp()
+    qkv = _rand(rng, (2, 100, 3, 4, 64), np.float16, 2.0)  # packed (B, S, 3, H, D)
+    d = cp.asarray(qkv)
+    out = cuflash.attention(d[:, :, 0], d[:, :, 1], d[:, :, 2], causal=True)
+    ref, _ = attention_ref(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    naive = naive_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], causal=True)
+    assert_exact(out.get(), ref, naive, "packed qkv")
+
+    # Broadcast heads (stride 0), a transposed head axis, and a last axis that is not contiguous.
+    base_k = _rand(rng, (2, 50, 1, 64), np.float16)
+    k_b = cp.broadcast_to(cp.asarray(base_k), (2, 50, 4, 64))
+    q = _rand(rng, (2, 4, 30, 64), np.float16)
+    q_t = cp.asarray(q).transpose(0, 2, 1, 3)  # (B, S, H, D) view of a bhsd array
+    v_nc = cp.asarray(_rand(rng, (2, 50, 4, 128), np.float16))[..., ::2]  # stride 2 on the last axis
+    out = cuflash.attention(q_t, k_b, v_nc)
+    qn, kn, vn = q.transpose(0, 2, 1, 3), np.broadcast_to(base_k, (2, 50, 4, 64)), v_nc.get()
+    ref, _ = attention_ref(qn, kn, vn)
+    assert_exact(out.get(), ref, naive_attention(qn, kn, vn), "strided")
+
+    # A misaligned slice (offset by one element) must be copied, not misread.
+    big = cp.asarray(_rand(rng, (1, 40, 2, 65), np.float16))
+    qm = big[..., 1:]
+    out = cuflash.attention(qm, qm, qm)
+    qh = qm.get()
+    ref, _ = attention_ref(qh, qh, qh)
+    assert_exact(out.get(), ref, naive_attention(qh, qh, qh), "misaligned")
+
+
+def test_out_buffer_with_strides(rng):
+    cp = _cp()
+    q = _rand(rng, (1, 33, 2, 64), np.float16)
+    big = cp.full((1, 33, 2, 128), np.nan, dtype=np.float16)
+    out_view = big[..., :64]
+    cuflash.attention(cp.asarray(q), cp.asarray(q), cp.asarray(q), out=out_view)
+    ref, _ = attention_ref(q, q, q)
+    assert_exact(out_view.get(), ref, naive_attention(q, q, q), "out view")
+    assert cp.isnan(big[..., 64:]).all()  # nothing written outside the output
+
+
+def test_repeated_calls_are_bitwise_identical(rng):
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (2, 300, 4, 128), ml_dtypes.bfloat16)) for _ in range(3))
+    a = cuflash.attention(q, k, v, causal=True)
+    b = cuflash.attention(q, k, v, causal=True)
+    assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
+
+
+def test_long_sequence_4097(rng):
+    q = _rand(rng, (1, 4097, 2, 128), np.float16)
+    k, v = _rand(rng, (1, 4097, 2, 128), np.float16), _rand(rng, (1, 4097, 2, 128), np.float16)
+    _check(q, k, v, causal=True)
+
+
+def test_128k_tokens_without_score_matrix(rng):
+    """128k x 128k scores would take 32 GiB in fp16 x 2 (fwd); check rows against the reference."""
+    cp = _cp()
+    n, d = 131072, 64
+    q = _rand(rng, (1, n, 1, d), np.float16)
+    k, v = _rand(rng, (1, n, 1, d), np.float16), _rand(rng, (1, n, 1, d), np.float16)
+    free_before = cp.cuda.Device().mem_info[0]
+    out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True)
+    cp.cuda.Device().synchronize()
+    assert free_before - cp.cuda.Device().mem_info[0] < 1 << 30
+    rows = np.r_[0:16, n // 2: n // 2 + 16, n - 16:n]
+    ref, ref_lse = attention_ref(q[:, rows], k, v)
+    naive, naive_lse = naive_attention(q[:, rows], k, v, return_lse=True)
+    assert_exact(out.get()[:, rows], ref, naive, "out rows")
+    assert_exact(lse.get()[:, :, rows], ref_lse, naive_lse, "lse rows")
+
+
+def test_grid_folds_many_batch_heads(rng):
+    q = _rand(rng, (70000, 2, 1, 32), np.float16)
+    k, v = _rand(rng, (70000, 3, 1, 32), np.float16), _rand(rng, (70000, 3, 1, 32), np.float16)
+    _check(q, k, v)
+
+
+def test_runs_on_current_stream(rng):
+    cp = _cp()
+    q = _rand(rng, (1, 257, 2, 64), np.float16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out = cuflash.attention(cp.asarray(q), cp.asarray(q), cp.asarray(q), causal=True)
+    stream.synchronize()
+    ref, _ = attention_ref(q, q, q, causal=True)
+    assert_exact(out.get(), ref, naive_attention(q, q, q, causal=True), "stream")
+
+
+def test_dlpack_inputs_from_torch(rng):
+    torch = pytest.importorskip("torch")
+    q = _rand(rng, (1, 40, 2, 64), np.float16)
+    t = torch.from_numpy(q).cuda()
+    out = cuflash.attention(t, t, t)
+    assert isinstance(out, _cp().ndarray)
+    ref, _ = attention_ref(q, q, q)
+    assert_exact(out.get(), ref, naive_attention(q, q, q), "torch input")
+
+
+def test_float32_on_gpu_is_a_clear_type_error(rng):
+    q = _cp().asarray(_rand(rng, (1, 4, 1, 8), np.float32))
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        cuflash.attention(q, q, q)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64])
+@pytest.mark.parametrize("shape_axis", [((3, 1000), -1), ((5, 7, 33), 1), ((2, 70000), 1), ((4, 1), 0)])
+def test_softmax_kernel(rng, dtype, shape_axis):
+    shape, axis = shape_axis
+    x = (rng.standard_normal(shape) * 5).astype(dtype)
+    x64 = x.astype(np.float64)
+    e = np.exp(x64 - x64.max(axis=axis, keepdims=True))
+    ref = e / e.sum(axis=axis, keepdims=True)
+    got = cuflash.softmax(_cp().asarray(x), axis=axis).get().astype(np.float64)
+    naive = ref.astype(dtype).astype(np.float64)
+    assert np.abs(got - ref).max() <= 2 * np.abs(naive - ref).max() + 1e-5
+
+
+def test_softmax_kernel_all_masked_row_is_zero():
+    cp = _cp()
+    x = cp.full((2, 9), -np.inf, dtype=cp.float32)
+    x[1, 3] = 0.0
+    y = cuflash.softmax(x).get()
+    assert (y[0] == 0).all() and y[1, 3] == 1.0 and not np.isnan(y).any()
