@@ -14,36 +14,38 @@
 #endif
 #define CUFLASH_THREADS 256
 
-template <class T> struct Elem;  // load/store as the accumulation type Acc
+// Element access: Storage is what the pointer points to (16-bit types are raw u16 bits; half_t and
+// bf16_t are empty tags, so pointer arithmetic must never use them), Acc the accumulation type.
+template <class T> struct Elem;
 template <> struct Elem<float> {
+    using Storage = float;
     using Acc = float;
     __device__ static float load(const float* p) { return *p; }
     __device__ static void store(float* p, float x) { *p = x; }
 };
 template <> struct Elem<double> {
+    using Storage = double;
     using Acc = double;
     __device__ static double load(const double* p) { return *p; }
     __device__ static void store(double* p, double x) { *p = x; }
 };
 template <> struct Elem<half_t> {
+    using Storage = u16;
     using Acc = float;
-    __device__ static float load(const half_t* p) {
+    __device__ static float load(const u16* p) {
         float x;
         asm("{ .reg .b16 h; ld.global.b16 h, [%1]; cvt.f32.f16 %0, h; }" : "=f"(x) : "l"(p));
         return x;
     }
-    __device__ static void store(half_t* p, float x) {
+    __device__ static void store(u16* p, float x) {
         asm volatile("{ .reg .b16 h; cvt.rn.f16.f32 h, %1; st.global.b16 [%0], h; }" :: "l"(p), "f"(x));
     }
 };
 template <> struct Elem<bf16_t> {
+    using Storage = u16;
     using Acc = float;
-    __device__ static float load(const bf16_t* p) {
-        return __uint_as_float(static_cast<u32>(*reinterpret_cast<const u16*>(p)) << 16);
-    }
-    __device__ static void store(bf16_t* p, float x) {
-        *reinterpret_cast<u16*>(p) = static_cast<u16>(pack2<bf16_t>(x, 0.f) & 0xffffu);
-    }
+    __device__ static float load(const u16* p) { return __uint_as_float(static_cast<u32>(*p) << 16); }
+    __device__ static void store(u16* p, float x) { *p = static_cast<u16>(pack2<bf16_t>(x, 0.f) & 0xffffu); }
 };
 
 __device__ __forceinline__ float acc_exp(float x) { return expf(x); }
@@ -60,11 +62,11 @@ template <class Acc> __device__ __forceinline__ void merge(Acc& m, Acc& l, Acc m
 }
 
 template <class T>
-__device__ __forceinline__ void softmax_row(const T* x, T* y, long long n) {
+__device__ __forceinline__ void softmax_row(const typename Elem<T>::Storage* x, typename Elem<T>::Storage* y, long long n) {
     using Acc = typename Elem<T>::Acc;
     __shared__ Acc sm[CUFLASH_THREADS / 32], sl[CUFLASH_THREADS / 32];
-    const T* xr = x + static_cast<long long>(blockIdx.x) * n;
-    T* yr = y + static_cast<long long>(blockIdx.x) * n;
+    const auto* xr = x + static_cast<long long>(blockIdx.x) * n;
+    auto* yr = y + static_cast<long long>(blockIdx.x) * n;
 
     Acc m = neg_inf<Acc>(), l = 0;
     for (long long c = threadIdx.x; c < n; c += CUFLASH_THREADS) {
@@ -89,6 +91,6 @@ __device__ __forceinline__ void softmax_row(const T* x, T* y, long long n) {
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_THREADS)
-CUFLASH_KERNEL_NAME(const CUFLASH_DTYPE* x, CUFLASH_DTYPE* y, long long n) {
+CUFLASH_KERNEL_NAME(const Elem<CUFLASH_DTYPE>::Storage* x, Elem<CUFLASH_DTYPE>::Storage* y, long long n) {
     softmax_row<CUFLASH_DTYPE>(x, y, n);
 }

@@ -87,8 +87,11 @@ def _torch_peers():
     def make(backend):
         def run(q, k, v, causal):
             tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)) for x in (q, k, v))  # (B, H, S, D) views
-            with sdpa_kernel([backend]):
-                return lambda: sdpa(tq, tk, tv, is_causal=causal)
+
+            def call():
+                with sdpa_kernel([backend]):  # the backend choice must be in force at call time
+                    return sdpa(tq, tk, tv, is_causal=causal)
+            return call
         return run
 
     return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
