@@ -62,6 +62,11 @@ def dtype_name(x) -> str:
     return np.dtype(x.dtype).name
 
 
+def is_float_dtype(dtype) -> bool:
+    """float16, bfloat16, float32 or float64 (ml_dtypes' bfloat16 has numpy kind 'V', not 'f')."""
+    return np.dtype(dtype).name in FLOAT_DTYPES
+
+
 def check_qkv(q, k, v, *, packed: bool = False):
     """Check array kinds, dtypes and ranks of q, k, v; return the shared dtype."""
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -109,6 +114,8 @@ def _check_int(value, name: str, *, minimum: int | None = None) -> int:
 
 def normalize_mask_options(causal, window_size) -> tuple[int, int, bool]:
     """Fold ``causal`` into the window: return (window_left, window_right, top_left)."""
+    if isinstance(causal, np.bool_):
+        causal = bool(causal)
     if not any(causal is m or (isinstance(causal, str) and causal == m) for m in CAUSAL_MODES):
         raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -236,7 +243,7 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int):
     """ALiBi slopes of shape (nheads,) or (batch, nheads) -> (batch, nheads) float32."""
     if not _arrays.is_array(alibi_slopes):
         raise TypeError(f"alibi_slopes must be an array; got {type(alibi_slopes).__name__}")
-    if np.dtype(alibi_slopes.dtype).kind != "f":
+    if not is_float_dtype(alibi_slopes.dtype):
         raise TypeError(f"alibi_slopes must be a float array; got dtype {np.dtype(alibi_slopes.dtype).name}")
     shape = tuple(alibi_slopes.shape)
     if shape not in ((nheads_q,), (batch, nheads_q)):

@@ -145,7 +145,12 @@ def attention(
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
     lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
-    if not p.is_empty:
+    if p.is_empty:
+        pass  # nothing to compute: out and lse have no elements
+    elif p.seqlen_k == 0:  # no keys: every row is empty (0 and -inf), no kernel launch
+        out[...] = 0
+        lse[...] = -np.inf
+    else:
         qb, kb, vb, ob = (V.to_bshd(x, layout) for x in (q, k, v, out))
         _run("forward", _cpu.forward, p, qb, kb, vb, ob, lse)
     return (out, lse) if return_lse else out
@@ -345,7 +350,7 @@ def attention_varlen(
     lse = xp.empty((p.nheads_q, q.shape[0]), dtype=lse_dtype(q.dtype))
     out[...] = 0
     lse[...] = -np.inf
-    if not p.is_empty:
+    if not p.is_empty and p.seqlen_k:
         _run("forward_varlen", _cpu.forward_varlen, p, q, k, v, out, lse, cu_q, cu_k)
     return (out, lse) if return_lse else out
 
@@ -412,7 +417,7 @@ def attention_varlen_backward(
     V.check_out(lse, "lse", (p.nheads_q, q.shape[0]), lse_dtype(q.dtype), q)
     xp = _arrays.module_of(q)
     grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
-    if not p.is_empty and p.nheads_k:
+    if not p.is_empty and p.nheads_k and p.seqlen_k:
         _run("backward_varlen", _cpu.backward_varlen, p, dout, q, k, v, out, lse, *grads, cu_q, cu_k,
              deterministic=bool(deterministic))
     return tuple(grads)
@@ -485,8 +490,10 @@ def merge_states(*args, layout="bshd"):
     for i, (o, l_) in enumerate(zip(outs, lses)):
         if not (_arrays.same_kind(o, ref) and _arrays.same_kind(l_, ref)):
             raise TypeError("all outputs and LSEs must be NumPy arrays, or all GPU arrays")
-        if np.dtype(o.dtype).kind != "f" or np.dtype(l_.dtype).kind != "f":
+        if not (V.is_float_dtype(o.dtype) and V.is_float_dtype(l_.dtype)):
             raise TypeError(f"part {i}: outputs and LSEs must be floating point; got {o.dtype}, {l_.dtype}")
+        if np.dtype(o.dtype) != np.dtype(ref.dtype):
+            raise TypeError(f"part {i}: output dtype {np.dtype(o.dtype).name} differs from {np.dtype(ref.dtype).name}")
         if tuple(o.shape) != tuple(ref.shape):
             raise ValueError(f"part {i}: output shape {tuple(o.shape)} differs from {tuple(ref.shape)}")
         expected = _lse_shape(ref, layout)

@@ -64,7 +64,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kKS = kD / 16;              // 16-wide steps over the head dim
     constexpr int kOT = kD / 8;               // 8-wide column tiles of O
     constexpr int kStride = kD + 8;           // padded shared-memory row, in elements
-    constexpr bool kQInRegs = kD <= 128;      // larger Q fragments would crowd out the O accumulator
+    constexpr bool kQInRegs = kD * kMT <= 128;  // larger Q fragments would crowd out the O accumulator
     static_assert(kBM % (16 * kWarps) == 0 && kBN % 16 == 0 && kD % 32 == 0, "bad tile shape");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];

@@ -1,0 +1,359 @@
+"""The tiled FlashAttention algorithm in NumPy: what :func:`cuflash.attention` runs for NumPy inputs.
+
+The code follows FlashAttention-2 (Dao, ICLR 2024) Algorithm 1 (forward) and Algorithm 2
+(backward) block by block, vectorised over batch and heads:
+
+* forward: for each block of BLOCK_M query rows, stream the key/value blocks of BLOCK_N keys
+  that the causal/window band can reach; keep a running row max m, a running sum l and an
+  unnormalised output O (rescaled by exp(m_old − m_new) when the max grows), and divide once at
+  the end.  Only one (BLOCK_M, BLOCK_N) score tile exists at a time.
+* backward: recompute each score tile from q, k and the stored LSE (P = exp(S − lse)), with
+  D = rowsum(dO ∘ O), dS = P ∘ (dO Vᵀ − D); outer loop over key blocks (dk, dv finished per
+  block), inner loop over query blocks (dq accumulated).
+
+Tiles are converted to the accumulation dtype: float32, or float64 for float64 inputs.  GQA is
+handled by viewing the query heads as (nheads_k, group): query head h = kv·group + g reads key
+head kv = h // group, and the key tile broadcasts over the group axis.
+
+The API has validated everything; arrays arrive as (batch, seqlen, heads, dim) views with any
+strides, and results are written into the given output arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+BLOCK_M = 64  # query rows per tile
+BLOCK_N = 64  # keys per tile
+SOFTMAX_BLOCK = 256  # elements per streamed block in softmax()
+
+
+def _acc_dtype(dtype) -> np.dtype:
+    """Accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+class _Heads:
+    """Reshapes between the caller's (B, S, Hq, d) and the tiled (B, Hkv, G, S, d) view."""
+
+    def __init__(self, p):
+        self.b, self.hkv, self.g = p.batch, p.nheads_k, p.group_size
+
+    def queries(self, x, acc):
+        """(B, S, Hq, d) view -> (B, Hkv, G, S, d) contiguous copy in the accumulation dtype."""
+        b, s, _, d = x.shape
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=acc).reshape(b, self.hkv, self.g, s, d)
+
+    def keys(self, x, acc):
+        """(B, S, Hkv, d) view -> (B, Hkv, 1, S, d) in the accumulation dtype (broadcasts over G).
+
+        K and V are converted once per call rather than once per tile: O(N·d) memory, like the
+        inputs themselves; only the O(N²) score matrix is what tiling must avoid.
+        """
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=acc)[:, :, None]
+
+    def rows(self, x):
+        """(B, Hkv, G, m, d) -> (B, m, Hq, d), for writing into a bshd output."""
+        b, _, _, m, d = x.shape
+        return x.reshape(b, self.hkv * self.g, m, d).transpose(0, 2, 1, 3)
+
+    def lse(self, x):
+        """(B, Hq, S) -> (B, Hkv, G, S)."""
+        return x.reshape(self.b, self.hkv, self.g, x.shape[-1])
+
+
+class _Band:
+    """Which keys each query sees: the causal/window band and the valid key length per batch entry.
+
+    Key j is visible from query i of batch entry b iff ``j < sk[b]`` and
+    ``i + off[b] - left <= j <= i + off[b] + right`` (a bound of -1 is absent), where
+    ``off[b] = sk[b] - Sq`` (bottom-right) or 0 (top-left).  ALiBi measures |i + off[b] − j|.
+    """
+
+    def __init__(self, p):
+        if p.seqlens_k is None:
+            sk = np.full(p.batch, p.seqlen_k, dtype=np.int64)
+        else:
+            sk = np.asarray(p.seqlens_k).astype(np.int64)
+        self.sk = sk
+        self.off = np.zeros_like(sk) if p.top_left else sk - p.seqlen_q
+        self.left, self.right = p.window_left, p.window_right
+        self.seqlen_q, self.seqlen_k = p.seqlen_q, p.seqlen_k
+        self.masked = self.left != -1 or self.right != -1 or p.seqlens_k is not None
+
+    def key_range(self, i0, i1):
+        """Keys [lo, hi) that some row in [i0, i1) of some batch entry may see."""
+        lo, hi = 0, int(self.sk.max()) if self.sk.size else 0
+        if self.left != -1:
+            lo = max(lo, i0 + int(self.off.min()) - self.left)
+        if self.right != -1:
+            hi = min(hi, i1 - 1 + int(self.off.max()) + self.right + 1)
+        return lo, hi
+
+    def query_range(self, j0, j1):
+        """Query rows [lo, hi) that may see some key in [j0, j1) (the transpose of key_range)."""
+        lo, hi = 0, self.seqlen_q
+        if self.sk.size == 0 or j0 >= self.sk.max():  # keys past every valid length
+            return 0, 0
+        if self.right != -1:  # j <= i + off + right  <=>  i >= j - off - right
+            lo = max(lo, j0 - int(self.off.max()) - self.right)
+        if self.left != -1:  # j >= i + off - left  <=>  i <= j - off + left
+            hi = min(hi, j1 - 1 - int(self.off.min()) + self.left + 1)
+        return lo, hi
+
+    def keep(self, i0, i1, j0, j1):
+        """Boolean visibility of the tile, shape (B, 1, 1, m, n), or None when all of it is visible."""
+        if not self.masked:
+            return None
+        i = np.arange(i0, i1)[None, :, None]
+        j = np.arange(j0, j1)[None, None, :]
+        diag = i + self.off[:, None, None]  # (B, m, 1)
+        keep = j < self.sk[:, None, None]
+        if self.left != -1:
+            keep = keep & (j >= diag - self.left)
+        if self.right != -1:
+            keep = keep & (j <= diag + self.right)
+        return None if keep.all() else keep[:, None, None]
+
+    def distance(self, i0, i1, j0, j1):
+        """|i + off − j| for ALiBi, shape (B, 1, 1, m, n)."""
+        i = np.arange(i0, i1)[None, :, None]
+        j = np.arange(j0, j1)[None, None, :]
+        return np.abs(i + self.off[:, None, None] - j)[:, None, None]
+
+
+def _blocks(lo, hi, size):
+    """[start, stop) pairs covering [lo, hi), aligned to multiples of size."""
+    start = (max(lo, 0) // size) * size
+    return [(s, min(s + size, hi)) for s in range(start, hi, size)]
+
+
+def _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1):
+    """Final scores of one tile, (B, Hkv, G, m, n), and tanh(s_raw/cap) (None without softcap).
+
+    The contract's pipeline: scale·q·k → softcap → ALiBi → masks to −inf.
+    """
+    s = _group_matmul(q_t, k_t.swapaxes(-1, -2)) * _scalar(q_t, p.softmax_scale)
+    tanh = None
+    if p.softcap > 0:
+        tanh = np.tanh(s / _scalar(s, p.softcap))
+        s = _scalar(s, p.softcap) * tanh
+    if slopes is not None:
+        s = s - slopes * band.distance(i0, i1, j0, j1).astype(s.dtype)
+    keep = band.keep(i0, i1, j0, j1)
+    if keep is not None:
+        s = np.where(keep, s, s.dtype.type(-np.inf))
+    return s, tanh
+
+
+def _group_matmul(a, b):
+    """a @ b for a (B, Hkv, G, m, x) and b (B, Hkv, 1, x, y) -> (B, Hkv, G, m, y).
+
+    The G query heads of a group share b, so they are stacked as G·m rows of one matmul per
+    key/value head instead of G small ones.
+    """
+    bsz, h, g, m, x = a.shape
+    return (a.reshape(bsz, h, g * m, x) @ b[:, :, 0]).reshape(bsz, h, g, m, b.shape[-1])
+
+
+def _scalar(x, value):
+    """A Python scalar as x's dtype, so float32 tiles stay float32."""
+    return x.dtype.type(value)
+
+
+def _slopes(p, acc):
+    """ALiBi slopes (B, Hq) -> (B, Hkv, G, 1, 1) in the accumulation dtype, or None."""
+    if p.alibi_slopes is None:
+        return None
+    slopes = np.asarray(p.alibi_slopes, dtype=acc)
+    return slopes.reshape(p.batch, p.nheads_k, p.group_size, 1, 1)
+
+
+def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
+    """Tiled forward pass (FlashAttention-2, Algorithm 1) into ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    p : cuflash._validate.AttnProblem
+    q : (B, Sq, Hq, D) array view; k : (B, Sk, Hkv, D); v : (B, Sk, Hkv, Dv)
+        float16, bfloat16, float32 or float64, any strides.
+    out : (B, Sq, Hq, Dv) array view of q's dtype, written in full.
+    lse : (B, Hq, Sq) float32 array (float64 for float64 inputs), written in full.
+    block_m, block_n : int
+        Tile sizes (query rows, keys); small values are useful in tests.
+    """
+    acc = _acc_dtype(p.dtype)
+    heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
+    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, 1, Sk, d)
+    for i0, i1 in _blocks(0, p.seqlen_q, block_m):
+        q_t = heads.queries(q[:, i0:i1], acc)  # (B, Hkv, G, m, D)
+        row_shape = q_t.shape[:-1] + (1,)
+        m = np.full(row_shape, -np.inf, dtype=acc)  # running row max
+        l = np.zeros(row_shape, dtype=acc)  # running sum of exp(s - m)
+        o = np.zeros(q_t.shape[:-1] + (p.headdim_v,), dtype=acc)  # unnormalised output
+        for j0, j1 in _blocks(*band.key_range(i0, i1), block_n):
+            s, _ = _score_tile(p, band, slopes, q_t, k_all[..., j0:j1, :], i0, i1, j0, j1)
+            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+            # A row with no visible key yet has m_new = -inf; shifting by 0 instead keeps
+            # exp(-inf - -inf) = NaN out (its weights stay exp(-inf) = 0).
+            shift = np.where(m_new == -np.inf, acc.type(0), m_new)
+            alpha = np.exp(m - shift)  # rescales what was accumulated under the old max
+            p_t = np.exp(s - shift)  # (B, Hkv, G, m, n)
+            l = alpha * l + p_t.sum(axis=-1, keepdims=True)
+            o = alpha * o + _group_matmul(p_t, v_all[..., j0:j1, :])
+            m = m_new
+        seen = l > 0  # rows that saw at least one key
+        out[:, i0:i1] = heads.rows(o / np.where(seen, l, acc.type(1)))
+        lse_t = np.where(seen, m + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))
+        lse[:, :, i0:i1] = lse_t[..., 0].reshape(p.batch, p.nheads_q, i1 - i0)
+
+
+def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
+             block_m=BLOCK_M, block_n=BLOCK_N):
+    """Tiled backward pass by recomputation (FlashAttention-2, Algorithm 2) into dq, dk, dv.
+
+    Parameters
+    ----------
+    p : cuflash._validate.AttnProblem
+    dout, out : (B, Sq, Hq, Dv) array views; q, k, v as in :func:`forward`.
+    lse : (B, Hq, Sq) array from the forward (-inf on rows that see no key).
+    dq, dk, dv : array views with the shapes and dtypes of q, k, v, written in full.
+    deterministic : bool
+        Accepted for the API's sake: this path is always bitwise repeatable.
+    block_m, block_n : int
+        Tile sizes.
+
+    Notes
+    -----
+    D = rowsum(dO ∘ O); per tile P = exp(S − lse), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D)
+    (times 1 − tanh² through the softcap), dQ += scale · dS K, dK += scale · dSᵀ Q.
+    """
+    del deterministic  # one thread, fixed loop order: always repeatable
+    acc = _acc_dtype(p.dtype)
+    heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
+    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, 1, Sk, d)
+    q_all, do_all = heads.queries(q, acc), heads.queries(dout, acc)  # (B, Hkv, G, Sq, d)
+    delta = (do_all * heads.queries(out, acc)).sum(axis=-1, keepdims=True)  # D, (B, Hkv, G, Sq, 1)
+    # A row that saw no key has lse = -inf; using +inf makes its P = exp(S - inf) = 0 even where
+    # S = -inf (whereas -inf - -inf would be NaN).
+    lse_all = heads.lse(np.asarray(lse, dtype=acc))[..., None]
+    lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
+    dq_all = np.zeros_like(q_all)
+    scale = acc.type(p.softmax_scale)
+    for j0, j1 in _blocks(0, p.seqlen_k, block_n):
+        k_t, v_t = k_all[..., j0:j1, :], v_all[..., j0:j1, :]  # (B, Hkv, 1, n, d)
+        dk_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_qk), dtype=acc)
+        dv_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_v), dtype=acc)
+        for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):
+            q_t, do_t = q_all[..., i0:i1, :], do_all[..., i0:i1, :]
+            s, tanh = _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1)
+            p_t = np.exp(s - lse_all[..., i0:i1, :])  # (B, Hkv, G, m, n)
+            dv_t += _sum_over_group(p_t, do_t)
+            dp = _group_matmul(do_t, v_t.swapaxes(-1, -2))
+            ds = p_t * (dp - delta[..., i0:i1, :])
+            if tanh is not None:
+                ds *= 1 - tanh * tanh
+            dq_all[..., i0:i1, :] += scale * _group_matmul(ds, k_t)
+            dk_t += scale * _sum_over_group(ds, q_t)
+        dk[:, j0:j1] = dk_t.transpose(0, 2, 1, 3)
+        dv[:, j0:j1] = dv_t.transpose(0, 2, 1, 3)
+    dq[...] = heads.rows(dq_all)
+
+
+def _sum_over_group(a, x):
+    """Σ_g a[:, :, g]ᵀ x[:, :, g]: (B, Hkv, G, m, n), (B, Hkv, G, m, d) -> (B, Hkv, n, d).
+
+    The group and row axes are merged into one contraction, so the sum over the query heads of
+    a GQA group happens inside one matmul.
+    """
+    b, h, g, m, n = a.shape
+    a2 = a.transpose(0, 1, 4, 2, 3).reshape(b, h, n, g * m)
+    return a2 @ x.reshape(b, h, g * m, x.shape[-1])
+
+
+def _sequence_problem(p, b, seqlen_q, seqlen_k):
+    """The padded-batch problem of sequence b alone (batch 1)."""
+    slopes = None if p.alibi_slopes is None else p.alibi_slopes[b:b + 1]
+    return dataclasses.replace(p, batch=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                               alibi_slopes=slopes, seqlens_k=None)
+
+
+def _sequences(cu_q, cu_k):
+    """(b, q0, q1, k0, k1) for every sequence with at least one query and one key."""
+    cu_q, cu_k = np.asarray(cu_q).astype(np.int64), np.asarray(cu_k).astype(np.int64)
+    for b in range(cu_q.size - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]))
+        if q1 > q0 and k1 > k0:  # otherwise the API's prefill (0, -inf, zero grads) is the answer
+            yield b, q0, q1, k0, k1
+
+
+def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
+    """Forward over a packed batch, sequence by sequence, into pre-filled ``out`` and ``lse``.
+
+    Parameters
+    ----------
+    p : AttnProblem with batch = number of sequences and seqlen_q/k = the longest lengths.
+    q : (total_q, Hq, D); k : (total_k, Hkv, D); v : (total_k, Hkv, Dv) arrays.
+    out : (total_q, Hq, Dv), pre-filled with 0; lse : (Hq, total_q), pre-filled with -inf.
+    cu_q, cu_k : (batch + 1,) integer offsets.
+    """
+    for b, q0, q1, k0, k1 in _sequences(cu_q, cu_k):
+        sub = _sequence_problem(p, b, q1 - q0, k1 - k0)
+        forward(sub, q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                lse[None, :, q0:q1])
+
+
+def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic=False):
+    """Backward over a packed batch, sequence by sequence, into pre-zeroed dq, dk, dv.
+
+    Parameters
+    ----------
+    p, q, k, v, cu_q, cu_k
+        As in :func:`forward_varlen`.
+    dout, out : (total_q, Hq, Dv); lse : (Hq, total_q)
+    dq, dk, dv : arrays with the shapes of q, k, v, pre-filled with 0.
+    deterministic : bool
+        Accepted; this path is always repeatable.
+    """
+    for b, q0, q1, k0, k1 in _sequences(cu_q, cu_k):
+        sub = _sequence_problem(p, b, q1 - q0, k1 - k0)
+        backward(sub, dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1],
+                 out[None, q0:q1], lse[None, :, q0:q1], dq[None, q0:q1], dk[None, k0:k1],
+                 dv[None, k0:k1], deterministic=deterministic)
+
+
+def softmax(x, axis, *, block=SOFTMAX_BLOCK):
+    """Softmax along ``axis`` with one streaming pass for the normaliser (online softmax).
+
+    Parameters
+    ----------
+    x : NumPy float array (float16, bfloat16, float32, float64), non-empty.
+    axis : int, already normalised.
+    block : int
+        Elements per streamed block.
+
+    Returns
+    -------
+    NumPy array of x's shape and dtype (C-contiguous); a slice of all -inf gives zeros.
+
+    Notes
+    -----
+    Milakov & Gimelshein (2018): a running max m and sum l over blocks, l rescaled by
+    exp(m_old − m_new) when the max grows; then one elementwise pass writes exp(x − m) / l.
+    Computed in float32 (float64 for float64 input).
+    """
+    acc = _acc_dtype(x.dtype)
+    xm = np.moveaxis(x, axis, -1)
+    m = np.full(xm.shape[:-1] + (1,), -np.inf, dtype=acc)
+    l = np.zeros_like(m)
+    for j0, j1 in _blocks(0, xm.shape[-1], block):
+        t = xm[..., j0:j1].astype(acc)
+        m_new = np.maximum(m, t.max(axis=-1, keepdims=True))
+        shift = np.where(m_new == -np.inf, acc.type(0), m_new)  # all -inf so far: no NaN
+        l = l * np.exp(m - shift) + np.exp(t - shift).sum(axis=-1, keepdims=True)
+        m = m_new
+    shift = np.where(m == -np.inf, acc.type(0), m)
+    y = np.exp(xm.astype(acc) - shift) / np.where(l > 0, l, acc.type(1))
+    return np.ascontiguousarray(np.moveaxis(y.astype(x.dtype), -1, axis))

@@ -1,0 +1,217 @@
+"""The ``cuflash`` command line (also ``python -m cuflash``).
+
+``cuflash info`` reports the installation (versions, GPU, NVRTC, where kernels come from and where
+compiled kernels are cached); ``cuflash io`` prints the I/O model of :mod:`cuflash._io_model`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import click
+
+from . import _io_model
+from ._io_model import format_bytes
+
+
+def _version_string() -> str:
+    from . import __version__
+
+    return __version__
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(version=_version_string(), prog_name="cuflash")
+def main():
+    """cuflash: exact FlashAttention for NumPy and CuPy arrays, without PyTorch."""
+
+
+# ---------------------------------------------------------------------------------------------
+# cuflash info
+
+
+def _version(module_name: str) -> str:
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return "not installed"
+    except Exception as exc:  # a broken install raising at import
+        return f"fails to import ({type(exc).__name__}: {exc})"
+    return getattr(module, "__version__", "unknown version")
+
+
+def kernel_cache_dir() -> Path:
+    """Where CuPy caches compiled kernels: ``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``."""
+    return Path(os.environ.get("CUPY_CACHE_DIR") or "~/.cupy/kernel_cache").expanduser()
+
+
+def kernel_source_dir() -> Path | None:
+    """The folder holding the CUDA sources, as cuflash._kernels finds it (or where it would)."""
+    try:
+        from . import _kernels
+    except ImportError:
+        _kernels = None
+    if _kernels is not None and hasattr(_kernels, "kernel_dir"):
+        try:
+            return Path(_kernels.kernel_dir())
+        except FileNotFoundError:
+            return None
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels", here.parent / "kernels"):  # wheel, then checkout
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _gpu_lines(cp) -> list[str]:
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver: cudaErrorInsufficientDriver / cudaErrorNoDevice
+        msg = str(exc).splitlines()[0] if str(exc) else ""
+        return [f"no GPU found ({type(exc).__name__}{': ' + msg if msg else ''})"]
+    if count == 0:
+        return ["no GPU found"]
+    lines = []
+    for i in range(count):
+        try:
+            props = cp.cuda.runtime.getDeviceProperties(i)
+            name = props["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            cc = f"{props['major']}.{props['minor']}"
+            smem = props.get("sharedMemPerBlockOptin")
+            extra = f", {format_bytes(smem)} shared memory per block" if smem else ""
+            lines.append(f"GPU {i}: {name}, compute capability {cc}{extra}")
+        except Exception as exc:
+            lines.append(f"GPU {i}: could not be queried ({type(exc).__name__}: {exc})")
+    return lines
+
+
+def _nvrtc_version(cp) -> str:
+    try:
+        major, minor = cp.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        return f"not available ({type(exc).__name__}: {exc})"
+    return f"{major}.{minor}"
+
+
+@main.command()
+def info():
+    """Versions, GPU, NVRTC, and where kernels are found and cached."""
+    from . import __version__, _arrays
+
+    rows = [
+        ("cuflash", __version__),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("numpy", _version("numpy")),
+        ("ml_dtypes", _version("ml_dtypes")),
+    ]
+    cp = _arrays.cupy_module()
+    if cp is None:
+        rows.append(("cupy", "not installed: NumPy arrays run on the CPU (pip install 'cuflash[cuda12]' "
+                             "or 'cuflash[cuda13]' for the GPU)"))
+        gpus = ["no GPU found (CuPy is not installed)"]
+    else:
+        rows.append(("cupy", cp.__version__))
+        rows.append(("NVRTC", _nvrtc_version(cp)))
+        gpus = _gpu_lines(cp)
+    source_dir = kernel_source_dir()
+    if source_dir is None:
+        sources = "not found"
+    else:
+        n = sum(1 for p in source_dir.glob("*") if p.suffix in (".cu", ".cuh"))
+        sources = f"{source_dir} ({n} .cu/.cuh files)"
+    rows.append(("kernel sources", sources))
+    rows.append(("kernel cache", f"{kernel_cache_dir()} (CuPy's CUPY_CACHE_DIR)"))
+    width = max(len(k) for k, _ in rows + [("GPU", "")])
+    for key, value in rows:
+        click.echo(f"{key:<{width}}  {value}")
+    for line in gpus:
+        click.echo(f"{'GPU':<{width}}  {line}")
+
+
+# ---------------------------------------------------------------------------------------------
+# cuflash io
+
+_POSITIVE = click.IntRange(min=1)
+
+
+@main.command()
+@click.option("--batch", type=_POSITIVE, default=1, show_default=True, help="Batch size B.")
+@click.option("--heads", type=_POSITIVE, default=1, show_default=True, help="Number of heads H.")
+@click.option("--seqlen", type=_POSITIVE, default=8192, show_default=True, help="Query length N.")
+@click.option("--seqlen-k", type=_POSITIVE, default=None, help="Key/value length [default: --seqlen].")
+@click.option("--headdim", type=_POSITIVE, default=128, show_default=True, help="Head dimension d.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
+              show_default=True, help="Element type of Q, K, V, O.")
+@click.option("--block-m", type=_POSITIVE, default=128, show_default=True, help="Query rows per tile.")
+@click.option("--block-n", type=_POSITIVE, default=64, show_default=True, help="Key columns per tile.")
+@click.option("--sram-kib", type=_POSITIVE, default=228, show_default=True,
+              help="On-chip memory M per SM in KiB (228 on H100/H200).")
+def io(batch, heads, seqlen, seqlen_k, headdim, dtype, block_m, block_n, sram_kib):
+    """Memory sizes and HBM traffic: standard attention versus the tiled algorithm.
+
+    The model of Dao et al. 2022 (FlashAttention), Section 3.2, Theorem 2: standard attention
+    moves Theta(Nd + N^2) bytes, the tiled algorithm Theta(N^2 d^2 / M).
+    """
+    m = _io_model.io_model(
+        batch=batch, nheads=heads, seqlen_q=seqlen, seqlen_k=seqlen_k, headdim=headdim,
+        dtype=dtype, block_m=block_m, block_n=block_n, sram_bytes=sram_kib * 1024,
+    )
+    for line in io_report(m):
+        click.echo(line)
+
+
+def io_report(m: _io_model.IOModel) -> list[str]:
+    """The lines ``cuflash io`` prints for one model."""
+    d, nq, nk, e = m.headdim, m.seqlen_q, m.seqlen_k, m.dtype
+    acc = "float64" if m.acc_itemsize == 8 else "float32"
+
+    def row(label: str, nbytes: int, note: str = "") -> str:
+        return f"  {label:<30} {format_bytes(nbytes):>12}" + (f"   {note}" if note else "")
+
+    lines = [
+        f"Attention I/O model: batch {m.batch}, heads {m.nheads}, seqlen {nq} (q) x {nk} (k), "
+        f"head dim {d}, {e} ({m.itemsize} bytes per element)",
+        "",
+        "Sizes in HBM (whole batch, all heads)",
+        row(f"Q ({nq} x {d} per head)", m.q_bytes),
+        row(f"K ({nk} x {d} per head)", m.k_bytes),
+        row(f"V ({nk} x {m.headdim_v} per head)", m.v_bytes),
+        row(f"O ({nq} x {m.headdim_v} per head)", m.o_bytes),
+        row("Q, K, V, O together", m.qkvo_bytes),
+        row(f"score matrix S ({nq} x {nk})", m.score_bytes,
+            f"{format_bytes(m.score_bytes_per_head)} per (batch, head) = "
+            f"{m.score_over_matrix:g} x one {nq} x {d} matrix"),
+        "",
+        f"On-chip working set of one tile (block_m {m.block_m}, block_n {m.block_n})",
+        row(f"Q tile {m.block_m} x {d} {e}", m.tile_q_bytes),
+        row(f"K tile {m.block_n} x {d} {e}", m.tile_k_bytes),
+        row(f"V tile {m.block_n} x {m.headdim_v} {e}", m.tile_v_bytes),
+        row(f"S tile {m.block_m} x {m.block_n} {acc}", m.tile_s_bytes),
+        row(f"O accumulator {m.block_m} x {m.headdim_v} {acc}", m.tile_o_bytes),
+        row(f"row max m, row sum l ({m.block_m} each)", m.tile_stats_bytes),
+        row("one tile in total", m.tile_bytes,
+            f"{'fits in' if m.tile_fits else 'does NOT fit in'} M = {format_bytes(m.sram_bytes)}"),
+        "",
+        "HBM traffic",
+        row("standard attention", m.standard_hbm_bytes, "Theta(Nd + N^2)"),
+    ]
+    lines += [row(f"  {label}", nbytes) for label, nbytes in m.standard_steps]
+    lines += [
+        row("tiled (FlashAttention)", m.tiled_hbm_bytes, "Theta(N^2 d^2 / M)"),
+        f"    {m.query_blocks} query blocks of B_r = ceil(M / 4d) = {m.block_rows} rows "
+        f"(M = {m.sram_elems} {e} elements)",
+    ]
+    lines += [row(f"  {label}", nbytes) for label, nbytes in m.tiled_steps]
+    lines += [
+        row(f"tiled, block_m = {m.block_m}", m.kernel_hbm_bytes,
+            f"K and V read {m.kernel_query_blocks} times"),
+        f"  {'standard / tiled':<30} {m.hbm_ratio:>11.1f}x",
+        "",
+        _io_model.why_fast(m),
+    ]
+    return lines

@@ -1,0 +1,55 @@
+"""Time the forward kernel under several tile shapes (block_m, block_n, warps) in one run.
+
+Tuning writes data: the winner goes into cuflash._kernels.fwd_tile.  Each configuration is
+checked against plain attention before it is timed.
+Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs 128x64x4,128x64x8,...]
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import cuflash  # noqa: E402
+from bench import attention_flops, check_against_plain, time_gpu  # noqa: E402
+from cuflash import _kernels  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--headdims", default="64,128")
+    ap.add_argument("--configs", default="128x64x4,128x64x8,64x64x4,128x128x8,64x128x4,128x32x4")
+    ap.add_argument("--seqlen", type=int, default=4096)
+    args = ap.parse_args()
+    original = _kernels.fwd_tile
+    for d in map(int, args.headdims.split(",")):
+        for causal in (False, True):
+            b, h, s = 16384 // args.seqlen, 2048 // d, args.seqlen
+            q, k, v = (cp.asarray(np.random.default_rng(i).standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for i in range(3))
+            for cfg in args.configs.split(","):
+                bm, bn, w = map(int, cfg.split("x"))
+                tile = _kernels.TileConfig(bm, bn, w)
+                if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
+                    continue
+                _kernels.fwd_tile = lambda headdim, smem_limit=0, t=tile: t
+                try:
+                    out = cuflash.attention(q, k, v, causal=causal)
+                    check_against_plain(q, k, v, causal, out)
+                    ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
+                    fn = _kernels.get_function(_kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False), 0)
+                    tf = attention_flops(b, h, s, s, d, causal) / ms / 1e9
+                    print(f"d{d} causal={causal!s:5} {cfg:10} {tf:6.0f} TF/s  regs {fn.num_regs} spill {fn.local_size_bytes}", flush=True)
+                except Exception as exc:
+                    print(f"d{d} causal={causal} {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
+                finally:
+                    _kernels.fwd_tile = original
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The ``cuflash`` command line: ``cuflash info`` and ``cuflash io``."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import cuflash
+from cuflash import _arrays, cli
+from cuflash._io_model import format_bytes, io_model
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_GPU = _arrays.gpu_available()
+
+
+def run(*args, env=None):
+    result = CliRunner().invoke(cli.main, list(args), env=env, catch_exceptions=False)
+    return result
+
+
+def test_io_defaults_print_the_textbook_numbers():
+    result = run("io")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "seqlen 8192 (q) x 8192 (k), head dim 128, float16" in out
+    assert "2 MiB" in out  # one N x d matrix
+    assert re.search(r"Q, K, V, O together\s+8 MiB", out)
+    assert re.search(r"score matrix S \(8192 x 8192\)\s+128 MiB\s+128 MiB per \(batch, head\) = 64 x one 8192 x 128 matrix", out)
+    assert re.search(r"one tile in total\s+161 KiB\s+fits in M = 228 KiB", out)
+    assert re.search(r"standard attention\s+520 MiB", out)
+    assert "Why it is fast" in out
+
+
+def test_io_output_uses_the_model_numbers():
+    args = dict(batch=2, nheads=3, seqlen_q=1000, seqlen_k=3000, headdim=64, dtype="bfloat16",
+                block_m=64, block_n=32, sram_bytes=100 * 1024)
+    m = io_model(**args)
+    result = run("io", "--batch", "2", "--heads", "3", "--seqlen", "1000", "--seqlen-k", "3000",
+                 "--headdim", "64", "--dtype", "bfloat16", "--block-m", "64", "--block-n", "32",
+                 "--sram-kib", "100")
+    assert result.exit_code == 0, result.output
+    for value in (m.q_bytes, m.k_bytes, m.score_bytes, m.tile_bytes, m.standard_hbm_bytes,
+                  m.tiled_hbm_bytes, m.kernel_hbm_bytes):
+        assert format_bytes(value) in result.output
+    assert f"{m.query_blocks} query blocks of B_r = ceil(M / 4d) = {m.block_rows} rows" in result.output
+    assert "score matrix S (1000 x 3000)" in result.output
+
+
+def test_io_at_32768_shows_the_2_gib_score_matrix():
+    result = run("io", "--seqlen", "32768")
+    assert result.exit_code == 0
+    assert re.search(r"score matrix S \(32768 x 32768\)\s+2 GiB", result.output)
+
+
+def test_io_flags_a_tile_that_does_not_fit():
+    result = run("io", "--headdim", "256", "--block-m", "256", "--block-n", "128", "--sram-kib", "100")
+    assert result.exit_code == 0
+    assert "does NOT fit in M = 100 KiB" in result.output
+
+
+@pytest.mark.parametrize(
+    "args, word",
+    [
+        (["--dtype", "int8"], "--dtype"),
+        (["--seqlen", "0"], "--seqlen"),
+        (["--headdim", "x"], "--headdim"),
+        (["--block-m", "-4"], "--block-m"),
+    ],
+)
+def test_io_rejects_bad_options(args, word):
+    result = CliRunner().invoke(cli.main, ["io", *args])
+    assert result.exit_code == 2
+    assert word in result.output
+
+
+def test_help_lists_the_commands():
+    result = run("--help")
+    assert result.exit_code == 0
+    assert "info" in result.output and "io" in result.output
+    assert run("--version").output.strip().endswith(cuflash.__version__)
+
+
+def test_info(tmp_path):
+    result = run("info", env={"CUPY_CACHE_DIR": str(tmp_path / "cache")})
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert re.search(rf"cuflash\s+{re.escape(cuflash.__version__)}", out)
+    assert np.__version__ in out
+    assert re.search(rf"kernel cache\s+{re.escape(str(tmp_path / 'cache'))}", out)
+    assert "kernel sources" in out and "not found" not in out
+    if _arrays.cupy_module() is None:
+        assert "not installed" in out
+    else:
+        assert re.search(rf"cupy\s+{re.escape(_arrays.cupy_module().__version__)}", out)
+        assert "NVRTC" in out
+    if HAS_GPU:
+        assert "compute capability" in out
+    else:
+        assert "no GPU found" in out
+
+
+def test_info_default_cache_dir():
+    env = {"CUPY_CACHE_DIR": None}
+    result = run("info", env=env)
+    assert str(Path("~/.cupy/kernel_cache").expanduser()) in result.output
+
+
+def test_info_kernel_sources_are_the_checkout_or_package_kernels():
+    folder = cli.kernel_source_dir()
+    assert folder is not None
+    assert {p.name for p in folder.iterdir()} >= {p.name for p in (ROOT / "kernels").iterdir()}
+
+
+def test_info_without_cupy(monkeypatch):
+    monkeypatch.setattr(_arrays, "cupy_module", lambda: None)
+    result = run("info")
+    assert result.exit_code == 0, result.output
+    assert "not installed" in result.output
+    assert "no GPU found" in result.output
+
+
+def test_info_in_a_process_where_cupy_cannot_be_imported():
+    code = "import sys; sys.modules['cupy'] = None\nfrom cuflash.cli import main\nmain(['info'])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"cupy\s+not installed", proc.stdout)
+    assert "no GPU found" in proc.stdout
+
+
+def test_python_dash_m_cuflash_io_in_a_real_process():
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "cuflash", "io", "--seqlen", "32768"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "2 GiB" in proc.stdout
+    assert "Why it is fast" in proc.stdout

@@ -1,0 +1,473 @@
+"""The public failure cases of ../shared/cases/public-cases.md, each with its family.
+
+Every body takes the ``xp`` fixture: inputs are built with NumPy, moved with ``xp.asarray``,
+and results come back through ``_arrays.to_numpy``, so the same test runs the CPU path (numpy)
+and the CUDA kernels (cupy, skipped without a GPU).  Expected values come from the float64
+oracle (cuflash.reference) under the exactness rule, or from an analytic answer where the case
+gives one.  Cases about the KV cache and paged decoding are not here.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _arrays
+from cuflash import reference as R
+
+from .test_cpu import check_backward, check_forward, check_varlen, make_qkv, rand, varlen_inputs
+
+BF16 = ml_dtypes.bfloat16
+
+
+def np_(x):
+    return _arrays.to_numpy(x)
+
+
+def run(xp, *arrays):
+    return tuple(xp.asarray(a) for a in arrays)
+
+
+def no_nan(*arrays):
+    for a in arrays:
+        assert not np.isnan(np_(a).astype(np.float64)).any()
+
+
+# ---------------------------------------------------------------------------------------------
+# B01: fully masked rows
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_b01_fully_masked_rows_reference(rng, dtype):
+    q, k, v = (rng.random((1, 8, 1, 8)).astype(dtype) for _ in range(3))
+    mask = np.zeros((8, 8), dtype=bool)
+    mask[:4, :4] = True  # rows 4-7 see nothing
+    out, lse = R.attention_ref(q, k, v, mask=mask)
+    sub_out, sub_lse = R.attention_ref(q[:, :4], k[:, :4], v[:, :4])
+    np.testing.assert_allclose(out[:, :4], sub_out, rtol=1e-13)
+    np.testing.assert_allclose(lse[..., :4], sub_lse, rtol=1e-13)
+    assert np.all(out[:, 4:] == 0) and np.all(lse[..., 4:] == -np.inf)
+    # the same mask as an additive -inf bias
+    bias = np.where(mask, 0.0, -np.inf)
+    out_b, lse_b = R.attention_ref(q, k, v, bias=bias)
+    np.testing.assert_array_equal(out_b, out)
+    np.testing.assert_array_equal(lse_b, lse)
+    # backward with dO = 1: masked rows have dq = 0 and add nothing to dk, dv
+    dq, dk, dv = R.attention_backward_ref(np.ones((1, 8, 1, 8)), q, k, v, mask=mask)
+    sq, sk, sv = R.attention_backward_ref(np.ones((1, 4, 1, 8)), q[:, :4], k[:, :4], v[:, :4])
+    assert np.all(dq[:, 4:] == 0) and np.all(dk[:, 4:] == 0) and np.all(dv[:, 4:] == 0)
+    np.testing.assert_allclose(dk[:, :4], sk, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(dv[:, :4], sv, rtol=1e-12)
+    no_nan(out, lse[..., :4], dq, dk, dv)
+    # naive same-dtype attention also keeps the masked rows at 0, not NaN
+    naive = R.naive_attention(q, k, v, mask=mask)
+    assert np.all(naive[:, 4:] == 0)
+
+
+def test_b01_finite_minimum_mask_is_the_mean_of_v(rng):
+    q, k, v = (rng.random((1, 8, 1, 8)).astype(np.float32) for _ in range(3))
+    bias = np.zeros((8, 8), dtype=np.float32)
+    bias[4:] = np.finfo(np.float32).min  # whole rows at the float32 minimum: masks nothing
+    out, lse = R.attention_ref(q, k, v, bias=bias)
+    mean_v = v[0, :, 0].astype(np.float64).mean(0)
+    np.testing.assert_allclose(out[0, 4:, 0], np.broadcast_to(mean_v, (4, 8)), rtol=1e-12)
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(lse))
+    masked, _ = R.attention_ref(q, k, v, bias=np.where(bias < 0, -np.inf, 0.0))
+    assert not np.allclose(out[:, 4:], masked[:, 4:])  # finite minimum != -inf
+    naive = R.naive_attention(q, k, v, bias=bias)  # plain float32 stays finite too
+    np.testing.assert_allclose(naive[0, 4:, 0], out[0, 4:, 0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_b01_empty_rows_through_the_api(xp, rng, dtype):
+    """The API way to get whole empty rows: seqlens_k = 0 for a batch entry, and causal Sq > Sk."""
+    q, k, v = (rng.random((2, 8, 1, 8)).astype(dtype) for _ in range(3))
+    seqlens = np.array([4, 0], dtype=np.int32)
+    out, lse = check_forward(xp, q, k, v, seqlens_k=seqlens)
+    assert np.all(out[1] == 0) and np.all(lse[1] == -np.inf)
+    dout = np.ones(q.shape, dtype)
+    dq, dk, dv = check_backward(xp, q, k, v, dout, seqlens_k=seqlens)
+    assert np.all(dq[1] == 0) and np.all(dk[1] == 0) and np.all(dv[1] == 0)
+    assert np.all(dk[0, 4:] == 0) and np.all(dv[0, 4:] == 0)  # keys past seqlens_k
+    # a fully masked row inside a 128-row tile: Sq = 441, causal with Sk = 300 -> rows < 141 empty
+    q, k, v = make_qkv(rng, dtype, 1, 441, 300, 2, 1, 32)
+    out, lse = check_forward(xp, q, k, v, causal=True)
+    assert np.all(out[:, :141] == 0) and np.all(lse[..., :141] == -np.inf)
+    assert np.all(np.isfinite(lse[..., 141:]))
+    dq, dk, dv = check_backward(xp, q, k, v, rng=rng, causal=True)
+    assert np.all(dq[:, :141] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# B02: causal with Sq > Sk
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32])
+@pytest.mark.parametrize("sizes", [(5, 2), (200, 70), (129, 1)])
+def test_b02_causal_more_queries_than_keys(xp, rng, dtype, sizes):
+    sq, sk = sizes
+    q, k, v = make_qkv(rng, dtype, 1, sq, sk, 2, 2, 64)
+    out, lse = check_forward(xp, q, k, v, causal=True)
+    empty = sq - sk
+    assert np.all(out[:, :empty] == 0) and np.all(lse[..., :empty] == -np.inf)
+    assert np.all(np.isfinite(lse[..., empty:]))
+    dq, dk, dv = check_backward(xp, q, k, v, rng=rng, causal=True)
+    assert np.all(dq[:, :empty] == 0)
+    no_nan(out, dq, dk, dv)
+
+
+def test_b02_varlen_one_sequence_with_empty_rows(xp, rng):
+    # sequence 0: qo_len 9 > kv_len 4 (5 empty rows); sequence 1: qo_len 6 <= kv_len 10
+    q, k, v, cu_q, cu_k = varlen_inputs(rng, np.float16, [9, 6], [4, 10], 2, 2, 64)
+    out, lse, (dq, dk, dv) = check_varlen(xp, q, k, v, cu_q, cu_k, rng=rng, causal=True)
+    assert np.all(out[:5] == 0) and np.all(lse[:, :5] == -np.inf) and np.all(dq[:5] == 0)
+    # the sequence without empty rows is unaffected: same numbers as running it alone
+    alone, alone_lse = cuflash.attention(*run(xp, q[None, 9:], k[None, 4:], v[None, 4:]), causal=True,
+                                         return_lse=True)
+    np.testing.assert_array_equal(out[9:], np_(alone)[0])
+    np.testing.assert_array_equal(lse[:, 9:], np_(alone_lse)[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# B03: causal with Sq < Sk is bottom-right aligned
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sizes", [(1, 147), (2, 5), (113, 203)])
+@pytest.mark.parametrize("dtype", [np.float16, BF16])
+def test_b03_bottom_right_causal(xp, rng, dtype, sizes):
+    sq, sk = sizes
+    q, k, v = make_qkv(rng, dtype, 2, sq, sk, 4, 4, 64)
+    out, lse = check_forward(xp, q, k, v, causal=True)
+    check_backward(xp, q, k, v, rng=rng, causal=True)
+    # the first query sees keys 0 .. Sk - Sq exactly: the oracle without any mask, on those keys
+    seen = slice(0, sk - sq + 1)
+    first = R.attention_ref(q[:, :1], k[:, seen], v[:, seen])
+    first_naive = R.naive_attention(q[:, :1], k[:, seen], v[:, seen], return_lse=True)
+    R.assert_exact(out[:, :1], first[0], first_naive[0], "row 0")
+    R.assert_exact(lse[..., :1], first[1], first_naive[1], "row 0 lse")
+    # top-left is a different mode, tested by name
+    top, _ = check_forward(xp, q, k, v, causal="top_left")
+    ref_top, _ = R.attention_ref(q, k, v, causal=True)
+    assert R.max_error_ratio(top, ref_top, R.naive_attention(q, k, v, causal=True)) > 1
+    if sq == 1:  # decode: causal equals non-causal over all Sk keys
+        full, full_lse = R.attention_ref(q, k, v)
+        naive, naive_lse = R.naive_attention(q, k, v, return_lse=True)
+        R.assert_exact(out, full, naive, "decode out")
+        R.assert_exact(lse, full_lse, naive_lse, "decode lse")
+
+
+def test_b03_mask_picture():
+    assert R.visible_mask(2, 5, causal=True).astype(int).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("sizes", [(1023, 1024), (1024, 1023)])
+def test_b03_large_off_by_one(xp, rng, sizes):
+    sq, sk = sizes
+    q, k, v = make_qkv(rng, np.float16, 2, sq, sk, 4, 4, 64)
+    out, lse = check_forward(xp, q, k, v, causal=True)
+    if sq > sk:
+        assert np.all(out[:, 0] == 0) and np.all(lse[..., 0] == -np.inf)  # one empty row
+    else:
+        assert np.all(np.isfinite(lse))
+
+
+def test_b03_varlen(xp, rng):
+    q, k, v, cu_q, cu_k = varlen_inputs(rng, np.float16, [2, 3], [5, 4], 4, 4, 64)
+    out, _, _ = check_varlen(xp, q, k, v, cu_q, cu_k, rng=rng, causal=True)
+    # sequence 0 (2 queries, 5 keys): query 0 sees keys 0..3, query 1 sees all 5
+    first, _ = R.attention_ref(q[None, :1], k[None, :4], v[None, :4])
+    R.assert_exact(out[:1], first[0], R.naive_attention(q[None, :1], k[None, :4], v[None, :4])[0], "row 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# B06: one query, one key
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("headdim", [8, 16, 32, 64, 128])
+def test_b06_single_query_single_key(xp, rng, headdim, causal):
+    q, k, v = make_qkv(rng, np.float16, 1, 1, 1, 1, 1, headdim, scale=3.0)
+    out, lse = check_forward(xp, q, k, v, causal=causal)
+    np.testing.assert_array_equal(out, v)  # p = 1: out = v exactly
+    scale = 1 / np.sqrt(headdim)
+    np.testing.assert_allclose(lse[0, 0, 0], scale * (q.astype(np.float64) * k).sum(), atol=1e-5)
+    dout = np.ones_like(q, shape=v.shape)
+    dq, dk, dv = check_backward(xp, q, k, v, dout, causal=causal)  # dq = dk = 0 up to the rule
+    np.testing.assert_array_equal(dv, dout)  # dv = dO exactly
+    no_nan(dq, dk, dv)
+    assert np.abs(dq.astype(np.float64)).max() <= 1e-5 and np.abs(dk.astype(np.float64)).max() <= 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# B08: varlen causal, one key per sequence, long query sequences
+# ---------------------------------------------------------------------------------------------
+
+
+def test_b08_varlen_one_key_per_sequence(xp, rng):
+    cu_q = np.array([0, 76, 110, 256], dtype=np.int32)
+    cu_k = np.array([0, 1, 2, 3], dtype=np.int32)
+    q, k, v = rand(rng, (256, 1, 32), np.float16, 3.0), rand(rng, (3, 1, 32), np.float16, 3.0), \
+        rand(rng, (3, 1, 32), np.float16, 3.0)
+    dout = np.ones((256, 1, 32), np.float16)
+    out, lse, (dq, dk, dv) = check_varlen(xp, q, k, v, cu_q, cu_k, dout=dout, causal=True)
+    last = cu_q[1:] - 1
+    others = np.setdiff1d(np.arange(256), last)
+    assert np.all(out[others] == 0) and np.all(lse[:, others] == -np.inf)
+    np.testing.assert_array_equal(out[last], v)  # the last row of each sequence: its one key
+    np.testing.assert_array_equal(dv, np.ones_like(dv))  # dv_j = dO of that row
+    assert np.abs(dq.astype(np.float64)).max() <= 1e-5 and np.abs(dk.astype(np.float64)).max() <= 1e-5
+    assert np.all(dq[others] == 0)
+    no_nan(out, dq, dk, dv)
+
+
+# ---------------------------------------------------------------------------------------------
+# B09: zero-length sequences, GQA, single-token queries
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["A", "B"])
+def test_b09_zero_length_sequences(xp, rng, case):
+    if case == "A":
+        lens_q, lens_k, hq, hkv, d, opts = [0, 1, 0, 1], [0, 3, 0, 5], 9, 3, 64, dict(causal=True, softmax_scale=1.0)
+    else:
+        lens_q, lens_k, hq, hkv, d, opts = [0, 0, 0, 1], [0, 0, 0, 1], 21, 7, 120, dict(causal=True)
+    q, k, v, cu_q, cu_k = varlen_inputs(rng, BF16, lens_q, lens_k, hq, hkv, d)
+    # scale 1.0 with d = 64 makes rows nearly one-hot: the gradients are only required finite
+    # there (module docstring of test_cpu.py); the default scale checks them by the rule
+    out, lse, (dq, dk, dv) = check_varlen(xp, q, k, v, cu_q, cu_k, rng=rng, grads_rule=False, **opts)
+    assert out.shape == (sum(lens_q), hq, d) and lse.shape == (hq, sum(lens_q))
+    assert np.all(np.isfinite(lse))  # every query row has keys here
+    check_varlen(xp, q, k, v, cu_q, cu_k, rng=rng, causal=True)
+
+
+def test_b09_large_gqa_with_empty_sequences(xp, rng):
+    cu_q = np.array([0, 0, 1208, 2048, 2048])
+    cu_k = np.array([0, 2538, 4280, 5120, 8192])
+    q = rand(rng, (2048, 4, 256), np.float16)
+    k, v = rand(rng, (8192, 1, 256), np.float16), rand(rng, (8192, 1, 256), np.float16)
+    out, lse, (dq, dk, dv) = check_varlen(xp, q, k, v, cu_q, cu_k, rng=rng)
+    assert out.shape == (2048, 4, 256)
+    # keys of sequences without queries get exactly zero gradient
+    assert np.all(dk[:2538] == 0) and np.all(dv[:2538] == 0)
+    assert np.all(dk[5120:] == 0) and np.all(dv[5120:] == 0)
+    assert np.abs(dk[2538:5120].astype(np.float32)).max() > 0
+
+
+def test_b09_queries_without_keys_give_zeros(xp, rng):
+    q, k, v, cu_q, cu_k = varlen_inputs(rng, np.float16, [3, 2], [0, 4], 4, 2, 16)
+    out, lse, (dq, _, _) = check_varlen(xp, q, k, v, cu_q, cu_k, rng=rng)
+    assert np.all(out[:3] == 0) and np.all(lse[:, :3] == -np.inf) and np.all(dq[:3] == 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# B11: empty problems
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shapes", [
+    ((0, 3952, 10, 64), (0, 16, 10, 64)),
+    ((2, 5, 4, 64), (2, 0, 4, 64)),
+    ((2, 0, 4, 64), (2, 7, 4, 64)),
+    ((2, 5, 0, 64), (2, 7, 0, 64)),
+], ids=["batch0", "seqlen_k0", "seqlen_q0", "heads0"])
+def test_b11_empty_problems(xp, rng, shapes):
+    qs, ks = shapes
+    q, k, v = rand(rng, qs, np.float16), rand(rng, ks, np.float16), rand(rng, ks, np.float16)
+    out, lse = cuflash.attention(*run(xp, q, k, v), return_lse=True, causal=True)
+    assert out.shape == qs and lse.shape == (qs[0], qs[2], qs[1])
+    out, lse = np_(out), np_(lse)
+    assert np.all(out == 0) and np.all(lse == -np.inf)  # Sk = 0: every row empty
+    grads = cuflash.attention_backward(*run(xp, np.ones(qs, np.float16), q, k, v, out, lse), causal=True)
+    assert [g.shape for g in grads] == [qs, ks, ks]
+    assert all(np.all(np_(g) == 0) for g in grads)
+
+
+def test_b11_zero_headdim_is_a_clear_error(xp):
+    z = xp.zeros((0, 0, 0, 0), dtype=np.float16)
+    with pytest.raises(ValueError, match="head dim"):
+        cuflash.attention(z, z, z)
+    z = xp.zeros((2, 3, 4, 0), dtype=np.float16)
+    with pytest.raises(ValueError, match="head dim"):
+        cuflash.attention(z, z, z)
+
+
+# ---------------------------------------------------------------------------------------------
+# B12: GQA head mapping and LSE
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hkv", [8, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_b12_gqa_lse(xp, rng, hkv, causal):
+    q, k, v = make_qkv(rng, np.float16, 1, 256, 256, 64, hkv, 128)
+    out, lse = check_forward(xp, q, k, v, causal=causal)
+    # the mapping is h // group (np.repeat), not h % hkv (np.tile)
+    g = 64 // hkv
+    k_tiled, v_tiled = np.tile(k, (1, 1, g, 1)), np.tile(v, (1, 1, g, 1))
+    tiled, _ = R.attention_ref(q, k_tiled, v_tiled, causal=causal)
+    if hkv > 1:
+        assert R.max_error_ratio(out, tiled, R.naive_attention(q, k_tiled, v_tiled, causal=causal)) > 1
+    if causal:
+        check_backward(xp, q, k, v, rng=rng, causal=True)
+
+
+@pytest.mark.parametrize("heads", [(33, 2), (3, 2)])
+def test_b12_invalid_head_ratios(xp, heads):
+    hq, hkv = heads
+    q, k = xp.ones((1, 4, hq, 8), dtype=np.float16), xp.ones((1, 4, hkv, 8), dtype=np.float16)
+    with pytest.raises(ValueError, match=f"k has {hkv} heads"):
+        cuflash.attention(q, k, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# B13: LSE is a natural log, merges exactly
+# ---------------------------------------------------------------------------------------------
+
+
+def test_b13_lse_and_split_merge(xp, rng):
+    q, k, v = make_qkv(rng, BF16, 2, 37, 1600, 4, 4, 128)
+    out, lse = check_forward(xp, q, k, v)
+    assert lse.dtype == np.float32 and lse.shape == (2, 4, 37)
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(128)
+    np.testing.assert_allclose(lse, np.log(np.exp(s).sum(-1)), rtol=1e-6)  # natural log, scale once
+    halves = []
+    for sl in (slice(0, 800), slice(800, 1600)):
+        o, l_ = cuflash.attention(*run(xp, q, k[:, sl], v[:, sl]), return_lse=True)
+        halves += [o, l_]
+    merged, merged_lse = cuflash.merge_states(*halves)
+    ref, ref_lse = R.attention_ref(q, k, v)
+    naive, naive_lse = R.naive_attention(q, k, v, return_lse=True)
+    R.assert_exact(np_(merged), ref, naive, "merged out")
+    R.assert_exact(np_(merged_lse), ref_lse, naive_lse, "merged lse")
+    np.testing.assert_allclose(np_(merged_lse), np.logaddexp(np_(halves[1]), np_(halves[3])), rtol=1e-6)
+
+
+def test_b13_varlen_lse_shape(xp, rng):
+    q, k, v, cu_q, cu_k = varlen_inputs(rng, BF16, [37, 5], [160, 20], 4, 4, 128)
+    _, lse, _ = check_varlen(xp, q, k, v, cu_q, cu_k, rng=rng)
+    assert lse.shape == (4, 42) and lse.dtype == np.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# B20: window boundaries
+# ---------------------------------------------------------------------------------------------
+
+WINDOWS = [dict(window_size=(0, 0)), dict(window_size=(1, 0)), dict(window_size=(0, 1)),
+           dict(window_size=(31, 0)),
+           dict(window_size=(300, 0)),  # (L, 0) non-causal with L >= S: exactly causal, no future key
+           dict(window_size=(40, 5), causal=True),  # causal clips the right edge: (40, 0)
+           dict(window_size=(7, 9))]
+
+
+@pytest.mark.parametrize("sizes", [(128, 128), (64, 96), (96, 64)])
+def test_b20_windows(xp, rng, sizes):
+    sq, sk = sizes
+    q, k, v = make_qkv(rng, BF16, 2, sq, sk, 4, 4, 64)
+    outs = []
+    for opts in WINDOWS:
+        out, _ = check_forward(xp, q, k, v, **opts)
+        check_backward(xp, q, k, v, rng=rng, **opts)
+        outs.append(out)
+    # (0, 0): out_i is v at j = i + Sk - Sq, exactly; rows whose diagonal key does not exist are 0
+    for i in range(sq):
+        j = i + sk - sq
+        np.testing.assert_array_equal(outs[0][:, i], v[:, j] if 0 <= j < sk else 0)
+    # different windows give different outputs
+    for a in range(len(outs)):
+        for b in range(a + 1, len(outs)):
+            assert not np.array_equal(outs[a], outs[b]), (WINDOWS[a], WINDOWS[b])
+
+
+def test_b20_inclusive_window_counts_keys(xp, rng):
+    """(w, w) sees 2w + 1 keys: with all scores equal, out is the mean of exactly those values."""
+    q = np.ones((1, 20, 1, 8), np.float32)
+    k = np.ones((1, 20, 1, 8), np.float32)
+    v = rand(rng, (1, 20, 1, 4), np.float32)
+    out = np_(cuflash.attention(*run(xp, q, k, v), window_size=(2, 2)))
+    np.testing.assert_allclose(out[0, 10, 0], v[0, 8:13, 0].mean(0), rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# B21: softcap
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("cap", [50.0, 1.0, 0.1])
+def test_b21_softcap(xp, rng, cap, causal):
+    q, k, v = make_qkv(rng, BF16, 2, 113, 203, 4, 4, 128)
+    check_forward(xp, q, k, v, softcap=cap, causal=causal)
+    check_backward(xp, q, k, v, rng=rng, softcap=cap, causal=causal)
+
+
+@pytest.mark.parametrize("cap", [50.0, 1.0, 0.1])
+def test_b21_softcap_large_logits(xp, rng, cap):
+    q, k, v = make_qkv(rng, BF16, 2, 113, 203, 4, 4, 128)
+    q, k = q * BF16(100), k * BF16(100)  # |scale q.k| ~ 1e4
+    out, lse = check_forward(xp, q, k, v, softcap=cap, causal=True)
+    assert np.all(np.isfinite(lse)) and np.all(np.abs(lse) <= cap + np.log(203) + 1e-3)
+    dq, dk, dv = check_backward(xp, q, k, v, rng=rng, softcap=cap, causal=True)
+    # masked keys get exactly zero weight even for a tiny cap: changing them changes nothing
+    v2 = v.copy()
+    v2[:, 91:] = BF16(1e4)  # keys that query 0 (sees 0..90) must not read
+    out2 = np_(cuflash.attention(*run(xp, q, k, v2), softcap=cap, causal=True))
+    np.testing.assert_array_equal(out2[:, 0], out[:, 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# B22: ALiBi
+# ---------------------------------------------------------------------------------------------
+
+ALIBI_H = np.array([2.0 ** (-8 * (h + 1) / 12) for h in range(12)], dtype=np.float32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sizes", [(1, 147), (113, 203), (203, 113)])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["H", "BH"])
+def test_b22_alibi(xp, rng, sizes, causal, per_batch):
+    sq, sk = sizes
+    slopes = np.stack([ALIBI_H, ALIBI_H[::-1]]) if per_batch else ALIBI_H
+    q, k, v = make_qkv(rng, np.float16, 2, sq, sk, 12, 12, 64)
+    out, _ = check_forward(xp, q, k, v, alibi_slopes=xp.asarray(slopes), causal=causal)
+    check_backward(xp, q, k, v, rng=rng, alibi_slopes=slopes, causal=causal)
+    # the same bias written out by hand, through the oracle's generic additive bias
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    bias = -np.broadcast_to(slopes, (2, 12))[:, :, None, None] * np.abs(i + sk - sq - j)
+    by_hand, _ = R.attention_ref(q, k, v, bias=bias, causal=causal)
+    R.assert_exact(out, by_hand, R.naive_attention(q, k, v, bias=bias, causal=causal), "alibi by hand")
+
+
+def test_b22_decode_newest_key_has_zero_bias(xp, rng):
+    """With equal scores, decode weights are exp(-slope * (Sk - 1 - j)): the newest key has bias 0."""
+    sk = 147
+    q = np.zeros((2, 1, 12, 64), np.float16)  # scores all 0, so only ALiBi shapes the weights
+    k = rand(rng, (2, sk, 12, 64), np.float16)
+    v = rand(rng, (2, sk, 12, 64), np.float16)
+    out = np_(cuflash.attention(*run(xp, q, k, v), alibi_slopes=xp.asarray(ALIBI_H)))
+    w = np.exp(-ALIBI_H[:, None].astype(np.float64) * (sk - 1 - np.arange(sk)))  # (H, Sk)
+    want = np.einsum("hk,bkhd->bhd", w / w.sum(1, keepdims=True), v.astype(np.float64))
+    np.testing.assert_allclose(out[:, 0].astype(np.float64), want, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# B23: backward in every mask mode
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seqlen", [1024, 1000])
+def test_b23_backward_every_mode(xp, rng, seqlen, causal):
+    q, k, v = make_qkv(rng, np.float16, 2, seqlen, seqlen, 4, 4, 64)
+    check_backward(xp, q, k, v, rng=rng, causal=causal)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(causal="top_left"),
+                                  dict(window_size=(64, 16)), dict(window_size=(32, 0), causal=True)],
+                         ids=["full", "causal", "top_left", "window", "window_causal"])
+def test_b23_backward_sq_ne_sk(xp, rng, opts):
+    q, k, v = make_qkv(rng, np.float16, 2, 512, 256, 4, 4, 64)
+    check_backward(xp, q, k, v, rng=rng, **opts)

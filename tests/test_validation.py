@@ -1,0 +1,537 @@
+"""Every bad input of the conventions raises the documented exception, naming the argument.
+
+Conventions (../shared/notes/conventions.md, "Errors"): ValueError for shapes and values,
+TypeError for dtypes and array kinds, and the message names the argument.  Empty problems are
+valid and return correctly shaped results.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def make(b=2, sq=4, sk=5, hq=4, hk=2, d=8, dv=8, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((b, sq, hq, d)).astype(dtype)
+    k = rng.standard_normal((b, sk, hk, d)).astype(dtype)
+    v = rng.standard_normal((b, sk, hk, dv)).astype(dtype)
+    return q, k, v
+
+
+def make_packed(total_q=7, total_k=9, hq=4, hk=2, d=8, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((total_q, hq, d)).astype(dtype)
+    k = rng.standard_normal((total_k, hk, d)).astype(dtype)
+    v = rng.standard_normal((total_k, hk, d)).astype(dtype)
+    return q, k, v
+
+
+CU_Q = np.array([0, 3, 7], dtype=np.int32)
+CU_K = np.array([0, 4, 9], dtype=np.int32)
+
+
+# --- q, k, v: kinds, dtypes, ranks, shapes ---------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_list_inputs_are_type_errors(which):
+    args = dict(zip("qkv", make()))
+    args[which] = args[which].tolist()
+    with pytest.raises(TypeError, match=rf"^{which} must be a NumPy or CuPy array"):
+        cuflash.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [(np.float16, np.float32, np.float32), (np.float32, np.float32, np.float64),
+     (np.float16, BF16, np.float16)],
+)
+def test_mixed_dtypes(dtypes):
+    q, k, v = make()
+    q, k, v = (x.astype(t) for x, t in zip((q, k, v), dtypes))
+    with pytest.raises(TypeError, match=r"q, k, v must share one dtype; got q \w+, k \w+, v \w+"):
+        cuflash.attention(q, k, v)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int8, np.uint16, np.bool_, np.complex64])
+def test_unsupported_dtypes(dtype):
+    q, k, v = (x.astype(dtype) for x in make())
+    with pytest.raises(TypeError, match=r"q has dtype \w+; expected one of float16, bfloat16, float32, float64"):
+        cuflash.attention(q, k, v)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+@pytest.mark.parametrize("rank", [3, 5])
+def test_wrong_rank(which, rank):
+    args = dict(zip("qkv", make()))
+    x = args[which]
+    args[which] = x[0] if rank == 3 else x[None]
+    with pytest.raises(ValueError, match=rf"^{which} must have 4 dimensions"):
+        cuflash.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_batch_mismatch(which):
+    args = dict(zip("qkv", make(b=2)))
+    args[which] = np.concatenate([args[which]] * 2)
+    with pytest.raises(ValueError, match=r"q, k, v must share the batch size"):
+        cuflash.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("hq, hk", [(33, 2), (3, 2), (4, 3), (1, 2)])
+def test_query_heads_not_a_multiple_of_key_heads(hq, hk):
+    q, k, v = make(hq=hq, hk=hk)
+    with pytest.raises(ValueError, match=rf"k has {hk} heads; q's {hq} heads must be a multiple of it"):
+        cuflash.attention(q, k, v)
+
+
+def test_zero_key_heads_with_query_heads():
+    q, k, v = make(hq=2, hk=0)
+    with pytest.raises(ValueError, match=r"k has 0 heads"):
+        cuflash.attention(q, k, v)
+
+
+def test_head_dim_mismatch():
+    q, _, _ = make(d=8)
+    _, k, v = make(d=16, dv=8)
+    with pytest.raises(ValueError, match=r"k has head dim 16; it must equal q's head dim 8"):
+        cuflash.attention(q, k, v)
+
+
+def test_value_head_dim_may_differ():
+    q, k, v = make(d=8, dv=4)
+    assert cuflash.attention(q, k, v).shape == (2, 4, 4, 4)
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_v_must_match_k_seqlen_and_heads(axis):
+    q, k, v = make()
+    v = np.concatenate([v, v], axis=axis)
+    with pytest.raises(ValueError, match=r"v must have k's seqlen and heads"):
+        cuflash.attention(q, k, v)
+
+
+def test_zero_head_dim():
+    q, k, v = make(d=0)
+    with pytest.raises(ValueError, match=r"head dims must be >= 1"):
+        cuflash.attention(q, k, v)
+
+
+@pytest.mark.parametrize("layout", ["bsdh", "BSHD", "", None, 0])
+def test_invalid_layout(layout):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"layout must be 'bshd' or 'bhsd'"):
+        cuflash.attention(q, k, v, layout=layout)
+
+
+def test_bhsd_layout_checks_shapes_in_its_own_order():
+    q, k, v = (x.swapaxes(1, 2) for x in make(hq=3, hk=2))  # (B, H, S, D)
+    with pytest.raises(ValueError, match=r"k has 2 heads; q's 3 heads"):
+        cuflash.attention(q, k, v, layout="bhsd")
+
+
+# --- options ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "window, exc, pattern",
+    [
+        ((-2, 0), ValueError, r"window_size\[0\] must be >= -1; got -2"),
+        ((0, -5), ValueError, r"window_size\[1\] must be >= -1; got -5"),
+        ((1,), ValueError, r"window_size must be a pair"),
+        ((1, 2, 3), ValueError, r"window_size must be a pair"),
+        ("a", ValueError, r"window_size must be a pair"),
+        (None, ValueError, r"window_size must be a pair"),
+        (3, ValueError, r"window_size must be a pair"),
+        ((1.5, 0), TypeError, r"window_size\[0\] must be an integer"),
+        ((0, "1"), TypeError, r"window_size\[1\] must be an integer"),
+        ((True, 0), TypeError, r"window_size\[0\] must be an integer"),
+    ],
+)
+def test_bad_window(window, exc, pattern):
+    q, k, v = make()
+    with pytest.raises(exc, match=pattern):
+        cuflash.attention(q, k, v, window_size=window)
+
+
+def test_window_accepts_numpy_integers_and_lists():
+    q, k, v = make()
+    a = cuflash.attention(q, k, v, window_size=(np.int64(1), np.int32(0)))
+    b = cuflash.attention(q, k, v, window_size=[1, 0])
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("causal", ["yes", "bottom-right", "TOP_LEFT", 1, 0, None, 1.0, (True,)])
+def test_bad_causal(causal):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"causal must be False, True, 'bottom_right' or 'top_left'"):
+        cuflash.attention(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [True, False, "bottom_right", "top_left", np.bool_(True)])
+def test_good_causal_values(causal):
+    q, k, v = make()
+    assert cuflash.attention(q, k, v, causal=causal).shape == q.shape
+
+
+@pytest.mark.parametrize("softcap", [-1.0, -1e-9, -np.inf])
+def test_negative_softcap(softcap):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"softcap must be"):
+        cuflash.attention(q, k, v, softcap=softcap)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, float("nan")])
+def test_non_finite_softmax_scale(value):
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"softmax_scale must be finite"):
+        cuflash.attention(q, k, v, softmax_scale=value)
+
+
+def test_nan_softcap():
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"softcap must be finite"):
+        cuflash.attention(q, k, v, softcap=np.nan)
+
+
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
+@pytest.mark.parametrize("value", ["0.5", True, [0.5], 1j])
+def test_non_real_scalars(name, value):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=rf"{name} must be a real number"):
+        cuflash.attention(q, k, v, **{name: value})
+
+
+@pytest.mark.parametrize(
+    "slopes, exc, pattern",
+    [
+        (np.ones(3, np.float32), ValueError, r"alibi_slopes must have shape \(4,\) or \(2, 4\); got \(3,\)"),
+        (np.ones((4, 2), np.float32), ValueError, r"alibi_slopes must have shape"),
+        (np.ones((1, 4), np.float32), ValueError, r"alibi_slopes must have shape"),
+        (np.ones((2, 4, 1), np.float32), ValueError, r"alibi_slopes must have shape"),
+        (np.ones(4, np.int32), TypeError, r"alibi_slopes must be a float array; got dtype int32"),
+        (np.ones(4, np.bool_), TypeError, r"alibi_slopes must be a float array"),
+        ([0.5] * 4, TypeError, r"alibi_slopes must be an array; got list"),
+    ],
+)
+def test_bad_alibi_slopes(slopes, exc, pattern):
+    q, k, v = make(b=2, hq=4, hk=2)
+    with pytest.raises(exc, match=pattern):
+        cuflash.attention(q, k, v, alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64])
+def test_alibi_slopes_in_any_float_dtype(dtype):
+    q, k, v = make(b=2, hq=4, hk=2)
+    out = cuflash.attention(q, k, v, alibi_slopes=np.full(4, 0.25, dtype=dtype))
+    assert out.shape == q.shape
+
+
+@pytest.mark.parametrize(
+    "seqlens, exc, pattern",
+    [
+        (np.array([3.0, 4.0]), TypeError, r"seqlens_k must have dtype int32 or int64; got float64"),
+        (np.array([3, 4], np.int16), TypeError, r"seqlens_k must have dtype int32 or int64; got int16"),
+        (np.array([3, 4], np.uint32), TypeError, r"seqlens_k must have dtype int32 or int64"),
+        ([3, 4], TypeError, r"seqlens_k must be an integer array; got list"),
+        (np.array([3], np.int32), ValueError, r"seqlens_k must have length 2; got 1"),
+        (np.array([3, 4, 5], np.int64), ValueError, r"seqlens_k must have length 2; got 3"),
+        (np.array([[3, 4]], np.int32), ValueError, r"seqlens_k must have 1 dimension"),
+        (np.array([3, 6], np.int32), ValueError, r"seqlens_k values must lie in \[0, 5\]"),
+        (np.array([-1, 4], np.int64), ValueError, r"seqlens_k values must lie in \[0, 5\]"),
+    ],
+)
+def test_bad_seqlens_k(seqlens, exc, pattern):
+    q, k, v = make(b=2, sk=5)
+    with pytest.raises(exc, match=pattern):
+        cuflash.attention(q, k, v, seqlens_k=seqlens)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_seqlens_k_accepts_int32_and_int64(dtype):
+    q, k, v = make(b=2, sk=5)
+    out = cuflash.attention(q, k, v, seqlens_k=np.array([5, 2], dtype=dtype))
+    assert out.shape == q.shape
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_out_wrong_shape(layout):
+    q, k, v = make(b=2, sq=4, hq=4, hk=2, d=8, dv=6)
+    if layout == "bhsd":
+        q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+    good = (2, 4, 4, 6)
+    bad = np.empty((2, 4, 4, 8), np.float32)
+    with pytest.raises(ValueError, match=rf"out must have shape \({', '.join(map(str, good))}\); got \(2, 4, 4, 8\)"):
+        cuflash.attention(q, k, v, out=bad, layout=layout)
+
+
+def test_out_wrong_dtype():
+    q, k, v = make()
+    with pytest.raises(TypeError, match=r"out must have dtype float32; got float16"):
+        cuflash.attention(q, k, v, out=np.empty(q.shape, np.float16))
+
+
+def test_out_not_an_array():
+    q, k, v = make()
+    with pytest.raises(TypeError, match=r"out must be a NumPy or CuPy array; got list"):
+        cuflash.attention(q, k, v, out=np.empty(q.shape, np.float32).tolist())
+
+
+def test_out_is_filled_and_returned():
+    q, k, v = make()
+    out = np.full(q.shape, np.nan, np.float32)
+    res = cuflash.attention(q, k, v, out=out)
+    assert res is out
+    assert np.isfinite(out).all()
+
+
+# --- backward ---------------------------------------------------------------------------------
+
+
+def _forward_like(q, v):
+    out = np.zeros(q.shape[:3] + (v.shape[3],), q.dtype)
+    lse = np.zeros((q.shape[0], q.shape[2], q.shape[1]), np.float32)
+    return out, lse
+
+
+@pytest.mark.parametrize("name", ["dout", "out"])
+def test_backward_checks_dout_and_out(name):
+    q, k, v = make()
+    out, lse = _forward_like(q, v)
+    args = dict(dout=out.copy(), out=out)
+    args[name] = args[name][:, :-1]
+    with pytest.raises(ValueError, match=rf"{name} must have shape"):
+        cuflash.attention_backward(args["dout"], q, k, v, args["out"], lse)
+    args[name] = out.astype(np.float64)
+    with pytest.raises(TypeError, match=rf"{name} must have dtype float32"):
+        cuflash.attention_backward(args["dout"], q, k, v, args["out"], lse)
+
+
+def test_backward_checks_lse():
+    q, k, v = make()
+    out, lse = _forward_like(q, v)
+    with pytest.raises(ValueError, match=r"lse must have shape \(2, 4, 4\)"):
+        cuflash.attention_backward(out, q, k, v, out, lse.swapaxes(1, 2)[:, :, :3])
+    with pytest.raises(TypeError, match=r"lse must have dtype float32; got float64"):
+        cuflash.attention_backward(out, q, k, v, out, lse.astype(np.float64))
+
+
+def test_backward_checks_preallocated_gradients():
+    q, k, v = make()
+    out, lse = _forward_like(q, v)
+    with pytest.raises(ValueError, match=r"dk must have shape"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dk=np.empty(q.shape, q.dtype))
+    with pytest.raises(TypeError, match=r"dv must have dtype float32"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dv=np.empty(v.shape, np.float16))
+
+
+def test_backward_checks_deterministic_and_options():
+    q, k, v = make()
+    out, lse = _forward_like(q, v)
+    with pytest.raises(TypeError, match=r"deterministic must be a bool"):
+        cuflash.attention_backward(out, q, k, v, out, lse, deterministic="yes")
+    with pytest.raises(ValueError, match=r"causal must be"):
+        cuflash.attention_backward(out, q, k, v, out, lse, causal="yes")
+    with pytest.raises(TypeError, match=r"dout must be a NumPy or CuPy array"):
+        cuflash.attention_backward(out.tolist(), q, k, v, out, lse)
+
+
+@pytest.mark.parametrize("bad", ["return_lse", "out"])
+def test_vjp_rejects_forward_only_options(bad):
+    q, k, v = make()
+    with pytest.raises(TypeError, match=bad):
+        cuflash.attention_vjp(q, k, v, **{bad: None})
+
+
+# --- varlen -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cu_q, cu_k, exc, pattern",
+    [
+        ([0, 5, 3], CU_K, ValueError, r"cu_seqlens_q must be non-decreasing"),
+        (CU_Q, [0, 6, 4], ValueError, r"cu_seqlens_k must be non-decreasing"),
+        ([1, 3, 7], CU_K, ValueError, r"cu_seqlens_q must start at 0; got 1"),
+        (CU_Q, [2, 4, 9], ValueError, r"cu_seqlens_k must start at 0; got 2"),
+        ([0, 3, 8], CU_K, ValueError, r"cu_seqlens_q\[-1\] = 8 exceeds the 7 packed tokens"),
+        (CU_Q, [0, 4, 10], ValueError, r"cu_seqlens_k\[-1\] = 10 exceeds the 9 packed tokens"),
+        ([0, 3, 7], [0, 9], ValueError, r"cu_seqlens_q and cu_seqlens_k must have the same length"),
+        ([], [], ValueError, r"cu_seqlens_q must have at least one entry"),
+    ],
+)
+def test_bad_cu_seqlens_values(cu_q, cu_k, exc, pattern):
+    q, k, v = make_packed()
+    with pytest.raises(exc, match=pattern):
+        cuflash.attention_varlen(q, k, v, np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32))
+
+
+@pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k"])
+def test_bad_cu_seqlens_types(which):
+    q, k, v = make_packed()
+    args = {"cu_seqlens_q": CU_Q, "cu_seqlens_k": CU_K}
+    args[which] = args[which].astype(np.float32)
+    with pytest.raises(TypeError, match=rf"{which} must have dtype int32 or int64; got float32"):
+        cuflash.attention_varlen(q, k, v, **args)
+    args[which] = [0, 3, 7]
+    with pytest.raises(TypeError, match=rf"{which} must be an integer array; got list"):
+        cuflash.attention_varlen(q, k, v, **args)
+    args[which] = np.array([[0, 3, 7]], np.int32)
+    with pytest.raises(ValueError, match=rf"{which} must have 1 dimension"):
+        cuflash.attention_varlen(q, k, v, **args)
+
+
+def test_varlen_max_seqlen_checks():
+    q, k, v = make_packed()
+    with pytest.raises(ValueError, match=r"max_seqlen_q = 3 is smaller than the longest sequence 4"):
+        cuflash.attention_varlen(q, k, v, CU_Q, CU_K, max_seqlen_q=3)
+    with pytest.raises(ValueError, match=r"max_seqlen_k must be >= 0"):
+        cuflash.attention_varlen(q, k, v, CU_Q, CU_K, max_seqlen_k=-1)
+    with pytest.raises(TypeError, match=r"max_seqlen_k must be an integer"):
+        cuflash.attention_varlen(q, k, v, CU_Q, CU_K, max_seqlen_k=5.0)
+
+
+def test_varlen_shapes():
+    q, k, v = make_packed(hq=3, hk=2)
+    with pytest.raises(ValueError, match=r"k has 2 heads; q's 3 heads must be a multiple of it"):
+        cuflash.attention_varlen(q, k, v, CU_Q, CU_K)
+    q, k, v = make_packed()
+    with pytest.raises(ValueError, match=r"q must have 3 dimensions \(total_tokens, nheads, headdim\)"):
+        cuflash.attention_varlen(q[None], k, v, CU_Q, CU_K)
+    with pytest.raises(ValueError, match=r"v must have k's tokens and heads"):
+        cuflash.attention_varlen(q, k, v[:-1], CU_Q, CU_K)
+    with pytest.raises(ValueError, match=r"k has head dim 4; it must equal q's head dim 8"):
+        cuflash.attention_varlen(q, k[..., :4], v, CU_Q, CU_K)
+    with pytest.raises(TypeError, match=r"q, k, v must share one dtype"):
+        cuflash.attention_varlen(q, k.astype(np.float16), v, CU_Q, CU_K)
+    with pytest.raises(ValueError, match=r"out must have shape \(7, 4, 8\)"):
+        cuflash.attention_varlen(q, k, v, CU_Q, CU_K, out=np.empty((7, 4, 4), np.float32))
+
+
+# --- merge_states -----------------------------------------------------------------------------
+
+
+def _state(shape=(2, 3, 4, 8), dtype=np.float32):
+    rng = np.random.default_rng(1)
+    b, s, h, _ = shape
+    return rng.standard_normal(shape).astype(dtype), rng.standard_normal((b, h, s)).astype(np.float32)
+
+
+def test_merge_states_mismatched_output_shapes():
+    oa, la = _state((2, 3, 4, 8))
+    ob, lb = _state((2, 3, 4, 6))
+    with pytest.raises(ValueError, match=r"part 1: output shape \(2, 3, 4, 6\) differs from \(2, 3, 4, 8\)"):
+        cuflash.merge_states(oa, la, ob, lb)
+
+
+def test_merge_states_mismatched_lse_shape():
+    oa, la = _state()
+    ob, lb = _state()
+    with pytest.raises(ValueError, match=r"part 1: lse must have shape \(2, 4, 3\); got \(2, 3, 4\)"):
+        cuflash.merge_states(oa, la, ob, lb.swapaxes(1, 2))
+
+
+def test_merge_states_argument_errors():
+    oa, la = _state()
+    with pytest.raises(ValueError, match=r"merge_states takes"):
+        cuflash.merge_states(oa, la, oa)
+    with pytest.raises(TypeError, match=r"out_b must be a NumPy or CuPy array.*; got list"):
+        cuflash.merge_states(oa, la, oa.tolist(), la)
+    with pytest.raises(TypeError, match=r"part 1: outputs and LSEs must be floating point"):
+        cuflash.merge_states(oa, la, oa.astype(np.int32), la)
+    with pytest.raises(TypeError, match=r"part 1: output dtype float16 differs from float32"):
+        cuflash.merge_states(oa, la, oa.astype(np.float16), la)
+    with pytest.raises(ValueError, match=r"outs and lses must be stacked"):
+        cuflash.merge_states(np.stack([oa, oa]), np.stack([la, la, la]))
+    with pytest.raises(ValueError, match=r"layout must be"):
+        cuflash.merge_states(oa, la, oa, la, layout="sbhd")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64])
+def test_merge_states_accepts_every_float_dtype(dtype):
+    oa, la = _state(dtype=dtype)
+    ob, lb = _state(dtype=dtype)
+    out, lse = cuflash.merge_states(oa, la, ob, lb)
+    assert out.dtype == np.dtype(dtype) and out.shape == oa.shape
+    assert lse.shape == la.shape
+
+
+# --- softmax ----------------------------------------------------------------------------------
+
+
+def test_softmax_errors():
+    with pytest.raises(TypeError, match=r"x must be a NumPy or CuPy array"):
+        cuflash.softmax([1.0, 2.0])
+    with pytest.raises(TypeError, match=r"x must be a float array; got dtype int64"):
+        cuflash.softmax(np.arange(3))
+    with pytest.raises(np.exceptions.AxisError if hasattr(np, "exceptions") else np.AxisError):
+        cuflash.softmax(np.ones((2, 3)), axis=2)
+
+
+# --- empty problems ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize(
+    "b, sq, sk, hq, hk",
+    [(0, 4, 5, 4, 2), (2, 0, 5, 4, 2), (2, 4, 0, 4, 2), (2, 4, 5, 0, 0), (0, 0, 0, 4, 2)],
+)
+def test_empty_problems(layout, b, sq, sk, hq, hk):
+    q, k, v = make(b=b, sq=sq, sk=sk, hq=hq, hk=hk, d=8, dv=6)
+    if layout == "bhsd":
+        q, k, v = (x.swapaxes(1, 2) for x in (q, k, v))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, layout=layout)
+    expected = (b, sq, hq, 6) if layout == "bshd" else (b, hq, sq, 6)
+    assert out.shape == expected and out.dtype == q.dtype
+    assert lse.shape == (b, hq, sq) and lse.dtype == np.float32
+    assert (out == 0).all()  # Sk = 0: every row is empty
+    assert np.isneginf(lse).all()
+
+
+def test_empty_keys_overwrite_a_poisoned_out():
+    q, k, v = make(sk=0)
+    out = np.full(q.shape, np.nan, np.float32)
+    res, lse = cuflash.attention(q, k, v, out=out, return_lse=True, causal=True)
+    assert res is out and (out == 0).all() and np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float64])
+def test_empty_keys_in_other_dtypes(dtype):
+    q, k, v = make(sk=0, dtype=dtype)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert out.dtype == np.dtype(dtype) and (out.astype(np.float32) == 0).all()
+    assert lse.dtype == (np.float64 if dtype == np.float64 else np.float32)
+    assert np.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("b, sq, sk", [(0, 4, 5), (2, 0, 5), (2, 4, 0)])
+def test_empty_backward(b, sq, sk):
+    q, k, v = make(b=b, sq=sq, sk=sk)
+    out = np.zeros(q.shape, np.float32)
+    lse = np.full((b, 4, sq), -np.inf, np.float32)
+    dq, dk, dv = cuflash.attention_backward(out, q, k, v, out, lse)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for g in (dq, dk, dv):
+        assert (g == 0).all()
+
+
+def test_empty_varlen():
+    q, k, v = make_packed(total_q=5, total_k=0)
+    out, lse = cuflash.attention_varlen(
+        q, k, v, np.array([0, 2, 5], np.int64), np.array([0, 0, 0], np.int64), return_lse=True
+    )
+    assert out.shape == (5, 4, 8) and (out == 0).all()
+    assert lse.shape == (4, 5) and np.isneginf(lse).all()
+    # No sequences at all.
+    out, lse = cuflash.attention_varlen(
+        q, k, v, np.array([0], np.int32), np.array([0], np.int32), return_lse=True
+    )
+    assert out.shape == (5, 4, 8) and (out == 0).all() and np.isneginf(lse).all()
+
+
+def test_empty_softmax():
+    x = np.ones((0, 3), np.float32)
+    assert cuflash.softmax(x).shape == (0, 3)
