@@ -71,9 +71,11 @@ class Variant:
 
 @dataclass(frozen=True)
 class TileConfig:
-    block_m: int
-    block_n: int
-    warps: int
+    block_m: int  # query rows per thread block
+    block_n: int  # keys per inner-loop tile
+    warps: int  # query rows per warp = block_m / warps (16 or 32)
+    min_blocks: int = 1  # blocks per SM the register allocation must allow
+    q_in_regs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
 
     def smem_bytes(self, headdim: int) -> int:
         # Q (block_m rows) + K and V (block_n rows each), rows padded by 8 elements of 2 bytes.
@@ -91,12 +93,14 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
     """Forward block sizes per head-dim bucket (FA2-like: 16 or 32 query rows per warp)."""
     if headdim <= 64:
         cfg = TileConfig(128, 64, 4)
-    else:
+    elif headdim <= 128:
         cfg = TileConfig(128, 64, 8)
+    else:
+        cfg = TileConfig(128, 64, 8, q_in_regs=False)
     if cfg.smem_bytes(headdim) > smem_limit:
-        cfg = TileConfig(64, 64, 4)
+        cfg = TileConfig(64, 64, 4, q_in_regs=headdim <= 128)
     if cfg.smem_bytes(headdim) > smem_limit:
-        cfg = TileConfig(64, 32, 4)
+        cfg = TileConfig(64, 32, 4, q_in_regs=headdim <= 128)
     return cfg
 
 
@@ -105,12 +109,12 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``."""
     d = headdim_bucket(headdim)
     t = fwd_tile(d, smem_limit)
-    name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}"
-    name += "_softcap" * softcap + "_alibi" * alibi
+    name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
+    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
-        ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps),
-        ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+        ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
+        ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -149,6 +153,8 @@ def get_function(variant: Variant, device_id: int):
             fn = module.get_function(variant.name)
             if variant.smem_bytes > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = variant.smem_bytes
+            # Ask for the largest shared-memory carveout so several blocks fit on one SM.
+            fn.preferred_shared_memory_carveout = 100
         _functions[key] = fn
     return fn
 

@@ -31,6 +31,12 @@
 #ifndef CUFLASH_WARPS
 #define CUFLASH_WARPS 4
 #endif
+#ifndef CUFLASH_MIN_BLOCKS
+#define CUFLASH_MIN_BLOCKS 1
+#endif
+#ifndef CUFLASH_Q_IN_REGS
+#define CUFLASH_Q_IN_REGS 1
+#endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
@@ -56,7 +62,7 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* g, long long row
     }
 }
 
-template <class T, int kD, int kBM, int kBN, int kWarps, bool kSoftcap, bool kAlibi>
+template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
     constexpr int kMT = kBM / (16 * kWarps);  // 16-row MMA tiles per warp
@@ -64,7 +70,6 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kKS = kD / 16;              // 16-wide steps over the head dim
     constexpr int kOT = kD / 8;               // 8-wide column tiles of O
     constexpr int kStride = kD + 8;           // padded shared-memory row, in elements
-    constexpr bool kQInRegs = kD * kMT <= 128;  // larger Q fragments would crowd out the O accumulator
     static_assert(kBM % (16 * kWarps) == 0 && kBN % 16 == 0 && kD % 32 == 0, "bad tile shape");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -266,8 +271,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32)
+// CUFLASH_MIN_BLOCKS caps registers so that many blocks share an SM (latency hiding);
+// CUFLASH_Q_IN_REGS keeps Q's MMA fragments in registers instead of re-reading shared memory.
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLOCKS)
 CUFLASH_KERNEL_NAME(const FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
-              CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+              CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
 }

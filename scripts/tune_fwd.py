@@ -2,7 +2,7 @@
 
 Tuning writes data: the winner goes into cuflash._kernels.fwd_tile.  Each configuration is
 checked against plain attention before it is timed.
-Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs 128x64x4,128x64x8,...]
+Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPSxMINBLOCKSxQINREGS,...]
 """
 
 import argparse
@@ -24,7 +24,7 @@ from cuflash import _kernels  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--headdims", default="64,128")
-    ap.add_argument("--configs", default="128x64x4,128x64x8,64x64x4,128x128x8,64x128x4,128x32x4")
+    ap.add_argument("--configs", default="128x64x4x1x1,128x64x8x1x1,64x64x4x3x1,64x64x4x4x1,64x64x4x3x0,128x64x8x2x1,64x128x4x2x1")
     ap.add_argument("--seqlen", type=int, default=4096)
     args = ap.parse_args()
     original = _kernels.fwd_tile
@@ -33,8 +33,8 @@ def main():
             b, h, s = 16384 // args.seqlen, 2048 // d, args.seqlen
             q, k, v = (cp.asarray(np.random.default_rng(i).standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for i in range(3))
             for cfg in args.configs.split(","):
-                bm, bn, w = map(int, cfg.split("x"))
-                tile = _kernels.TileConfig(bm, bn, w)
+                bm, bn, w, mb, qr = map(int, cfg.split("x"))
+                tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr))
                 if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
                     continue
                 _kernels.fwd_tile = lambda headdim, smem_limit=0, t=tile: t
