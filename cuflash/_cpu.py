@@ -13,7 +13,8 @@ The code follows FlashAttention-2 (Dao, ICLR 2024) Algorithm 1 (forward) and Alg
 
 Tiles are converted to the accumulation dtype: float32, or float64 for float64 inputs.  GQA is
 handled by viewing the query heads as (nheads_k, group): query head h = kv·group + g reads key
-head kv = h // group, and the key tile broadcasts over the group axis.
+head kv = h // group, and the G query heads of a group are stacked as the rows of one matmul
+against their shared key/value tile.
 
 The API has validated everything; arrays arrive as (batch, seqlen, heads, dim) views with any
 strides, and results are written into the given output arrays.
@@ -47,12 +48,12 @@ class _Heads:
         return np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=acc).reshape(b, self.hkv, self.g, s, d)
 
     def keys(self, x, acc):
-        """(B, S, Hkv, d) view -> (B, Hkv, 1, S, d) in the accumulation dtype (broadcasts over G).
+        """(B, S, Hkv, d) view -> (B, Hkv, S, d) contiguous copy in the accumulation dtype.
 
         K and V are converted once per call rather than once per tile: O(N·d) memory, like the
         inputs themselves; only the O(N²) score matrix is what tiling must avoid.
         """
-        return np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=acc)[:, :, None]
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3), dtype=acc)
 
     def rows(self, x):
         """(B, Hkv, G, m, d) -> (B, m, Hq, d), for writing into a bshd output."""
@@ -80,7 +81,7 @@ class _Band:
         self.sk = sk
         self.off = np.zeros_like(sk) if p.top_left else sk - p.seqlen_q
         self.left, self.right = p.window_left, p.window_right
-        self.seqlen_q, self.seqlen_k = p.seqlen_q, p.seqlen_k
+        self.seqlen_q = p.seqlen_q
         self.masked = self.left != -1 or self.right != -1 or p.seqlens_k is not None
 
     def key_range(self, i0, i1):
@@ -149,13 +150,13 @@ def _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1):
 
 
 def _group_matmul(a, b):
-    """a @ b for a (B, Hkv, G, m, x) and b (B, Hkv, 1, x, y) -> (B, Hkv, G, m, y).
+    """a @ b for a (B, Hkv, G, m, x) and b (B, Hkv, x, y) -> (B, Hkv, G, m, y).
 
     The G query heads of a group share b, so they are stacked as G·m rows of one matmul per
     key/value head instead of G small ones.
     """
     bsz, h, g, m, x = a.shape
-    return (a.reshape(bsz, h, g * m, x) @ b[:, :, 0]).reshape(bsz, h, g, m, b.shape[-1])
+    return (a.reshape(bsz, h, g * m, x) @ b).reshape(bsz, h, g, m, b.shape[-1])
 
 
 def _scalar(x, value):
@@ -186,7 +187,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
     """
     acc = _acc_dtype(p.dtype)
     heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
-    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, 1, Sk, d)
+    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, Sk, d)
     for i0, i1 in _blocks(0, p.seqlen_q, block_m):
         q_t = heads.queries(q[:, i0:i1], acc)  # (B, Hkv, G, m, D)
         row_shape = q_t.shape[:-1] + (1,)
@@ -233,7 +234,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     del deterministic  # one thread, fixed loop order: always repeatable
     acc = _acc_dtype(p.dtype)
     heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
-    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, 1, Sk, d)
+    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, Sk, d)
     q_all, do_all = heads.queries(q, acc), heads.queries(dout, acc)  # (B, Hkv, G, Sq, d)
     delta = (do_all * heads.queries(out, acc)).sum(axis=-1, keepdims=True)  # D, (B, Hkv, G, Sq, 1)
     # A row that saw no key has lse = -inf; using +inf makes its P = exp(S - inf) = 0 even where
@@ -243,7 +244,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     dq_all = np.zeros_like(q_all)
     scale = acc.type(p.softmax_scale)
     for j0, j1 in _blocks(0, p.seqlen_k, block_n):
-        k_t, v_t = k_all[..., j0:j1, :], v_all[..., j0:j1, :]  # (B, Hkv, 1, n, d)
+        k_t, v_t = k_all[..., j0:j1, :], v_all[..., j0:j1, :]  # (B, Hkv, n, d)
         dk_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_qk), dtype=acc)
         dv_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_v), dtype=acc)
         for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):

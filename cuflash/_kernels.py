@@ -90,11 +90,16 @@ def headdim_bucket(headdim: int) -> int:
 
 
 def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
-    """Forward block sizes per head-dim bucket (FA2-like: 16 or 32 query rows per warp)."""
+    """Forward block sizes per head-dim bucket.
+
+    Measured on the H200 with scripts/tune_fwd.py (bf16, seqlen 4k; see docs/perf-notes.md):
+    d64 128x64, 8 warps, 2 blocks/SM: 185 TF/s; d128 64x128, 4 warps, 2 blocks/SM: 197;
+    d256 128x64, 8 warps, Q re-read from shared memory: 194.
+    """
     if headdim <= 64:
-        cfg = TileConfig(128, 64, 4)
+        cfg = TileConfig(128, 64, 8, min_blocks=2)
     elif headdim <= 128:
-        cfg = TileConfig(128, 64, 8)
+        cfg = TileConfig(64, 128, 4, min_blocks=2)
     else:
         cfg = TileConfig(128, 64, 8, q_in_regs=False)
     if cfg.smem_bytes(headdim) > smem_limit:

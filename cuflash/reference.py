@@ -228,6 +228,10 @@ def _prepare(q, k, v, layout, options, convert=_f64):
         raise ValueError(f"q, k, v must be 4-D; got shapes {q.shape}, {k.shape}, {v.shape}")
     q, k, v = (_heads_major(x, layout) for x in (q, k, v))
     opts = _Options(q.shape[3], q.shape[1], k.shape[1], q.shape[0], **options)
+    sk = opts.seqlens_k
+    if sk is not None and (sk.shape != (q.shape[0],) or np.any(sk < 0) or np.any(sk > k.shape[2])):
+        raise ValueError(f"seqlens_k must have shape ({q.shape[0]},) and values in [0, {k.shape[2]}]; "
+                         f"got {sk.tolist()}")
     return q, k, v, opts
 
 

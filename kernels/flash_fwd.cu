@@ -147,7 +147,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < kKS; ++ks) {
-                u32 a[kMT][4];
+                // Issue every shared-memory load of this step before the first MMA that needs one,
+                // so their latencies overlap instead of each MMA waiting for its own load.
+                u32 a[kMT][4], kb[kNT / 2][4];  // kb[np]: key columns 16np..+7 (kb[np][0..1]), +8..15 ([2..3])
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
                     if constexpr (kQInRegs) {
@@ -158,15 +160,15 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     }
                 }
 #pragma unroll
-                for (int np = 0; np < kNT / 2; ++np) {
-                    u32 kb[4];  // B fragments of key columns 16np..16np+7 (kb[0..1]) and +8..15 (kb[2..3])
-                    ldmatrix_x4(kb, sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+                for (int np = 0; np < kNT / 2; ++np)
+                    ldmatrix_x4(kb[np], sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+#pragma unroll
+                for (int np = 0; np < kNT / 2; ++np)
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
-                        mma_16x8x16<T>(s[mt][2 * np], a[mt], kb[0], kb[1]);
-                        mma_16x8x16<T>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
+                        mma_16x8x16<T>(s[mt][2 * np], a[mt], kb[np][0], kb[np][1]);
+                        mma_16x8x16<T>(s[mt][2 * np + 1], a[mt], kb[np][2], kb[np][3]);
                     }
-                }
             }
             __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
             if (nb > nb_lo) {
@@ -227,16 +229,17 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
                     pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
                 }
+                u32 vb[kOT / 2][4];  // vb[dp]: O columns 16dp..+7 (vb[dp][0..1]) and +8..15 ([2..3])
 #pragma unroll
-                for (int dp = 0; dp < kOT / 2; ++dp) {
-                    u32 vb[4];  // B fragments of O columns 16dp..+7 (vb[0..1]) and +8..15 (vb[2..3])
-                    ldmatrix_x4_trans(vb, sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+                for (int dp = 0; dp < kOT / 2; ++dp)
+                    ldmatrix_x4_trans(vb[dp], sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+#pragma unroll
+                for (int dp = 0; dp < kOT / 2; ++dp)
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
-                        mma_16x8x16<T>(o[mt][2 * dp], pa[mt], vb[0], vb[1]);
-                        mma_16x8x16<T>(o[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                        mma_16x8x16<T>(o[mt][2 * dp], pa[mt], vb[dp][0], vb[dp][1]);
+                        mma_16x8x16<T>(o[mt][2 * dp + 1], pa[mt], vb[dp][2], vb[dp][3]);
                     }
-                }
             }
         }
     }

@@ -26,16 +26,17 @@ template <> __device__ __forceinline__ u32 pack2<bf16_t>(float lo, float hi) {
     return r;
 }
 
-// D = A(16x16, row) * B(16x8, col) + D, fp32 accumulators.
+// D = A(16x16, row) * B(16x8, col) + D, fp32 accumulators.  Not volatile: a pure register
+// operation, so the compiler may interleave it with other work.
 template <class T> __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
 template <> __device__ __forceinline__ void mma_16x8x16<half_t>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <> __device__ __forceinline__ void mma_16x8x16<bf16_t>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));

@@ -232,9 +232,11 @@ def test_b08_varlen_one_key_per_sequence(xp, rng):
 @pytest.mark.parametrize("case", ["A", "B"])
 def test_b09_zero_length_sequences(xp, rng, case):
     if case == "A":
-        lens_q, lens_k, hq, hkv, d, opts = [0, 1, 0, 1], [0, 3, 0, 5], 9, 3, 64, dict(causal=True, softmax_scale=1.0)
+        lens_q, lens_k, hq, hkv, d = [0, 1, 0, 1], [0, 3, 0, 5], 9, 3, 64
+        opts = dict(causal=True, softmax_scale=1.0)
     else:
-        lens_q, lens_k, hq, hkv, d, opts = [0, 0, 0, 1], [0, 0, 0, 1], 21, 7, 120, dict(causal=True)
+        lens_q, lens_k, hq, hkv, d = [0, 0, 0, 1], [0, 0, 0, 1], 21, 7, 120
+        opts = dict(causal=True)
     q, k, v, cu_q, cu_k = varlen_inputs(rng, BF16, lens_q, lens_k, hq, hkv, d)
     # scale 1.0 with d = 64 makes rows nearly one-hot: the gradients are only required finite
     # there (module docstring of test_cpu.py); the default scale checks them by the rule

@@ -141,7 +141,8 @@ def test_visible_mask_pictures():
     np.testing.assert_array_equal(R.visible_mask(5, 5, causal=True, window_size=(2, 3)),
                                   R.visible_mask(5, 5, window_size=(2, 0)))
     # a valid key length shorter than seqlen_k moves the diagonal and hides the tail
-    assert R.visible_mask(2, 5, causal=True, valid_k=3).astype(int).tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert R.visible_mask(2, 5, causal=True, valid_k=3).astype(int).tolist() == [
+        [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
 
 
 def test_gqa_repeats_heads_not_tiles(rng):
@@ -181,7 +182,8 @@ def test_scale_default_and_literal_zero(rng):
     explicit, _ = R.attention_ref(q, k, v, softmax_scale=1 / 3)
     np.testing.assert_array_equal(out, explicit)
     uniform, lse = R.attention_ref(q, k, v, softmax_scale=0.0)
-    np.testing.assert_allclose(uniform, np.repeat(v.mean(axis=1, keepdims=True), 2, axis=2).repeat(5, 1), rtol=1e-13)
+    mean_v = np.repeat(v.mean(axis=1, keepdims=True), 2, axis=2)  # (B, 1, Hq, Dv)
+    np.testing.assert_allclose(uniform, np.broadcast_to(mean_v, uniform.shape), rtol=1e-13)
     np.testing.assert_allclose(lse, np.log(7))
 
 
