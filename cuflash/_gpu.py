@@ -81,6 +81,12 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
     device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
+        scale = p.softmax_scale
+        if scale <= 0:
+            # The kernel folds a positive scale into exp2; (-q)·k·|scale| and 0·k·1 are the
+            # same scores exactly, so a negative or zero scale is handled by rewriting q.
+            q = -q if scale < 0 else cp.zeros_like(q)
+            scale = -scale if scale < 0 else 1.0
         qx, kx, vx = _prepare(q, d8), _prepare(k, d8), _prepare(v, dv8)
         direct = out.shape[-1] == dv8 and _aligned(out)
         ox = out if direct else cp.empty(out.shape[:-1] + (dv8,), dtype=out.dtype)
@@ -106,7 +112,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
         prm.headdim_qk, prm.headdim_v = d8, dv8
         prm.window_left, prm.window_right, prm.top_left = p.window_left, p.window_right, int(p.top_left)
-        prm.softmax_scale, prm.softcap = p.softmax_scale, p.softcap
+        prm.softmax_scale, prm.softcap = scale, p.softcap
 
         block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
         bh = p.batch * p.nheads_q

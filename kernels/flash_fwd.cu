@@ -48,17 +48,33 @@
 #endif
 
 // Copy a (kRows x kD) tile whose rows start `row_stride` elements apart into padded shared memory;
-// rows >= rows_valid and 8-column chunks >= chunks_valid become zeros.
+// rows >= rows_valid and 8-column chunks >= chunks_valid become zeros.  When the threads divide
+// the row chunks evenly, thread t always copies column chunk t % kChunks of rows
+// t / kChunks + i * kRowStep: addresses are a base plus a constant step, with no division or
+// 64-bit multiply per chunk.
 template <int kRows, int kD, int kThreads>
 __device__ __forceinline__ void load_tile(u16* smem, const u16* g, long long row_stride, int rows_valid,
                                           int chunks_valid, int tid) {
     constexpr int kChunks = kD / 8, kStride = kD + 8;
+    if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
+        constexpr int kRowStep = kThreads / kChunks;
+        const int r0 = tid / kChunks, col = tid % kChunks;
+        const bool col_ok = col < chunks_valid;
+        const u16* src = g + r0 * row_stride + col * 8;
+        u16* dst = smem + r0 * kStride + col * 8;
 #pragma unroll
-    for (int c = tid; c < kRows * kChunks; c += kThreads) {
-        int r = c / kChunks, col = c % kChunks;
-        bool valid = r < rows_valid && col < chunks_valid;
-        const u16* src = valid ? g + r * row_stride + col * 8 : g;
-        cp_async_16(smem + r * kStride + col * 8, src, valid);
+        for (int i = 0; i < kRows / kRowStep; ++i) {
+            const bool valid = col_ok && r0 + i * kRowStep < rows_valid;
+            cp_async_16(dst + i * kRowStep * kStride, valid ? src : g, valid);
+            src += kRowStep * row_stride;
+        }
+    } else {
+#pragma unroll
+        for (int c = tid; c < kRows * kChunks; c += kThreads) {
+            const int r = c / kChunks, col = c % kChunks;
+            const bool valid = r < rows_valid && col < chunks_valid;
+            cp_async_16(smem + r * kStride + col * 8, valid ? g + r * row_stride + col * 8 : g, valid);
+        }
     }
 }
 
@@ -70,6 +86,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kKS = kD / 16;              // 16-wide steps over the head dim
     constexpr int kOT = kD / 8;               // 8-wide column tiles of O
     constexpr int kStride = kD + 8;           // padded shared-memory row, in elements
+    // Without softcap and ALiBi the max is taken over raw q.k and the scale folded into the
+    // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
+    // negative scale and zeroes q for a zero scale, both exact).
+    constexpr bool kPlain = !kSoftcap && !kAlibi;
     static_assert(kBM % (16 * kWarps) == 0 && kBN % 16 == 0 && kD % 32 == 0, "bad tile shape");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -147,9 +167,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
 #pragma unroll
             for (int ks = 0; ks < kKS; ++ks) {
-                // Issue every shared-memory load of this step before the first MMA that needs one,
-                // so their latencies overlap instead of each MMA waiting for its own load.
-                u32 a[kMT][4], kb[kNT / 2][4];  // kb[np]: key columns 16np..+7 (kb[np][0..1]), +8..15 ([2..3])
+                u32 a[kMT][4];
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
                     if constexpr (kQInRegs) {
@@ -160,15 +178,15 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     }
                 }
 #pragma unroll
-                for (int np = 0; np < kNT / 2; ++np)
-                    ldmatrix_x4(kb[np], sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
-#pragma unroll
-                for (int np = 0; np < kNT / 2; ++np)
+                for (int np = 0; np < kNT / 2; ++np) {
+                    u32 kb[4];  // B fragments of key columns 16np..16np+7 (kb[0..1]) and +8..15 (kb[2..3])
+                    ldmatrix_x4(kb, sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
-                        mma_16x8x16<T>(s[mt][2 * np], a[mt], kb[np][0], kb[np][1]);
-                        mma_16x8x16<T>(s[mt][2 * np + 1], a[mt], kb[np][2], kb[np][3]);
+                        mma_16x8x16<T>(s[mt][2 * np], a[mt], kb[0], kb[1]);
+                        mma_16x8x16<T>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
                     }
+                }
             }
             __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
             if (nb > nb_lo) {
@@ -177,36 +195,55 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 cp_async_commit();
             }
 
-            // Score pipeline, mask, online softmax.  P overwrites S (still fp32 here).
+            // Score pipeline, mask, online softmax; P is packed to 16 bits at once (half the registers of S).
+            u32 pk[kMT][kBN / 16][4];
             const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     const int i = m0 + (warp * kMT + mt) * 16 + lane / 4 + half * 8;
-                    float tile_max = -__int_as_float(0x7f800000);
+                    if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
+#pragma unroll
+                        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                s[mt][nt][half * 2 + e] = final_score_log2<kSoftcap, kAlibi>(
+                                    s[mt][nt][half * 2 + e], scale, scale_log2, softcap, slope, i, n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
+                    }
+                    if (masked) {  // only tiles on the band edges or the key tail
+#pragma unroll
+                        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e)
+                                if (!seq.visible(i, n0 + nt * 8 + (lane % 4) * 2 + e)) s[mt][nt][half * 2 + e] = -__int_as_float(0x7f800000);
+                    }
+                    float part_max[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};
 #pragma unroll
                     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int j = n0 + nt * 8 + (lane % 4) * 2 + e;
-                            float x = final_score_log2<kSoftcap, kAlibi>(s[mt][nt][half * 2 + e], scale, scale_log2, softcap, slope, i, j, seq.offset);
-                            if (masked && !seq.visible(i, j)) x = -__int_as_float(0x7f800000);
-                            s[mt][nt][half * 2 + e] = x;
-                            tile_max = fmaxf(tile_max, x);
-                        }
+                        for (int e = 0; e < 2; ++e) part_max[e] = fmaxf(part_max[e], s[mt][nt][half * 2 + e]);  // two chains
+                    float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
+                    if constexpr (kPlain) tile_max *= scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
                     float m_use;
-                    const float alpha = row[mt][half].update_max(quad_max(tile_max), m_use);
-                    float sum = 0.f;
+                    const float alpha = row[mt][half].update_max(tile_max, m_use);
+                    float part_sum[2] = {0.f, 0.f};
 #pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            float pv = exp2f(s[mt][nt][half * 2 + e] - m_use);
-                            s[mt][nt][half * 2 + e] = pv;
-                            sum += pv;
+                    for (int nt = 0; nt < kNT; ++nt) {
+                        float p0, p1;
+                        if constexpr (kPlain) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
+                            p0 = exp2f(fmaf(s[mt][nt][half * 2], scale_log2, -m_use));
+                            p1 = exp2f(fmaf(s[mt][nt][half * 2 + 1], scale_log2, -m_use));
+                        } else {
+                            p0 = exp2f(s[mt][nt][half * 2] - m_use);
+                            p1 = exp2f(s[mt][nt][half * 2 + 1] - m_use);
                         }
-                    row[mt][half].l += sum;  // this thread's columns only; summed over the quad at the end
+                        part_sum[nt % 2] += p0 + p1;
+                        // The C fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15:
+                        // rows lane/4 (+8 for half 1), keys +0..7 (nt even) or +8..15 (nt odd).
+                        pk[mt][nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
+                    }
+                    row[mt][half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
 #pragma unroll
                     for (int ot = 0; ot < kOT; ++ot) {
                         o[mt][ot][half * 2] *= alpha;
@@ -218,28 +255,19 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             if (nb > nb_lo) cp_async_wait<1>(); else cp_async_wait<0>();
             __syncthreads();  // V_nb has landed for every thread's copies
 
-            // O += P V.  The C fragments of S, packed to 16 bits, are the A fragments of P.
+            // O += P V, with P's registers as the A operand.
 #pragma unroll
             for (int kk = 0; kk < kBN / 16; ++kk) {
-                u32 pa[kMT][4];
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    pa[mt][0] = pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
-                    pa[mt][1] = pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
-                    pa[mt][2] = pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
-                    pa[mt][3] = pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
-                }
-                u32 vb[kOT / 2][4];  // vb[dp]: O columns 16dp..+7 (vb[dp][0..1]) and +8..15 ([2..3])
-#pragma unroll
-                for (int dp = 0; dp < kOT / 2; ++dp)
-                    ldmatrix_x4_trans(vb[dp], sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
-#pragma unroll
-                for (int dp = 0; dp < kOT / 2; ++dp)
+                for (int dp = 0; dp < kOT / 2; ++dp) {
+                    u32 vb[4];  // B fragments of O columns 16dp..+7 (vb[0..1]) and +8..15 (vb[2..3])
+                    ldmatrix_x4_trans(vb, sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
-                        mma_16x8x16<T>(o[mt][2 * dp], pa[mt], vb[dp][0], vb[dp][1]);
-                        mma_16x8x16<T>(o[mt][2 * dp + 1], pa[mt], vb[dp][2], vb[dp][3]);
+                        mma_16x8x16<T>(o[mt][2 * dp], pk[mt][kk], vb[0], vb[1]);
+                        mma_16x8x16<T>(o[mt][2 * dp + 1], pk[mt][kk], vb[2], vb[3]);
                     }
+                }
             }
         }
     }
