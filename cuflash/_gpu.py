@@ -20,6 +20,13 @@ _GRID_YZ_MAX = 65535
 _ALIGN = 16  # bytes: cp.async moves 16-byte chunks
 
 
+class NotAvailableOnGPU(NotImplementedError, TypeError):
+    """A feature the CUDA path does not offer yet (the NumPy path does).
+
+    A TypeError too, so that code catching the documented dtype error keeps working.
+    """
+
+
 def _cp():
     return cupy_module()
 
@@ -27,7 +34,7 @@ def _cp():
 def _check_gpu_dtype(q):
     name = np.dtype(q.dtype).name
     if name not in ("float16", "bfloat16"):
-        raise TypeError(
+        raise NotAvailableOnGPU(
             f"q has dtype {name}; GPU kernels take float16 or bfloat16 (use NumPy arrays for the "
             f"float32/float64 CPU path, or cast with .astype)"
         )
@@ -142,13 +149,13 @@ def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic):
-    raise NotImplementedError(
+    raise NotAvailableOnGPU(
         "attention_backward on GPU arrays is not available yet; run it on NumPy arrays (cupy.asnumpy)"
     )
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic):
-    raise NotImplementedError(
+    raise NotAvailableOnGPU(
         "attention_varlen_backward on GPU arrays is not available yet; run it on NumPy arrays (cupy.asnumpy)"
     )
 
