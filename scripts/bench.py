@@ -63,11 +63,11 @@ def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0):
 def plain_cupy_attention(q, k, v, causal):
     """Standard three-kernel attention in the input dtype, (B, H, S, D) layout."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    s = cp.matmul(q, k.swapaxes(-1, -2)) * q.dtype.type(scale)
+    s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32)  # scores in the input dtype, softmax in fp32
+    s *= np.float32(scale)
     if causal:
         n = s.shape[-1]
-        s = cp.where(cp.tri(n, dtype=bool), s, q.dtype.type(-np.inf))
-    s = s.astype(cp.float32)
+        s = cp.where(cp.tri(n, dtype=bool), s, np.float32(-np.inf))
     s -= s.max(axis=-1, keepdims=True)
     p = cp.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
@@ -173,7 +173,10 @@ def environment():
 
 
 def to_markdown(rows, env):
-    names = ["cuflash"] + [k for k in rows[0] if k not in ("dtype", "headdim", "seqlen", "batch", "nheads", "causal", "cuflash") and not k.endswith("_error")]
+    fixed = ("dtype", "headdim", "seqlen", "batch", "nheads", "causal", "cuflash")
+    names = ["cuflash"]
+    for r in rows:  # peers in order of first appearance (JAX runs on a subset only)
+        names += [k for k in r if k not in fixed and not k.endswith("_error") and k not in names]
     lines = [
         f"GPU {env['gpu']} (sm_{env['cc']}), {env['date']}, cuflash {env['cuflash']}, CuPy {env['cupy']}, "
         f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax") if m in env),
