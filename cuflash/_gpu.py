@@ -148,16 +148,92 @@ def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
     _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]))
 
 
+def _set_strides(prm, prefix, x, packed):
+    bs, rs, hs = _strides(x, packed)
+    setattr(prm, f"{prefix}_batch_stride", bs)
+    setattr(prm, f"{prefix}_row_stride", rs)
+    setattr(prm, f"{prefix}_head_stride", hs)
+
+
+def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides):
+    """dsum pre-pass, then the dq and dkdv kernels; grads = (dq, dk, dv) views, written in full."""
+    cp = _cp()
+    dtype = _check_gpu_dtype(q)
+    device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
+    with cp.cuda.Device(device):
+        d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
+        scale, q_sign = p.softmax_scale, 1.0
+        if scale <= 0:  # as in the forward; dq is mapped back below
+            q_sign = -1.0 if scale < 0 else 0.0
+            q = -q if scale < 0 else cp.zeros_like(q)
+            scale = -scale if scale < 0 else 1.0
+        qx, kx = _prepare(q, d8), _prepare(k, d8)
+        vx, ox, dox = _prepare(v, dv8), _prepare(out, dv8), _prepare(dout, dv8)
+        lse = cp.ascontiguousarray(lse)
+        dsum = cp.empty(lse.shape, dtype=cp.float32)
+        gx = []
+        for g_out, dim in zip(grads, (d8, d8, dv8)):
+            direct = g_out.shape[-1] == dim and _aligned(g_out)
+            gx.append(g_out if direct else cp.empty(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
+        seqlens_k = _int32(p.seqlens_k)
+        cu_q32, cu_k32 = _int32(cu_q), _int32(cu_k)
+        limit = cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+        variant = _kernels.bwd_variant(
+            dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=limit
+        )
+
+        prm = FlashParams()
+        prm.q, prm.k, prm.v, prm.out, prm.lse = (a.data.ptr for a in (qx, kx, vx, ox, lse))
+        prm.dout, prm.dq, prm.dk, prm.dv, prm.dsum = (a.data.ptr for a in (dox, *gx, dsum))
+        prm.alibi_slopes = p.alibi_slopes.data.ptr if p.alibi_slopes is not None else None
+        prm.cu_seqlens_q = cu_q32.data.ptr if cu_q32 is not None else None
+        prm.cu_seqlens_k = cu_k32.data.ptr if cu_k32 is not None else None
+        prm.seqlens_k = seqlens_k.data.ptr if seqlens_k is not None else None
+        for prefix, x in (("q", qx), ("k", kx), ("v", vx), ("o", ox), ("do", dox), ("dq", gx[0]), ("dk", gx[1]), ("dv", gx[2])):
+            _set_strides(prm, prefix, x, packed)
+        prm.lse_batch_stride, prm.lse_head_stride = lse_strides
+        prm.batch, prm.nheads_q, prm.nheads_k = p.batch, p.nheads_q, p.nheads_k
+        prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
+        prm.headdim_qk, prm.headdim_v = d8, dv8
+        prm.window_left, prm.window_right, prm.top_left = p.window_left, p.window_right, int(p.top_left)
+        prm.softmax_scale, prm.softcap = scale, p.softcap
+
+        # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
+        pre = FlashParams.from_buffer_copy(prm)
+        if packed:
+            pre.batch, pre.seqlen_q = 1, q.shape[0]
+        rows = pre.batch * pre.seqlen_q * pre.nheads_q
+        fn = _kernels.get_function(variant, device, "_dsum")
+        fn(((rows + 7) // 8,), (256,), (cp.cuda.function.CPointer(ctypes.addressof(pre)),))
+
+        arg = cp.cuda.function.CPointer(ctypes.addressof(prm))
+        tile = 16 * dict(variant.defines)["CUFLASH_WARPS"]
+        for suffix, rows_per_head, heads in (("_dq", p.seqlen_q, p.nheads_q), ("_dkdv", p.seqlen_k, p.nheads_k)):
+            bh = p.batch * heads
+            grid_y = min(bh, _GRID_YZ_MAX)
+            grid = ((rows_per_head + tile - 1) // tile, grid_y, (bh + grid_y - 1) // grid_y)
+            fn = _kernels.get_function(variant, device, suffix)
+            fn(grid, (variant.threads,), (arg,), shared_mem=variant.smem_bytes)
+
+        for g_out, g_x in zip(grads, gx):
+            if g_x is not g_out:
+                g_out[...] = g_x[..., : g_out.shape[-1]]
+        if q_sign != 1.0:
+            grads[0][...] = -grads[0] if q_sign < 0 else 0
+
+
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic):
-    raise NotAvailableOnGPU(
-        "attention_backward on GPU arrays is not available yet; run it on NumPy arrays (cupy.asnumpy)"
-    )
+    """Padded batch: bshd views; lse (B, H, Sq).  Always deterministic (no atomics)."""
+    _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=False,
+                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q))
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic):
-    raise NotAvailableOnGPU(
-        "attention_varlen_backward on GPU arrays is not available yet; run it on NumPy arrays (cupy.asnumpy)"
-    )
+    """Packed: (total, H, D) arrays; lse (H, total_q); grads pre-zeroed by the caller."""
+    if p.seqlen_q == 0 or k.shape[0] == 0:
+        return
+    _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
+                          lse_strides=(0, q.shape[0]))
 
 
 def softmax(x, axis):

@@ -124,6 +124,33 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
 
+def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
+    """Warps of the backward kernels; each owns 16 query rows (dq) or key rows (dkdv)."""
+    for warps in (4, 2):
+        if bwd_smem_bytes(headdim, warps) <= smem_limit:
+            return warps
+    return 1
+
+
+def bwd_smem_bytes(headdim: int, warps: int) -> int:
+    # Four (16 warps, headdim) tiles padded by 8 elements, plus LSE and D of one query tile.
+    rows = 16 * warps
+    return 4 * rows * (headdim + 8) * 2 + 2 * rows * 4
+
+
+def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
+                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+    """The backward kernels (``<name>_dsum``, ``<name>_dq``, ``<name>_dkdv``) for one problem kind."""
+    d = headdim_bucket(headdim)
+    warps = bwd_warps(d, smem_limit)
+    name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi
+    defines = (
+        ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
+        ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+    )
+    return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps))
+
+
 def softmax_variant(dtype: str) -> Variant:
     return Variant("softmax.cu", f"cuflash_softmax_{_SHORT[dtype]}", (("CUFLASH_DTYPE", DTYPE_TAGS[dtype]),), 256)
 
@@ -136,6 +163,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for softcap in (False, True):
                 for alibi in (False, True):
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
+                    out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
     out += [softmax_variant(dt) for dt in DTYPE_TAGS]
     return out
 
@@ -146,16 +174,16 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
 _functions: dict = {}
 
 
-def get_function(variant: Variant, device_id: int):
-    """The compiled kernel of ``variant`` on one device, compiled once and cached (also on disk by CuPy)."""
-    key = (variant.name, device_id)
+def get_function(variant: Variant, device_id: int, suffix: str = ""):
+    """Kernel ``variant.name + suffix`` on one device, compiled once and cached (also on disk by CuPy)."""
+    key = (variant.name + suffix, device_id)
     fn = _functions.get(key)
     if fn is None:
         import cupy
 
         with cupy.cuda.Device(device_id):
             module = cupy.RawModule(code=read_source(variant.filename), options=variant.options())
-            fn = module.get_function(variant.name)
+            fn = module.get_function(variant.name + suffix)
             if variant.smem_bytes > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = variant.smem_bytes
             # Ask for the largest shared-memory carveout so several blocks fit on one SM.

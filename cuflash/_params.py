@@ -9,6 +9,7 @@ import ctypes
 
 _POINTERS = (
     "q", "k", "v", "out", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k",
+    "dout", "dq", "dk", "dv", "dsum",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",
@@ -16,6 +17,10 @@ _INTEGERS = (
     "v_batch_stride", "v_row_stride", "v_head_stride",
     "o_batch_stride", "o_row_stride", "o_head_stride",
     "lse_batch_stride", "lse_head_stride",
+    "do_batch_stride", "do_row_stride", "do_head_stride",
+    "dq_batch_stride", "dq_row_stride", "dq_head_stride",
+    "dk_batch_stride", "dk_row_stride", "dk_head_stride",
+    "dv_batch_stride", "dv_row_stride", "dv_head_stride",
     "batch", "nheads_q", "nheads_k",
     "seqlen_q", "seqlen_k",
     "headdim_qk", "headdim_v",

@@ -192,8 +192,9 @@ def attention_backward(
 {options}
     layout : {"bshd", "bhsd"}, default "bshd"
     deterministic : bool, default False
-        Bitwise-repeatable gradients (on the GPU: no order-dependent atomics, somewhat slower).
-        The CPU path is always deterministic.
+        Ask for bitwise-repeatable gradients.  Both paths already are: the CPU path by
+        construction, the GPU kernels because they accumulate dQ and dK/dV in separate kernels
+        without atomics.  Kept for FlashAttention compatibility.
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v).
 

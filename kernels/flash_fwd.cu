@@ -14,6 +14,7 @@
 #include "online_softmax.cuh"
 #include "params.cuh"
 #include "seqinfo.cuh"
+#include "tile_io.cuh"
 
 // Compile-time configuration; the loader overrides these with -D options per variant.
 #ifndef CUFLASH_DTYPE
@@ -46,37 +47,6 @@
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
 #endif
-
-// Copy a (kRows x kD) tile whose rows start `row_stride` elements apart into padded shared memory;
-// rows >= rows_valid and 8-column chunks >= chunks_valid become zeros.  When the threads divide
-// the row chunks evenly, thread t always copies column chunk t % kChunks of rows
-// t / kChunks + i * kRowStep: addresses are a base plus a constant step, with no division or
-// 64-bit multiply per chunk.
-template <int kRows, int kD, int kThreads>
-__device__ __forceinline__ void load_tile(u16* smem, const u16* g, long long row_stride, int rows_valid,
-                                          int chunks_valid, int tid) {
-    constexpr int kChunks = kD / 8, kStride = kD + 8;
-    if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
-        constexpr int kRowStep = kThreads / kChunks;
-        const int r0 = tid / kChunks, col = tid % kChunks;
-        const bool col_ok = col < chunks_valid;
-        const u16* src = g + r0 * row_stride + col * 8;
-        u16* dst = smem + r0 * kStride + col * 8;
-#pragma unroll
-        for (int i = 0; i < kRows / kRowStep; ++i) {
-            const bool valid = col_ok && r0 + i * kRowStep < rows_valid;
-            cp_async_16(dst + i * kRowStep * kStride, valid ? src : g, valid);
-            src += kRowStep * row_stride;
-        }
-    } else {
-#pragma unroll
-        for (int c = tid; c < kRows * kChunks; c += kThreads) {
-            const int r = c / kChunks, col = c % kChunks;
-            const bool valid = r < rows_valid && col < chunks_valid;
-            cp_async_16(smem + r * kStride + col * 8, valid ? g + r * row_stride + col * 8 : g, valid);
-        }
-    }
-}
 
 template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {

@@ -26,6 +26,17 @@ template <> __device__ __forceinline__ u32 pack2<bf16_t>(float lo, float hi) {
     return r;
 }
 
+// One 16-bit value -> float.
+template <class T> __device__ __forceinline__ float to_float(u16 x);
+template <> __device__ __forceinline__ float to_float<half_t>(u16 x) {
+    float r;
+    asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "h"(x));
+    return r;
+}
+template <> __device__ __forceinline__ float to_float<bf16_t>(u16 x) {
+    return __uint_as_float(static_cast<u32>(x) << 16);
+}
+
 // D = A(16x16, row) * B(16x8, col) + D, fp32 accumulators.  Not volatile: a pure register
 // operation, so the compiler may interleave it with other work.
 template <class T> __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);

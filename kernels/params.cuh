@@ -15,6 +15,12 @@ struct FlashParams {
     const int* cu_seqlens_q;       // (batch + 1) packed-row offsets of q/out, or null (padded batch)
     const int* cu_seqlens_k;       // (batch + 1) packed-row offsets of k/v, or null
     const int* seqlens_k;          // (batch) valid key length per batch entry, or null (= seqlen_k)
+    // Backward only (null in the forward):
+    const void* dout;              // (batch, seqlen_q, nheads_q, headdim_v), gradient of out
+    void* dq;                      // (batch, seqlen_q, nheads_q, headdim_qk), written
+    void* dk;                      // (batch, seqlen_k, nheads_k, headdim_qk), written
+    void* dv;                      // (batch, seqlen_k, nheads_k, headdim_v), written
+    float* dsum;                   // D = rowsum(dout * out), fp32, laid out like lse
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;
@@ -22,6 +28,10 @@ struct FlashParams {
     long long v_batch_stride, v_row_stride, v_head_stride;
     long long o_batch_stride, o_row_stride, o_head_stride;
     long long lse_batch_stride, lse_head_stride;
+    long long do_batch_stride, do_row_stride, do_head_stride;
+    long long dq_batch_stride, dq_row_stride, dq_head_stride;
+    long long dk_batch_stride, dk_row_stride, dk_head_stride;
+    long long dv_batch_stride, dv_row_stride, dv_head_stride;
 
     long long batch, nheads_q, nheads_k;
     long long seqlen_q, seqlen_k;  // padded sizes (varlen: the longest sequence)

@@ -45,6 +45,12 @@ struct SeqInfo {
         hi = right < 0 ? sk : min(sk, m1 - 1 + offset + right + 1);
     }
 
+    // Queries [lo, hi) that can see any key in [n0, n1) (the backward's loop over query blocks).
+    __device__ __forceinline__ void query_range(int n0, int n1, int& lo, int& hi) const {
+        lo = right < 0 ? 0 : max(0, n0 - offset - right);
+        hi = left < 0 ? sq : min(sq, n1 - 1 - offset + left + 1);
+    }
+
     // True when every (i, j) of the tile rows [m0, m1) x keys [n0, n1) is visible: such tiles
     // skip the per-element mask (only tiles on the band edges and the key tail pay for it).
     __device__ __forceinline__ bool tile_all_visible(int m0, int m1, int n0, int n1) const {

@@ -1,0 +1,263 @@
+// Exact attention backward by recomputation, for sm_80+ (mma.sync, ldmatrix, cp.async).
+//
+// Dao, "FlashAttention-2", ICLR 2024, Algorithm 2, split into three kernels so that no output is
+// accumulated with atomics (the result is bitwise repeatable with or without `deterministic`):
+//   _dsum : D_i = rowsum(dO_i ∘ O_i), fp32, laid out like the LSE.
+//   _dq   : one block per (query block, head, batch); warps own 16 query rows.  For each key
+//           tile: S = Q Kᵀ, P = exp(S - LSE), dP = dO Vᵀ, dS = P ∘ (dP - D), dQ += dS K.
+//   _dkdv : one block per (key block, key/value head, batch); warps own 16 key rows.  For each
+//           query head of the GQA group and each query tile: Sᵀ = K Qᵀ, Pᵀ, dPᵀ = V dOᵀ,
+//           dSᵀ = Pᵀ ∘ (dPᵀ - D), dV += Pᵀ dO, dK += dSᵀ Q.
+// S and dP are recomputed in both _dq and _dkdv (7 matrix products instead of FA2's 5) in
+// exchange for no atomics and no fp32 dQ buffer.  An LSE of -inf (a row that sees no key) is read
+// as +inf, so P = 2^(s - inf) = 0 and the row contributes nothing.  The softcap derivative
+// 1 - tanh² multiplies dS; the softmax scale is applied once, when dQ and dK are written.
+// Tiles: kT = 16 kWarps query rows (dq) or key rows (dkdv), kT-wide inner tiles, shared-memory
+// rows padded by 16 bytes.  Not handled here: head dims that are not multiples of 8 (the caller pads).
+#include "mma.cuh"
+#include "params.cuh"
+#include "seqinfo.cuh"
+#include "tile_io.cuh"
+#include "warp_gemm.cuh"
+
+#ifndef CUFLASH_DTYPE
+#define CUFLASH_DTYPE half_t
+#endif
+#ifndef CUFLASH_HEADDIM
+#define CUFLASH_HEADDIM 64
+#endif
+#ifndef CUFLASH_WARPS
+#define CUFLASH_WARPS 4
+#endif
+#ifndef CUFLASH_SOFTCAP
+#define CUFLASH_SOFTCAP 0
+#endif
+#ifndef CUFLASH_ALIBI
+#define CUFLASH_ALIBI 0
+#endif
+#ifndef CUFLASH_KERNEL_NAME
+#define CUFLASH_KERNEL_NAME cuflash_bwd
+#endif
+#define CUFLASH_CAT2(a, b) a##b
+#define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The row's LSE in log2 units, with -inf (no visible key) turned into +inf so that P = 0.
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse * kLog2e;
+}
+
+// P for one score, and d(final score)/d(scale·q·k) (the softcap derivative) in dcap.
+template <bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ float prob(float qk, float scale, float softcap, float slope, int i, int j,
+                                      int offset, float lse2, float& dcap) {
+    float s = qk * scale;
+    dcap = 1.f;
+    if constexpr (kSoftcap) {
+        const float t = tanhf(s / softcap);
+        s = softcap * t;
+        dcap = 1.f - t * t;
+    }
+    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
+    return exp2f(s * kLog2e - lse2);
+}
+
+template <class T>
+__device__ __forceinline__ void flash_bwd_dsum(const FlashParams& p) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (w >= p.batch * p.seqlen_q * p.nheads_q) return;
+    const long long h = w % p.nheads_q, i = (w / p.nheads_q) % p.seqlen_q, b = w / (p.nheads_q * p.seqlen_q);
+    const u16* o = static_cast<const u16*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    const u16* d = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+    float acc = 0.f;
+    for (int c = lane; c < p.headdim_v; c += 32) acc += to_float<T>(o[c]) * to_float<T>(d[c]);
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    if (lane == 0) p.dsum[b * p.lse_batch_stride + h * p.lse_head_stride + i] = acc;
+}
+
+template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
+    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kT, kStride), reused to stage dQ
+    u16* sdO = sQ + kT * kStride;                // (kT, kStride)
+    u16* sK = sdO + kT * kStride;                // (kT, kStride)
+    u16* sV = sK + kT * kStride;                 // (kT, kStride)
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);
+    const SeqInfo seq(p, b);
+    const int m0 = blockIdx.x * kT;
+    if (m0 >= seq.sq) return;
+    const int rows_valid = min(kT, seq.sq - m0);
+    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+
+    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
+    const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + (seq.q_start + m0) * p.do_row_stride + h * p.do_head_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
+    const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+
+    const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
+    const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+    float lse2[2], dsum[2];  // rows lane/4 and lane/4 + 8 of this warp
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = warp * 16 + lane / 4 + 8 * half;
+        lse2[half] = r < rows_valid ? lse_log2(p.lse[stat + r]) : __int_as_float(0x7f800000);
+        dsum[half] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+    }
+
+    float dq[kD / 8][4];
+    zero(dq);
+    int n_lo, n_hi;
+    seq.key_range(m0, m0 + kT, n_lo, n_hi);
+    load_tile<kT, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
+    load_tile<kT, kD, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
+    cp_async_commit();
+    for (int n0 = n_lo / kT * kT; n0 < n_hi; n0 += kT) {
+        load_tile<kT, kD, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile<kT, kD, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        cp_async_commit();
+        cp_async_wait<0>();
+        __syncthreads();  // Q, dO (first time), K and V tiles are in shared memory
+
+        float s[kT / 8][4], dp[kT / 8][4];  // this warp's 16 rows x kT keys
+        zero(s);
+        zero(dp);
+        warp_gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
+        warp_gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
+        const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
+#pragma unroll
+        for (int nt = 0; nt < kT / 8; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                float dcap;
+                float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
+                if (masked && !seq.visible(i, j)) pr = 0.f;
+                s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
+            }
+        u32 ds[kT / 16][4];
+        c_to_a<T, kT>(ds, s);
+        warp_gemm_rb<T, kT, kD, kStride>(dq, ds, sK, lane);  // dQ += dS K
+        __syncthreads();  // every warp is done with sK, sV before the next tiles overwrite them
+    }
+    cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
+    __syncthreads();
+    store_warp_tile<T, kD, kStride>(dq, scale, sQ + warp * 16 * kStride, gdQ + warp * 16 * p.dq_row_stride,
+                                    p.dq_row_stride, rows_valid - warp * 16, qk_chunks, lane);
+}
+
+template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
+    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + 8;
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    u16* sK = reinterpret_cast<u16*>(smem_raw);  // (kT, kStride), reused to stage dK
+    u16* sV = sK + kT * kStride;                 // (kT, kStride), reused to stage dV
+    u16* sQ = sV + kT * kStride;                 // (kT, kStride)
+    u16* sdO = sQ + kT * kStride;                // (kT, kStride)
+    float* sLse2 = reinterpret_cast<float*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units
+    float* sDsum = sLse2 + kT;                                    // (kT) D of the query tile
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_k) return;
+    const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
+    const int group = static_cast<int>(p.nheads_q / p.nheads_k);
+    const SeqInfo seq(p, b);
+    const int n0 = blockIdx.x * kT;
+    // Padded batches own every row up to seqlen_k (rows past seqlens_k get zero gradients);
+    // packed sequences own only their own rows.
+    const int write_rows = p.cu_seqlens_k ? seq.sk : static_cast<int>(p.seqlen_k);
+    if (n0 >= write_rows) return;
+    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+
+    const long long k_row = seq.k_start + n0;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + k_row * p.k_row_stride + hk * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + k_row * p.v_row_stride + hk * p.v_head_stride;
+    u16* gdK = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + k_row * p.dk_row_stride + hk * p.dk_head_stride;
+    u16* gdV = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + k_row * p.dv_row_stride + hk * p.dv_head_stride;
+    const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
+
+    float dk[kD / 8][4], dv[kD / 8][4];
+    zero(dk);
+    zero(dv);
+    if (n0 < seq.sk) {
+        load_tile<kT, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile<kT, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        cp_async_commit();
+        int i_lo, i_hi;
+        seq.query_range(n0, n0 + kT, i_lo, i_hi);
+        for (int g = 0; g < group; ++g) {  // dK, dV sum over the query heads sharing this K/V head
+            const int h = hk * group + g;
+            const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+            const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
+            const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
+            const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+            for (int m0 = i_lo / kT * kT; m0 < i_hi; m0 += kT) {
+                const int rows_valid = min(kT, seq.sq - m0);
+                __syncthreads();  // every warp is done with the previous query tile
+                load_tile<kT, kD, kThreads>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
+                load_tile<kT, kD, kThreads>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
+                cp_async_commit();
+                for (int r = tid; r < kT; r += kThreads) {
+                    sLse2[r] = r < rows_valid ? lse_log2(p.lse[stat + m0 + r]) : __int_as_float(0x7f800000);
+                    sDsum[r] = r < rows_valid ? p.dsum[stat + m0 + r] : 0.f;
+                }
+                cp_async_wait<0>();
+                __syncthreads();  // K, V (first time), Q, dO, LSE and D of this tile are in shared memory
+
+                float st[kT / 8][4], dpt[kT / 8][4];  // this warp's 16 keys x kT queries
+                zero(st);
+                zero(dpt);
+                warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
+                warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
+#pragma unroll
+                for (int nt = 0; nt < kT / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
+                        const int i = m0 + c;
+                        float dcap;
+                        float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
+                        if (masked && !seq.visible(i, j)) pr = 0.f;
+                        st[nt][e] = pr;
+                        dpt[nt][e] = pr * (dpt[nt][e] - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
+                    }
+                u32 pa[kT / 16][4], dsa[kT / 16][4];
+                c_to_a<T, kT>(pa, st);
+                c_to_a<T, kT>(dsa, dpt);
+                warp_gemm_rb<T, kT, kD, kStride>(dv, pa, sdO, lane);  // dV += Pᵀ dO
+                warp_gemm_rb<T, kT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // all copies landed and every warp is done with sK, sV before they stage dK, dV
+    const int rows_valid = min(kT, write_rows - n0) - warp * 16;
+    store_warp_tile<T, kD, kStride>(dk, scale, sK + warp * 16 * kStride, gdK + warp * 16 * p.dk_row_stride,
+                                    p.dk_row_stride, rows_valid, qk_chunks, lane);
+    store_warp_tile<T, kD, kStride>(dv, 1.f, sV + warp * 16 * kStride, gdV + warp * 16 * p.dv_row_stride,
+                                    p.dv_row_stride, rows_valid, v_chunks, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dsum)(const FlashParams p) {
+    flash_bwd_dsum<CUFLASH_DTYPE>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
+    flash_bwd_dq<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
+    flash_bwd_dkdv<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+}

@@ -1,0 +1,79 @@
+// Warp-level matrix products on 16-row slabs, built from mma.sync m16n8k16 (see mma.cuh for the
+// fragment layouts).  Shared-memory tiles are row-major with rows kStride elements apart.
+#pragma once
+#include "mma.cuh"
+
+// acc (16 x kN) += A (16 x kD) · Bᵀ, where A is 16 rows at sA and B is kN rows at sB, both
+// (rows, kD) in shared memory.  Q·Kᵀ in the attention sense: contract over the head dim.
+template <class T, int kD, int kN, int kStride>
+__device__ __forceinline__ void warp_gemm_abt(float (&acc)[kN / 8][4], const u16* sA, const u16* sB, int lane) {
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks) {
+        u32 a[4];
+        ldmatrix_x4(a, sA + (lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
+#pragma unroll
+        for (int np = 0; np < kN / 16; ++np) {
+            u32 b[4];  // B fragments of rows 16np..+7 (b[0..1]) and +8..15 (b[2..3])
+            ldmatrix_x4(b, sB + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+            mma_16x8x16<T>(acc[2 * np], a, b[0], b[1]);
+            mma_16x8x16<T>(acc[2 * np + 1], a, b[2], b[3]);
+        }
+    }
+}
+
+// acc (16 x kD) += P (16 x kK, A fragments in registers) · B, where B is kK rows at sB, (kK, kD)
+// in shared memory.  P·V in the attention sense: contract over the keys.
+template <class T, int kK, int kD, int kStride>
+__device__ __forceinline__ void warp_gemm_rb(float (&acc)[kD / 8][4], const u32 (&pa)[kK / 16][4], const u16* sB, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < kK / 16; ++kk) {
+#pragma unroll
+        for (int dp = 0; dp < kD / 16; ++dp) {
+            u32 b[4];  // B fragments of columns 16dp..+7 (b[0..1]) and +8..15 (b[2..3])
+            ldmatrix_x4_trans(b, sB + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+            mma_16x8x16<T>(acc[2 * dp], pa[kk], b[0], b[1]);
+            mma_16x8x16<T>(acc[2 * dp + 1], pa[kk], b[2], b[3]);
+        }
+    }
+}
+
+// C fragments of a (16 x kN) fp32 tile -> A fragments of the same tile in 16 bits.  Tile nt's
+// rows lane/4 and lane/4 + 8 hold keys 8nt.., which are k = 0..7 (nt even) or 8..15 (nt odd) of
+// A fragment nt/2.
+template <class T, int kN>
+__device__ __forceinline__ void c_to_a(u32 (&pa)[kN / 16][4], const float (&c)[kN / 8][4]) {
+#pragma unroll
+    for (int nt = 0; nt < kN / 8; ++nt) {
+        pa[nt / 2][2 * (nt % 2)] = pack2<T>(c[nt][0], c[nt][1]);
+        pa[nt / 2][2 * (nt % 2) + 1] = pack2<T>(c[nt][2], c[nt][3]);
+    }
+}
+
+template <int kN>
+__device__ __forceinline__ void zero(float (&c)[kN][4]) {
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) c[i][e] = 0.f;
+}
+
+// Write a warp's (16 x kD) fp32 C-fragment tile, times `mul`, as 16-bit values: staged in the
+// warp's own 16 rows of shared memory `stage`, then stored 16 bytes at a time to rows < rows_valid
+// and 8-column chunks < chunks_valid of global memory.
+template <class T, int kD, int kStride>
+__device__ __forceinline__ void store_warp_tile(const float (&c)[kD / 8][4], float mul, u16* stage, u16* g,
+                                                long long row_stride, int rows_valid, int chunks_valid, int lane) {
+#pragma unroll
+    for (int ot = 0; ot < kD / 8; ++ot)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            *reinterpret_cast<u32*>(stage + (lane / 4 + 8 * half) * kStride + ot * 8 + (lane % 4) * 2) =
+                pack2<T>(c[ot][2 * half] * mul, c[ot][2 * half + 1] * mul);
+    __syncwarp();
+#pragma unroll
+    for (int i = lane; i < 16 * (kD / 8); i += 32) {
+        const int r = i / (kD / 8), col = i % (kD / 8);
+        if (r < rows_valid && col < chunks_valid)
+            *reinterpret_cast<uint4*>(g + r * row_stride + col * 8) = *reinterpret_cast<const uint4*>(stage + r * kStride + col * 8);
+    }
+}
