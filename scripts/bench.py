@@ -124,6 +124,52 @@ def check_against_plain(q, k, v, causal, out):
         raise RuntimeError(f"cuflash output differs from plain attention by {err}")
 
 
+def _torch_bwd_peers():
+    """torch SDPA backward through autograd, pinned to one backend (timed: backward only)."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+    except Exception:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+
+    def make(backend):
+        def run(q, k, v, causal):
+            tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)).detach().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel([backend]):
+                o = sdpa(tq, tk, tv, is_causal=causal)
+            do = torch.randn_like(o)
+            return lambda: torch.autograd.grad(o, (tq, tk, tv), do, retain_graph=True)
+        return run
+
+    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+
+
+def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048):
+    batch, nheads = max(1, tokens // seqlen), hidden // headdim
+    rng = np.random.default_rng(0)
+    shape = (batch, seqlen, nheads, headdim)
+    q, k, v, dout = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(DTYPES[dtype_name]) for _ in range(4))
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, backward=True)
+    row = dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    for g in grads:
+        if not bool(cp.isfinite(g.astype(cp.float32)).all()):
+            raise RuntimeError("non-finite gradient")
+    row["cuflash"] = flops / time_gpu(lambda: cuflash.attention_backward(
+        dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
+    for name, make in peers.items():
+        try:
+            row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
+        except Exception as exc:
+            row[name] = None
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    return row
+
+
 def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048):
     batch, nheads = max(1, tokens // seqlen), hidden // headdim
     dtype = DTYPES[dtype_name]
@@ -198,6 +244,7 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="false,true")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
     ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
@@ -205,6 +252,8 @@ def main(argv=None):
 
     base_peers = {} if args.no_peers else {"cupy-plain": None, **_torch_peers()}
     jax_peers = {} if args.no_peers else _jax_peer()
+    if args.backward:
+        base_peers, jax_peers = ({} if args.no_peers else _torch_bwd_peers()), {}
     rows = []
     for dtype_name in args.dtypes.split(","):
         for headdim in map(int, args.headdims.split(",")):
@@ -213,11 +262,12 @@ def main(argv=None):
                     peers = dict(base_peers)
                     if str(headdim) in args.jax_headdims.split(",") and dtype_name == "bf16":
                         peers.update(jax_peers)
-                    row = bench_config(dtype_name, headdim, seqlen, causal, peers)
+                    bench = bench_backward if args.backward else bench_config
+                    row = bench(dtype_name, headdim, seqlen, causal, peers)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     env = environment()
-    md = to_markdown(rows, env)
+    md = ("Backward (TF/s = 2.5 x forward FLOPs / time)\n" if args.backward else "") + to_markdown(rows, env)
     print(md)
     if args.json:
         Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))

@@ -44,10 +44,15 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
         q, k, v = rand((b, c["sq"], h, c["d"]), dtype), rand((b, c["sk"], hk, c["d"]), dtype), rand((b, c["sk"], hk, c["d"]), dtype)
         out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
         assert not bool(cp.isnan(out.astype(cp.float32)).any()), c
+        grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, **opts)
+        assert not any(bool(cp.isnan(g.astype(cp.float32)).any()) for g in grads), c
     cu_q = cp.asarray(np.array([0, 5, 5, 70], dtype=np.int32))
     cu_k = cp.asarray(np.array([0, 9, 20, 150], dtype=np.int32))
     q, k, v = rand((70, 4, 64), dtype), rand((150, 2, 64), dtype), rand((150, 2, 64), dtype)
-    cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=65, max_seqlen_k=130, causal=True)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=65, max_seqlen_k=130, causal=True,
+                                        return_lse=True)
+    cuflash.attention_varlen_backward(rand(out.shape, dtype), q, k, v, out, lse, cu_q, cu_k,
+                                      max_seqlen_q=65, max_seqlen_k=130, causal=True)
 for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
     cuflash.softmax(rand((3, 1000), dtype))
 cp.cuda.Device().synchronize()
