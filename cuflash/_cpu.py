@@ -84,6 +84,14 @@ class _Band:
         self.seqlen_q = p.seqlen_q
         self.masked = self.left != -1 or self.right != -1 or p.seqlens_k is not None
 
+    def zero_invalid_keys(self, x):
+        """(B, Hkv, Sk, d) keys or values with the rows past each sk zeroed (they are never
+        visible, but a tile multiplies their weight 0 by whatever they hold, NaN included)."""
+        if (self.sk >= x.shape[2]).all():
+            return x
+        valid = np.arange(x.shape[2])[None, :] < self.sk[:, None]  # (B, Sk)
+        return np.where(valid[:, None, :, None], x, x.dtype.type(0))
+
     def key_range(self, i0, i1):
         """Keys [lo, hi) that some row in [i0, i1) of some batch entry may see."""
         lo, hi = 0, int(self.sk.max()) if self.sk.size else 0
@@ -187,7 +195,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
     """
     acc = _acc_dtype(p.dtype)
     heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
-    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, Sk, d)
+    k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
     for i0, i1 in _blocks(0, p.seqlen_q, block_m):
         q_t = heads.queries(q[:, i0:i1], acc)  # (B, Hkv, G, m, D)
         row_shape = q_t.shape[:-1] + (1,)
@@ -234,7 +242,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     del deterministic  # one thread, fixed loop order: always repeatable
     acc = _acc_dtype(p.dtype)
     heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
-    k_all, v_all = heads.keys(k, acc), heads.keys(v, acc)  # (B, Hkv, Sk, d)
+    k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
     q_all, do_all = heads.queries(q, acc), heads.queries(dout, acc)  # (B, Hkv, G, Sq, d)
     delta = (do_all * heads.queries(out, acc)).sum(axis=-1, keepdims=True)  # D, (B, Hkv, G, Sq, 1)
     # A row that saw no key has lse = -inf; using +inf makes its P = exp(S - inf) = 0 even where

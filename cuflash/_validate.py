@@ -19,6 +19,8 @@ from . import _arrays
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CAUSAL_MODES = (False, True, "bottom_right", "top_left")
+_UNBOUNDED_WINDOW = 2**31 - 1
+SOFTCAP_RANGE = (1e-30, 1e30)  # float32 must hold softcap and scores / softcap
 LAYOUTS = ("bshd", "bhsd")
 
 
@@ -122,6 +124,9 @@ def normalize_mask_options(causal, window_size) -> tuple[int, int, bool]:
         raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}")
     left = _check_int(window_size[0], "window_size[0]", minimum=-1)
     right = _check_int(window_size[1], "window_size[1]", minimum=-1)
+    # No sequence is 2^31 tokens long: a wider window is the same as no bound (and kernels use
+    # 32-bit positions).
+    left, right = (-1 if w >= _UNBOUNDED_WINDOW else w for w in (left, right))
     if causal is not False:
         right = 0 if right == -1 else min(right, 0)
     return left, right, causal == "top_left"
@@ -218,8 +223,10 @@ def _finish_problem(
     left, right, top_left = normalize_mask_options(causal, window_size)
     scale = check_scalar(softmax_scale, "softmax_scale", default=1.0 / math.sqrt(headdim_qk))
     cap = check_scalar(softcap, "softcap", default=0.0)
-    if cap < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it); got {cap}")
+    if cap < 0 or (cap > 0 and not SOFTCAP_RANGE[0] <= cap <= SOFTCAP_RANGE[1]):
+        raise ValueError(
+            f"softcap must be 0 (disabled) or lie in [{SOFTCAP_RANGE[0]:g}, {SOFTCAP_RANGE[1]:g}]; got {cap}"
+        )
     slopes = None
     if alibi_slopes is not None:
         slopes = check_alibi_slopes(alibi_slopes, q, batch, nheads_q)
@@ -265,6 +272,26 @@ def check_out(out, name: str, shape: tuple, dtype, like):
     if np.dtype(out.dtype) != np.dtype(dtype):
         raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}; got {np.dtype(out.dtype).name}")
     return out
+
+
+def check_output_buffer(out, name: str, shape: tuple, dtype, like, inputs=()):
+    """An array the call will write: as :func:`check_out`, plus writable and apart from the inputs."""
+    out = check_out(out, name, shape, dtype, like)
+    if out is None:
+        return None
+    if isinstance(out, np.ndarray) and not out.flags.writeable:
+        raise ValueError(f"{name} is read-only; pass a writable array")
+    xp = _arrays.module_of(out)
+    for input_name, x in inputs:
+        if x is not None and x.size and out.size and xp.may_share_memory(out, x):
+            raise ValueError(f"{name} overlaps {input_name}; the output must not share memory with the inputs")
+    return out
+
+
+def check_bool(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool; got {value!r}")
+    return bool(value)
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):

@@ -100,7 +100,8 @@ def attention(
     return_lse : bool, default False
         Also return the natural-log log-sum-exp of the final scores over visible keys.
     out : array of shape (batch, seqlen_q, nheads, headdim_v), optional
-        Preallocated output (q's dtype and array kind, shape in ``layout`` order).
+        Preallocated output (q's dtype and array kind, shape in ``layout`` order), writable and
+        sharing no memory with q, k, v.
     layout : {"bshd", "bhsd"}, default "bshd"
         Axis order of q, k, v and out.
 
@@ -114,10 +115,13 @@ def attention(
     Raises
     ------
     TypeError
-        Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays.
+        Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays, a
+        non-bool ``return_lse``.  On GPU arrays, float32/float64 raise ``NotImplementedError``
+        (also a TypeError): the kernels take float16 and bfloat16.
     ValueError
-        Inconsistent shapes, nheads not a multiple of nheads_k, bad window, negative softcap,
-        seqlens_k outside [0, seqlen_k].
+        Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside
+        0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k], an ``out`` that is read-only or
+        overlaps q, k or v.
 
     Notes
     -----
@@ -141,7 +145,8 @@ def attention(
     out_shape = (p.batch, p.seqlen_q, p.nheads_q, p.headdim_v)
     if layout == "bhsd":
         out_shape = (p.batch, p.nheads_q, p.seqlen_q, p.headdim_v)
-    out = V.check_out(out, "out", out_shape, q.dtype, q)
+    return_lse = V.check_bool(return_lse, "return_lse")
+    out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, (("q", q), ("k", k), ("v", v)))
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
     lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
@@ -196,7 +201,8 @@ def attention_backward(
         construction, the GPU kernels because they accumulate dQ and dK/dV in separate kernels
         without atomics.  Kept for FlashAttention compatibility.
     dq, dk, dv : arrays, optional
-        Preallocated gradients (shapes and dtypes of q, k, v).
+        Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
+        with the inputs or each other.
 
     Returns
     -------
@@ -224,8 +230,7 @@ def attention_backward(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
     )
-    if not isinstance(deterministic, (bool, np.bool_)):
-        raise TypeError(f"deterministic must be a bool; got {deterministic!r}")
+    deterministic = V.check_bool(deterministic, "deterministic")
     o_shape = tuple(V.to_bshd(q, layout).shape[:3]) + (p.headdim_v,)
     if layout == "bhsd":
         o_shape = (o_shape[0], o_shape[2], o_shape[1], o_shape[3])
@@ -234,8 +239,10 @@ def attention_backward(
     V.check_out(lse, "lse", (p.batch, p.nheads_q, p.seqlen_q), lse_dtype(q.dtype), q)
     xp = _arrays.module_of(q)
     grads = []
+    inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
-        given = V.check_out(given, name, like.shape, like.dtype, q)
+        given = V.check_output_buffer(given, name, like.shape, like.dtype, q, inputs)
+        inputs += ((name, given),)
         grads.append(xp.empty(like.shape, dtype=like.dtype) if given is None else given)
     if p.is_empty or p.seqlen_k == 0 or p.nheads_k == 0:
         for g in grads:
@@ -243,7 +250,7 @@ def attention_backward(
         return tuple(grads)
     views = [V.to_bshd(x, layout) for x in (dout, q, k, v, out)]
     gviews = [V.to_bshd(g, layout) for g in grads]
-    _run("backward", _cpu.backward, p, *views, lse, *gviews, deterministic=bool(deterministic))
+    _run("backward", _cpu.backward, p, *views, lse, *gviews, deterministic=deterministic)
     return tuple(grads)
 
 
@@ -274,7 +281,7 @@ def attention_vjp(q, k, v, **options):
     for bad in ("return_lse", "out"):
         if bad in options:
             raise TypeError(f"attention_vjp does not take {bad!r}")
-    deterministic = options.pop("deterministic", False)
+    deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)
 
     def vjp(dout):
@@ -345,7 +352,8 @@ def attention_varlen(
     )
     xp = _arrays.module_of(q)
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
-    out = V.check_out(out, "out", out_shape, q.dtype, q)
+    return_lse = V.check_bool(return_lse, "return_lse")
+    out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, (("q", q), ("k", k), ("v", v)))
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
     lse = xp.empty((p.nheads_q, q.shape[0]), dtype=lse_dtype(q.dtype))
@@ -416,11 +424,12 @@ def attention_varlen_backward(
     V.check_out(dout, "dout", o_shape, q.dtype, q)
     V.check_out(out, "out", o_shape, q.dtype, q)
     V.check_out(lse, "lse", (p.nheads_q, q.shape[0]), lse_dtype(q.dtype), q)
+    deterministic = V.check_bool(deterministic, "deterministic")
     xp = _arrays.module_of(q)
     grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
     if not p.is_empty and p.nheads_k and p.seqlen_k:
         _run("backward_varlen", _cpu.backward_varlen, p, dout, q, k, v, out, lse, *grads, cu_q, cu_k,
-             deterministic=bool(deterministic))
+             deterministic=deterministic)
     return tuple(grads)
 
 
@@ -484,6 +493,8 @@ def merge_states(*args, layout="bshd"):
                 f"outs and lses must be stacked on a leading parts axis of equal length; got shapes "
                 f"{tuple(o.shape)} and {tuple(l_.shape)}"
             )
+        if o.shape[0] == 0:
+            raise ValueError("outs and lses must hold at least one part; got an empty parts axis")
         outs, lses = list(o), list(l_)
     else:
         raise ValueError(f"merge_states takes (out_a, lse_a, out_b, lse_b) or (outs, lses); got {len(args)} arguments")

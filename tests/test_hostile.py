@@ -1,0 +1,874 @@
+"""Hostile tests of the public API on the CPU path (NumPy arrays).
+
+Each test states the contract (the project's conventions.md) it checks.  Tests named
+``test_defect_*`` reproduce defects found by hostile testing, now fixed: they guard against regressions.
+Everything else pins down behaviour that was verified to be right, so it stays right.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.reference import (
+    attention_backward_ref,
+    attention_ref,
+    attention_varlen_backward_ref,
+    attention_varlen_ref,
+)
+
+TOL = 2e-5  # float32 inputs of modest size; the exactness rule's 1e-5 floor is of this order
+
+
+def rnd(rng, *shape, dtype=np.float32, scale=2.0):
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+@pytest.fixture
+def qkv(rng):
+    """GQA problem: Hq=6, Hkv=2, Sq != Sk."""
+    return rnd(rng, 2, 9, 6, 8), rnd(rng, 2, 11, 2, 8), rnd(rng, 2, 11, 2, 8)
+
+
+def close(a, b, tol=TOL):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    assert a.shape == b.shape
+    assert not np.isnan(a).any(), f"{int(np.isnan(a).sum())} NaN of {a.size}"
+    both_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
+    err = np.abs(np.where(both_inf, 0, a - b))
+    ok = err <= tol * (1 + np.abs(np.where(both_inf, 0, b)))
+    assert ok.all(), f"{int((~ok).sum())} of {a.size} elements off, max error {float(err.max()):.3g}"
+
+
+def raises_naming(exc, arg, fn, *args, **kwargs):
+    with pytest.raises(exc) as info:
+        fn(*args, **kwargs)
+    assert arg in str(info.value), f"message {str(info.value)!r} does not name {arg!r}"
+
+
+# =============================================================================================
+# Validation of q, k, v (verified behaviour)
+# =============================================================================================
+
+
+@pytest.mark.parametrize(
+    "make, exc, arg",
+    [
+        (lambda q, k, v: (q.tolist(), k, v), TypeError, "q"),
+        (lambda q, k, v: (1.0, k, v), TypeError, "q"),
+        (lambda q, k, v: (np.float32(1.0), k, v), TypeError, "q"),
+        (lambda q, k, v: (None, k, v), TypeError, "q"),
+        (lambda q, k, v: ("abc", k, v), TypeError, "q"),
+        (lambda q, k, v: (q, k.tolist(), v), TypeError, "k"),
+        (lambda q, k, v: (q, k, None), TypeError, "v"),
+        (lambda q, k, v: tuple(x.astype(object) for x in (q, k, v)), TypeError, "object"),
+        (lambda q, k, v: tuple(x > 0 for x in (q, k, v)), TypeError, "bool"),
+        (lambda q, k, v: tuple(x.astype(np.complex64) for x in (q, k, v)), TypeError, "complex"),
+        (lambda q, k, v: tuple(x.astype(np.int8) for x in (q, k, v)), TypeError, "int8"),
+        (lambda q, k, v: (q, k.astype(np.float64), v), TypeError, "dtype"),
+        (lambda q, k, v: (q.astype(ml_dtypes.bfloat16), k.astype(np.float16), v.astype(np.float16)), TypeError, "dtype"),
+        (lambda q, k, v: (q[0], k[0], v[0]), ValueError, "q"),
+        (lambda q, k, v: (q[None], k[None], v[None]), ValueError, "q"),
+        (lambda q, k, v: (np.array(1.0, np.float32), k, v), ValueError, "q"),
+        (lambda q, k, v: (q[:, :, :5], k, v), ValueError, "heads"),  # Hq=5 not a multiple of 2
+        (lambda q, k, v: (q[:, :, :1], k, v), ValueError, "heads"),  # Hkv > Hq
+        (lambda q, k, v: (np.concatenate([q, q[:1]]), k, v), ValueError, "batch"),
+        (lambda q, k, v: (q, k, np.concatenate([v, v[:1]])), ValueError, "batch"),
+        (lambda q, k, v: (q, k[..., :7], v), ValueError, "head dim"),
+        (lambda q, k, v: (q, k, v[:, :10]), ValueError, "v"),
+        (lambda q, k, v: (q, k, np.concatenate([v, v[:, :, :1]], axis=2)), ValueError, "v"),
+        (lambda q, k, v: (q[..., :0], k[..., :0], v[..., :0]), ValueError, "head dim"),
+        (lambda q, k, v: (q, k, v[..., :0]), ValueError, "head dim"),
+    ],
+)
+def test_bad_qkv_rejected(qkv, make, exc, arg):
+    raises_naming(exc, arg, cuflash.attention, *make(*qkv))
+
+
+def test_different_value_head_dim_is_supported(qkv, rng):
+    q, k, _ = qkv
+    v = rnd(rng, 2, 11, 2, 5)
+    out = cuflash.attention(q, k, v, causal=True)
+    close(out, attention_ref(q, k, v, causal=True)[0])
+
+
+# =============================================================================================
+# Validation of options (verified behaviour)
+# =============================================================================================
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, arg",
+    [
+        (dict(softmax_scale=True), TypeError, "softmax_scale"),
+        (dict(softmax_scale="0.5"), TypeError, "softmax_scale"),
+        (dict(softmax_scale=1j), TypeError, "softmax_scale"),
+        (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+        (dict(softmax_scale=float("inf")), ValueError, "softmax_scale"),
+        (dict(softmax_scale=-np.inf), ValueError, "softmax_scale"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(softcap=float("nan")), ValueError, "softcap"),
+        (dict(softcap=float("inf")), ValueError, "softcap"),
+        (dict(softcap="1"), TypeError, "softcap"),
+        (dict(softcap=True), TypeError, "softcap"),
+        (dict(window_size=(-2, 0)), ValueError, "window_size"),
+        (dict(window_size=(0, -5)), ValueError, "window_size"),
+        (dict(window_size=(1.5, 2)), TypeError, "window_size"),
+        (dict(window_size=(True, 0)), TypeError, "window_size"),
+        (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
+        (dict(window_size=None), ValueError, "window_size"),
+        (dict(window_size=3), ValueError, "window_size"),
+        (dict(window_size="ab"), ValueError, "window_size"),
+        (dict(causal="yes"), ValueError, "causal"),
+        (dict(causal=1), ValueError, "causal"),
+        (dict(causal=0), ValueError, "causal"),
+        (dict(causal=None), ValueError, "causal"),
+        (dict(causal="TOP_LEFT"), ValueError, "causal"),
+        (dict(causal=[True]), ValueError, "causal"),
+        (dict(alibi_slopes=np.ones(5, np.float32)), ValueError, "alibi_slopes"),
+        (dict(alibi_slopes=np.ones((1, 6), np.float32)), ValueError, "alibi_slopes"),
+        (dict(alibi_slopes=np.ones((2, 6, 1), np.float32)), ValueError, "alibi_slopes"),
+        (dict(alibi_slopes=np.ones(6, np.int64)), TypeError, "alibi_slopes"),
+        (dict(alibi_slopes=[0.5] * 6), TypeError, "alibi_slopes"),
+        (dict(seqlens_k=np.array([-1, 3])), ValueError, "seqlens_k"),
+        (dict(seqlens_k=np.array([12, 3])), ValueError, "seqlens_k"),
+        (dict(seqlens_k=np.array([1.0, 3.0])), TypeError, "seqlens_k"),
+        (dict(seqlens_k=np.array([1, 3, 4])), ValueError, "seqlens_k"),
+        (dict(seqlens_k=np.array([[1, 3]])), ValueError, "seqlens_k"),
+        (dict(seqlens_k=np.array([1, 3], np.int16)), TypeError, "seqlens_k"),
+        (dict(seqlens_k=np.array([1, 3], np.uint32)), TypeError, "seqlens_k"),
+        (dict(seqlens_k=np.array([True, False])), TypeError, "seqlens_k"),
+        (dict(seqlens_k=[1, 3]), TypeError, "seqlens_k"),
+        (dict(layout="bsdh"), ValueError, "layout"),
+        (dict(layout="BSHD"), ValueError, "layout"),
+        (dict(layout=None), ValueError, "layout"),
+        (dict(out=np.empty((2, 9, 6, 4), np.float32)), ValueError, "out"),
+        (dict(out=np.empty((2, 9, 6, 8), np.float64)), TypeError, "out"),
+        (dict(out=np.empty((2, 6, 9, 8), np.float32)), ValueError, "out"),
+        (dict(out=[0.0]), TypeError, "out"),
+    ],
+)
+def test_bad_options_rejected(qkv, kwargs, exc, arg):
+    raises_naming(exc, arg, cuflash.attention, *qkv, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(softmax_scale=-0.7),
+        dict(softmax_scale=0.0),
+        dict(softmax_scale=np.float16(0.3)),
+        dict(softmax_scale=2),
+        dict(softcap=1e-30),
+        dict(softcap=1e30),
+        dict(softcap=0.1, causal=True),
+        dict(window_size=(np.int64(2), np.int32(1))),
+        dict(window_size=[2, 1]),
+        dict(window_size=(10**9, 10**9)),
+        dict(window_size=(2**62, 2**62)),
+        dict(window_size=(0, 0)),
+        dict(window_size=(3, -1), causal=True),
+        dict(causal=np.bool_(True)),
+        dict(causal="top_left"),
+        dict(causal="bottom_right", window_size=(2, 5)),
+        dict(causal="top_left", window_size=(1, -1)),
+        dict(alibi_slopes=np.linspace(0.1, 1.0, 6).astype(np.float16)),
+        dict(alibi_slopes=np.linspace(0.1, 1.0, 12).reshape(2, 6)),
+        dict(seqlens_k=np.array([0, 0])),
+        dict(seqlens_k=np.array([0, 11], np.int32), causal=True),
+        dict(seqlens_k=np.array([4, 7]), window_size=(2, 1)),
+    ],
+)
+def test_valid_options_match_reference(qkv, kwargs):
+    out, lse = cuflash.attention(*qkv, return_lse=True, **kwargs)
+    ref_out, ref_lse = attention_ref(*qkv, **kwargs)
+    close(out, ref_out)
+    close(lse, ref_lse)
+
+
+def test_causal_bool_aliases(qkv):
+    a = cuflash.attention(*qkv, causal=True)
+    b = cuflash.attention(*qkv, causal="bottom_right")
+    c = cuflash.attention(*qkv, causal=np.True_)
+    assert np.array_equal(a, b) and np.array_equal(a, c)
+    assert not np.array_equal(a, cuflash.attention(*qkv, causal="top_left"))  # Sq != Sk
+
+
+# =============================================================================================
+# Shapes: empty problems, tiny and huge head dims, strides, layouts
+# =============================================================================================
+
+
+@pytest.mark.parametrize(
+    "qs, ks",
+    [
+        ((0, 5, 2, 8), (0, 3, 2, 8)),
+        ((0, 3952, 2, 8), (0, 16, 2, 8)),
+        ((2, 0, 2, 8), (2, 3, 2, 8)),
+        ((2, 4, 0, 8), (2, 3, 0, 8)),
+        ((2, 4, 0, 8), (2, 3, 2, 8)),
+        ((0, 0, 0, 8), (0, 0, 0, 8)),
+    ],
+)
+def test_empty_problems(rng, qs, ks):
+    q, k, v = rnd(rng, *qs), rnd(rng, *ks), rnd(rng, *ks)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+    assert out.shape == qs and lse.shape == (qs[0], qs[2], qs[1])
+    grads = cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+def test_no_keys_gives_zero_and_minus_inf(rng):
+    q, k, v = rnd(rng, 2, 4, 2, 8), rnd(rng, 2, 0, 2, 8), rnd(rng, 2, 0, 2, 8)
+    out = np.full((2, 4, 2, 8), np.nan, np.float32)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, out=out)
+    assert (out == 0).all() and np.isneginf(lse).all()
+    dq, dk, dv = cuflash.attention_backward(rnd(rng, 2, 4, 2, 8), q, k, v, out, lse)
+    assert (dq == 0).all() and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_all_zero_size_including_headdim_zero_is_a_clear_error(rng):
+    z = np.zeros((0, 0, 0, 0), np.float32)
+    raises_naming(ValueError, "head dim", cuflash.attention, z, z, z)
+
+
+@pytest.mark.parametrize("d", [1, 2, 257, 300])
+def test_tiny_and_huge_head_dims(rng, d):
+    q, k, v = rnd(rng, 1, 70, 2, d), rnd(rng, 1, 75, 1, d), rnd(rng, 1, 75, 1, d)
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    close(out, ref_out)
+    close(lse, ref_lse)
+
+
+def test_seqlen_one_analytic(rng):
+    for d in (1, 8, 16):
+        q, k, v = (3 * rnd(rng, 1, 1, 1, d, dtype=np.float16) for _ in range(3))
+        out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+        assert np.array_equal(out, v)
+        dq, dk, dv = cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, causal=True)
+        assert (dq == 0).all() and (dk == 0).all() and (dv == 1).all()
+
+
+def _views(rng):
+    """(name, q, k, v) with non-contiguous / transposed / negative-stride views."""
+    q, k, v = rnd(rng, 2, 70, 4, 16), rnd(rng, 2, 80, 2, 16), rnd(rng, 2, 80, 2, 16)
+    big = rnd(rng, 2, 140, 8, 32)
+    yield "negative strides", q[:, ::-1, :, ::-1], k[:, ::-1], v[::-1, ::-1]
+    yield "strided", big[:, ::2, ::2, ::2], k[..., ::-1], v
+    yield "fortran", np.asfortranarray(q), np.asfortranarray(k), np.asfortranarray(v)
+    yield (
+        "transposed storage",
+        np.ascontiguousarray(q.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3),
+        np.ascontiguousarray(k.transpose(3, 2, 1, 0)).transpose(3, 2, 1, 0),
+        v,
+    )
+    yield "broadcast k", q, np.broadcast_to(k[:, :1], k.shape), v
+
+
+@pytest.mark.parametrize("idx", range(5))
+def test_noncontiguous_views_forward_and_backward(rng, idx):
+    name, q, k, v = list(_views(rng))[idx]
+    opts = dict(causal=True, softcap=3.0, window_size=(40, -1))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    ref_out, ref_lse = attention_ref(q, k, v, **opts)
+    close(out, ref_out)
+    close(lse, ref_lse)
+    dout = rnd(rng, *out.shape)[:, ::-1]
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
+    for g, r in zip(grads, attention_backward_ref(dout, q, k, v, **opts)):
+        close(g, r, tol=5e-5)
+
+
+def test_bhsd_layout_matches_bshd(qkv):
+    q, k, v = qkv
+    t = [x.swapaxes(1, 2) for x in qkv]  # non-contiguous bhsd views
+    out = np.full((2, 6, 9, 8), np.nan, np.float32)
+    got, lse = cuflash.attention(*t, causal=True, layout="bhsd", out=out, return_lse=True)
+    assert got is out
+    ref_out, ref_lse = attention_ref(q, k, v, causal=True)
+    close(got.swapaxes(1, 2), ref_out)
+    close(lse, ref_lse)
+
+
+def test_gqa_head_mapping_is_repeat_not_tile(rng):
+    q, k, v = rnd(rng, 1, 33, 8, 16), rnd(rng, 1, 40, 2, 16), rnd(rng, 1, 40, 2, 16)
+    out = cuflash.attention(q, k, v)
+    kr, vr = np.repeat(k, 4, axis=2), np.repeat(v, 4, axis=2)
+    close(out, attention_ref(q, kr, vr)[0])
+
+
+def test_bf16_and_fp16_outputs_keep_dtype(rng):
+    for dt in (np.float16, ml_dtypes.bfloat16):
+        q, k, v = (rnd(rng, 1, 9, 2, 8).astype(dt) for _ in range(3))
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+        assert out.dtype == np.dtype(dt) and lse.dtype == np.float32
+        close(out.astype(np.float32), attention_ref(q, k, v)[0], tol=2e-2)
+
+
+def test_float64_lse_is_float64(rng):
+    q, k, v = (rnd(rng, 1, 9, 2, 8, dtype=np.float64) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    assert out.dtype == np.float64 and lse.dtype == np.float64
+
+
+def test_forward_and_backward_bitwise_repeatable(qkv, rng):
+    a = cuflash.attention(*qkv, causal=True, return_lse=True)
+    b = cuflash.attention(*qkv, causal=True, return_lse=True)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    dout = rnd(rng, *a[0].shape)
+    g1 = cuflash.attention_backward(dout, *qkv, *a, causal=True, deterministic=True)
+    g2 = cuflash.attention_backward(dout, *qkv, *a, causal=True, deterministic=np.True_)
+    assert all(np.array_equal(x, y) for x, y in zip(g1, g2))
+
+
+# =============================================================================================
+# Inputs are never modified; out= handling
+# =============================================================================================
+
+
+def test_inputs_never_modified(qkv, rng):
+    q, k, v = qkv
+    slopes = np.linspace(0.1, 0.5, 6).astype(np.float32)
+    sk = np.array([5, 11])
+    saved = [x.copy() for x in (q, k, v, slopes, sk)]
+    out, lse = cuflash.attention(q, k, v, causal=True, alibi_slopes=slopes, seqlens_k=sk, return_lse=True)
+    dout = rnd(rng, *out.shape)
+    saved2 = [x.copy() for x in (dout, out, lse)]
+    cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, alibi_slopes=slopes, seqlens_k=sk)
+    for a, b in zip((q, k, v, slopes, sk, dout, out, lse), saved + saved2):
+        assert np.array_equal(a, b)
+    o1, l1 = cuflash.attention(q, k[:, :5], v[:, :5], return_lse=True)
+    o2, l2 = cuflash.attention(q, k[:, 5:], v[:, 5:], return_lse=True)
+    saved3 = [x.copy() for x in (o1, l1, o2, l2)]
+    cuflash.merge_states(o1, l1, o2, l2)
+    for a, b in zip((o1, l1, o2, l2), saved3):
+        assert np.array_equal(a, b)
+    x = rnd(rng, 4, 300)
+    xs = x.copy()
+    cuflash.softmax(x)
+    assert np.array_equal(x, xs)
+
+
+def test_out_sharing_memory_with_an_input_is_rejected(rng):
+    # Outputs must not share memory with inputs (documented in the out= parameter): checked
+    # before anything is written, for exact aliases too.
+    q, k, v = rnd(rng, 1, 200, 2, 8), rnd(rng, 1, 200, 2, 8), rnd(rng, 1, 200, 2, 8)
+    for target, name in ((q, "q"), (k, "k"), (v, "v")):
+        before = target.copy()
+        with pytest.raises(ValueError, match=f"out overlaps {name}"):
+            cuflash.attention(q, k, v, causal=True, out=target)
+        np.testing.assert_array_equal(target, before)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="dk overlaps k"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dk=k)
+
+
+def test_defect_out_partially_overlapping_q_gives_wrong_answer(rng):
+    # q and out are two views of one buffer, offset by one row.  Expected: the right answer
+    # (NumPy ufuncs handle overlap) or a ValueError naming out.  Actual: silently wrong rows.
+    q_rows, k, v = rnd(rng, 1, 200, 2, 8), rnd(rng, 1, 200, 2, 8), rnd(rng, 1, 200, 2, 8)
+    base = np.concatenate([q_rows, rnd(rng, 1, 1, 2, 8)], axis=1)
+    q, out = base[:, :-1], base[:, 1:]
+    ref = attention_ref(q.copy(), k, v)[0]
+    try:
+        got = cuflash.attention(q, k, v, out=out)
+    except ValueError as exc:
+        assert "out" in str(exc)
+        return
+    close(got, ref)
+
+
+def test_defect_read_only_out_error_does_not_name_out(qkv):
+    out = np.empty((2, 9, 6, 8), np.float32)
+    out.flags.writeable = False
+    raises_naming(ValueError, "out", cuflash.attention, *qkv, out=out)
+
+
+def test_defect_read_only_dq_error_does_not_name_dq(qkv, rng):
+    out, lse = cuflash.attention(*qkv, return_lse=True)
+    dq = np.empty(qkv[0].shape, np.float32)
+    dq.flags.writeable = False
+    raises_naming(ValueError, "dq", cuflash.attention_backward, rnd(rng, *out.shape), *qkv, out, lse, dq=dq)
+
+
+def test_defect_return_lse_not_validated(qkv):
+    # Every other flag is type-checked (causal, deterministic); return_lse="no" silently
+    # returns a tuple.  Expected: TypeError naming return_lse.
+    raises_naming(TypeError, "return_lse", cuflash.attention, *qkv, return_lse="no")
+
+
+# =============================================================================================
+# Numerical edge cases
+# =============================================================================================
+
+
+def test_defect_nan_in_padding_past_seqlens_k_poisons_forward(rng):
+    # conventions.md: "keys past [the valid length] are never read into the softmax".  A padded
+    # KV cache whose unused slots hold garbage (np.empty, NaN) must not change the result.
+    q, k, v = rnd(rng, 2, 70, 2, 8), rnd(rng, 2, 130, 2, 8), rnd(rng, 2, 130, 2, 8)
+    sk = np.array([3, 130])
+    ref = attention_ref(q, k, v, seqlens_k=sk)[0]
+    v_bad = v.copy()
+    v_bad[0, 3:] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = cuflash.attention(q, k, v_bad, seqlens_k=sk)
+    close(got, ref)
+
+
+def test_defect_nan_in_padding_past_seqlens_k_poisons_backward(rng):
+    q, k, v = rnd(rng, 1, 4, 2, 8), rnd(rng, 1, 6, 2, 8), rnd(rng, 1, 6, 2, 8)
+    sk = np.array([3])
+    out, lse = cuflash.attention(q, k, v, seqlens_k=sk, return_lse=True)
+    dout = rnd(rng, *out.shape)
+    ref = attention_backward_ref(dout, q, k, v, seqlens_k=sk)
+    v_bad = v.copy()
+    v_bad[:, 3:] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dq, dk, dv = cuflash.attention_backward(dout, q, k, v_bad, out, lse, seqlens_k=sk)
+    close(dq, ref[0])
+    close(dk[:, :3], ref[1][:, :3])
+    close(dv[:, :3], ref[2][:, :3])
+
+
+def test_inf_keys_past_seqlens_k_are_ignored(rng):
+    q, k, v = rnd(rng, 2, 70, 2, 8), rnd(rng, 2, 130, 2, 8), rnd(rng, 2, 130, 2, 8)
+    sk = np.array([3, 130])
+    k_bad = k.copy()
+    k_bad[0, 3:] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = cuflash.attention(q, k_bad, v, seqlens_k=sk)
+    close(got, attention_ref(q, k, v, seqlens_k=sk)[0])
+
+
+def test_nan_in_one_query_row_stays_in_that_row(qkv):
+    q, k, v = qkv
+    q = q.copy()
+    q[0, 2, 1] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = cuflash.attention(q, k, v)
+    assert np.isnan(out[0, 2, 1]).all()
+    mask = np.ones(out.shape, bool)
+    mask[0, 2, 1] = False
+    assert not np.isnan(out[mask]).any()
+
+
+def test_nan_in_one_key_spreads_only_to_rows_that_see_it(rng):
+    q, k, v = rnd(rng, 1, 6, 1, 8), rnd(rng, 1, 6, 1, 8), rnd(rng, 1, 6, 1, 8)
+    k = k.copy()
+    k[0, 4] = np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = cuflash.attention(q, k, v, causal=True)
+    assert not np.isnan(out[0, :4]).any()
+    assert np.isnan(out[0, 4:]).all()
+
+
+def test_defect_huge_softcap_gives_nan(qkv):
+    # softcap=1e39 is finite and mathematically means "almost no cap": s ≈ s.  float32(1e39)
+    # = inf and inf * tanh(0) = NaN.  Expected: a ValueError naming softcap (outside the
+    # float32-safe range), or ≈ the uncapped result.
+    try:
+        cuflash.attention(*qkv, softcap=1e39)
+    except ValueError as exc:
+        assert "softcap" in str(exc)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = cuflash.attention(*qkv, softcap=1e39)
+    close(out, attention_ref(*qkv)[0])
+
+
+def test_defect_subnormal_softcap_gives_nan_for_zero_scores(qkv):
+    # softcap=1e-50 rounds to 0 in float32; a zero score gives 0/0 = NaN.  Expected: finite
+    # (cap·tanh(s/cap) ≈ 0 for every score, i.e. uniform weights).
+    q, k, v = qkv
+    q = q.copy()
+    q[:, 0] = 0
+    try:
+        cuflash.attention(q, k, v, softcap=1e-50)
+    except ValueError as exc:  # outside the float32-safe range: a clear error is fine
+        assert "softcap" in str(exc)
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = cuflash.attention(q, k, v, softcap=1e-50)
+    close(out, attention_ref(q, k, v, softcap=1e-50)[0], tol=1e-4)
+
+
+def test_nan_alibi_slope_is_rejected_or_stays_in_its_head(qkv):
+    slopes = np.array([np.nan, 1, 1, 1, 1, 1], np.float32)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = cuflash.attention(*qkv, alibi_slopes=slopes)
+    except ValueError as exc:
+        assert "alibi_slopes" in str(exc)
+        return
+    assert not np.isnan(out[:, :, 1:]).any()
+
+
+def test_zero_scale_gives_uniform_weights(qkv):
+    q, k, v = qkv
+    out = cuflash.attention(q, k, v, softmax_scale=0.0)
+    close(out, np.repeat(v.mean(axis=1, keepdims=True), 3, axis=2).repeat(9, axis=1))
+
+
+def test_large_logits_with_softcap_stay_finite(rng):
+    q, k, v = rnd(rng, 1, 20, 2, 64, scale=15), rnd(rng, 1, 30, 2, 64, scale=15), rnd(rng, 1, 30, 2, 64)
+    for cap in (50.0, 1.0, 0.1):
+        out, lse = cuflash.attention(q, k, v, softcap=cap, causal=True, return_lse=True)
+        assert np.isfinite(out).all() and np.isfinite(lse).all()
+        close(out, attention_ref(q, k, v, softcap=cap, causal=True)[0], tol=1e-4)
+
+
+# =============================================================================================
+# Window edge values
+# =============================================================================================
+
+
+@pytest.mark.parametrize("window", [(2**63, 0), (0, 2**63), (10**30, 10**30)])
+def test_huge_window_is_unbounded(qkv, window):
+    # Python ints past int64 reach NumPy int64 arithmetic: OverflowError, not the contract's
+    # ValueError.  Expected: either treated as unbounded (= -1) or ValueError naming window_size.
+    try:
+        out = cuflash.attention(*qkv, window_size=window)
+    except ValueError as exc:
+        assert "window_size" in str(exc)
+        return
+    unbounded = tuple(-1 if w >= 2**31 - 1 else w for w in window)  # wider than any sequence
+    close(out, attention_ref(*qkv, window_size=unbounded)[0])
+
+
+@pytest.mark.parametrize("window", [(0, 0), (1, 0), (0, 1), (31, 0), (200, 0), (3, 200)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_boundaries(rng, window, causal):
+    q, k, v = rnd(rng, 1, 64, 2, 8), rnd(rng, 1, 96, 2, 8), rnd(rng, 1, 96, 2, 8)
+    out, lse = cuflash.attention(q, k, v, window_size=window, causal=causal, return_lse=True)
+    ro, rl = attention_ref(q, k, v, window_size=window, causal=causal)
+    close(out, ro)
+    close(lse, rl)
+
+
+# =============================================================================================
+# attention_backward
+# =============================================================================================
+
+
+def test_backward_broadcast_dout_stride_zero(qkv):
+    out, lse = cuflash.attention(*qkv, causal=True, return_lse=True)
+    dout = np.broadcast_to(np.float32(1.5), out.shape)
+    assert dout.strides == (0, 0, 0, 0)
+    grads = cuflash.attention_backward(dout, *qkv, out, lse, causal=True)
+    for g, r in zip(grads, attention_backward_ref(np.ascontiguousarray(dout), *qkv, causal=True)):
+        close(g, r, tol=5e-5)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, arg",
+    [
+        (lambda d: dict(d, lse=d["lse"][:, :, :-1]), ValueError, "lse"),
+        (lambda d: dict(d, lse=d["lse"].swapaxes(1, 2)), ValueError, "lse"),
+        (lambda d: dict(d, lse=d["lse"].astype(np.float16)), TypeError, "lse"),
+        (lambda d: dict(d, lse=d["lse"].astype(np.float64)), TypeError, "lse"),
+        (lambda d: dict(d, lse=d["lse"].tolist()), TypeError, "lse"),
+        (lambda d: dict(d, dout=d["dout"][:, :-1]), ValueError, "dout"),
+        (lambda d: dict(d, dout=d["dout"].astype(np.float64)), TypeError, "dout"),
+        (lambda d: dict(d, out=d["out"][..., :4]), ValueError, "out"),
+        (lambda d: dict(d, deterministic="yes"), TypeError, "deterministic"),
+        (lambda d: dict(d, deterministic=None), TypeError, "deterministic"),
+        (lambda d: dict(d, deterministic=1), TypeError, "deterministic"),
+        (lambda d: dict(d, dq=np.empty((2, 9, 6, 4), np.float32)), ValueError, "dq"),
+        (lambda d: dict(d, dk=np.empty((2, 11, 2, 8), np.float64)), TypeError, "dk"),
+        (lambda d: dict(d, dv=[0.0]), TypeError, "dv"),
+    ],
+)
+def test_backward_bad_arguments(qkv, rng, mutate, exc, arg):
+    out, lse = cuflash.attention(*qkv, return_lse=True)
+    d = dict(dout=rnd(rng, *out.shape), out=out, lse=lse)
+    d = mutate(d)
+    q, k, v = qkv
+    kwargs = {n: d[n] for n in ("deterministic", "dq", "dk", "dv") if n in d}
+    raises_naming(exc, arg, cuflash.attention_backward, d["dout"], q, k, v, d["out"], d["lse"], **kwargs)
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(causal=True),
+        dict(causal="top_left"),
+        dict(window_size=(3, 2)),
+        dict(softcap=1.0, causal=True),
+        dict(alibi_slopes=np.linspace(0.1, 1.0, 6).astype(np.float32), causal=True),
+        dict(seqlens_k=np.array([0, 7]), causal=True),
+    ],
+)
+def test_backward_modes_match_reference(qkv, rng, opts):
+    out, lse = cuflash.attention(*qkv, return_lse=True, **opts)
+    dout = rnd(rng, *out.shape)
+    bufs = [np.full(x.shape, np.nan, np.float32) for x in qkv]
+    grads = cuflash.attention_backward(dout, *qkv, out, lse, dq=bufs[0], dk=bufs[1], dv=bufs[2], **opts)
+    assert all(g is b for g, b in zip(grads, bufs))
+    for g, r in zip(grads, attention_backward_ref(dout, *qkv, **opts)):
+        close(g, r, tol=5e-5)
+
+
+def test_defect_vjp_accepts_bad_deterministic_until_called(qkv):
+    # attention_backward rejects deterministic="yes" at once; attention_vjp stores it and only
+    # fails when vjp() is called, after the forward ran.  Expected: TypeError up front.
+    raises_naming(TypeError, "deterministic", cuflash.attention_vjp, *qkv, deterministic="yes")
+
+
+def test_vjp_rejects_out_and_return_lse(qkv):
+    raises_naming(TypeError, "return_lse", cuflash.attention_vjp, *qkv, return_lse=True)
+    raises_naming(TypeError, "out", cuflash.attention_vjp, *qkv, out=np.empty((2, 9, 6, 8), np.float32))
+
+
+# =============================================================================================
+# attention_varlen
+# =============================================================================================
+
+
+@pytest.fixture
+def packed(rng):
+    return rnd(rng, 10, 4, 8), rnd(rng, 12, 2, 8), rnd(rng, 12, 2, 8)
+
+
+A = np.array
+
+
+@pytest.mark.parametrize(
+    "cq, ck, mq, mk, exc, arg",
+    [
+        (A([0, 4, 10.0]), A([0, 5, 12]), None, None, TypeError, "cu_seqlens_q"),
+        (A([0, 6, 4]), A([0, 5, 12]), None, None, ValueError, "cu_seqlens_q"),
+        (A([1, 4, 10]), A([0, 5, 12]), None, None, ValueError, "cu_seqlens_q"),
+        (A([0, 4, 11]), A([0, 5, 12]), None, None, ValueError, "cu_seqlens_q"),
+        (A([0, 4, 10]), A([0, 5, 13]), None, None, ValueError, "cu_seqlens_k"),
+        (A([0, 4, 10]), A([0, 12]), None, None, ValueError, "cu_seqlens"),
+        (A([], np.int32), A([], np.int32), None, None, ValueError, "cu_seqlens_q"),
+        (A([[0, 4, 10]]), A([[0, 5, 12]]), None, None, ValueError, "cu_seqlens_q"),
+        (A([0, 4, 10], np.int16), A([0, 5, 12], np.int16), None, None, TypeError, "cu_seqlens_q"),
+        (A([0, 4, 10], np.uint64), A([0, 5, 12]), None, None, TypeError, "cu_seqlens_q"),
+        ([0, 4, 10], A([0, 5, 12]), None, None, TypeError, "cu_seqlens_q"),
+        (A([0, -3, 10]), A([0, 5, 12]), None, None, ValueError, "cu_seqlens_q"),
+        (A([0, 2**40, 10]), A([0, 5, 12]), None, None, ValueError, "cu_seqlens_q"),
+        (A([0, 4, 10]), A([0, 5, 12]), 3, 7, ValueError, "max_seqlen_q"),
+        (A([0, 4, 10]), A([0, 5, 12]), -1, 7, ValueError, "max_seqlen_q"),
+        (A([0, 4, 10]), A([0, 5, 12]), 6.0, 7, TypeError, "max_seqlen_q"),
+        (A([0, 4, 10]), A([0, 5, 12]), True, 7, TypeError, "max_seqlen_q"),
+        (A([0, 4, 10]), A([0, 5, 12]), 6, 6, ValueError, "max_seqlen_k"),
+    ],
+)
+def test_varlen_bad_offsets(packed, cq, ck, mq, mk, exc, arg):
+    raises_naming(exc, arg, cuflash.attention_varlen, *packed, cq, ck, mq, mk)
+
+
+def test_varlen_shape_errors(packed, rng):
+    q, k, v = packed
+    cq, ck = A([0, 4, 10]), A([0, 5, 12])
+    raises_naming(ValueError, "q", cuflash.attention_varlen, q[None], k[None], v[None], cq, ck)
+    raises_naming(ValueError, "heads", cuflash.attention_varlen, rnd(rng, 10, 3, 8), k, v, cq, ck)
+    raises_naming(ValueError, "v", cuflash.attention_varlen, q, k, v[:11], cq, ck)
+    raises_naming(ValueError, "out", cuflash.attention_varlen, q, k, v, cq, ck, out=np.empty((10, 4, 4), np.float32))
+
+
+@pytest.mark.parametrize("mq, mk", [(10**12, 10**12), (2**70, 2**70), (np.int32(6), np.int64(7))])
+def test_varlen_large_max_seqlen_is_only_a_bound(packed, mq, mk):
+    cq, ck = A([0, 4, 10]), A([0, 5, 12])
+    close(cuflash.attention_varlen(*packed, cq, ck, mq, mk), attention_varlen_ref(*packed, cq, ck)[0])
+
+
+def test_varlen_zero_length_sequences_fwd_bwd(packed, rng):
+    q, k, v = packed
+    cq, ck = A([0, 0, 3, 3, 10, 10]), A([0, 2, 2, 9, 12, 12])
+    slopes = np.linspace(0.2, 1.0, 4).astype(np.float32)
+    opts = dict(causal=True, window_size=(2, 1), alibi_slopes=slopes, softcap=2.0)
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, return_lse=True, **opts)
+    ro, rl = attention_varlen_ref(q, k, v, cq, ck, **opts)
+    close(out, ro)
+    close(lse, rl)
+    dout = rnd(rng, *out.shape)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cq, ck, **opts)
+    for g, r in zip(grads, attention_varlen_backward_ref(dout, q, k, v, cq, ck, **opts)):
+        close(g, r, tol=5e-5)
+
+
+def test_varlen_rows_past_last_offset_are_zero(packed):
+    out, lse = cuflash.attention_varlen(*packed, A([0, 4, 8]), A([0, 5, 12]), return_lse=True)
+    assert (out[8:] == 0).all() and np.isneginf(lse[:, 8:]).all()
+
+
+def test_varlen_batch_zero(packed):
+    out, lse = cuflash.attention_varlen(*packed, A([0]), A([0]), return_lse=True)
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+def test_varlen_backward_bad_lse(packed, rng):
+    q, k, v = packed
+    cq, ck = A([0, 4, 10]), A([0, 5, 12])
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    dout = rnd(rng, *out.shape)
+    raises_naming(ValueError, "lse", cuflash.attention_varlen_backward, dout, q, k, v, out, lse.T, cq, ck)
+    raises_naming(TypeError, "lse", cuflash.attention_varlen_backward, dout, q, k, v, out, lse.astype(np.float64), cq, ck)
+
+
+def test_defect_varlen_backward_deterministic_not_validated(packed, rng):
+    # attention_backward raises TypeError for deterministic="yes"; the varlen backward silently
+    # takes bool("yes").  Expected: the same TypeError.
+    q, k, v = packed
+    cq, ck = A([0, 4, 10]), A([0, 5, 12])
+    out, lse = cuflash.attention_varlen(q, k, v, cq, ck, return_lse=True)
+    raises_naming(TypeError, "deterministic", cuflash.attention_varlen_backward,
+                  rnd(rng, *out.shape), q, k, v, out, lse, cq, ck, deterministic="yes")
+
+
+# =============================================================================================
+# merge_states
+# =============================================================================================
+
+
+@pytest.fixture
+def parts(rng):
+    return rnd(rng, 2, 5, 3, 4), rnd(rng, 2, 3, 5), rnd(rng, 2, 5, 3, 4), rnd(rng, 2, 3, 5)
+
+
+def test_merge_equals_full_attention(rng):
+    q, k, v = rnd(rng, 2, 37, 4, 16), rnd(rng, 2, 160, 4, 16), rnd(rng, 2, 160, 4, 16)
+    full_o, full_l = cuflash.attention(q, k, v, return_lse=True)
+    a = cuflash.attention(q, k[:, :80], v[:, :80], return_lse=True)
+    b = cuflash.attention(q, k[:, 80:], v[:, 80:], return_lse=True)
+    mo, ml = cuflash.merge_states(*a, *b)
+    close(mo, full_o)
+    close(ml, full_l)
+    so, sl = cuflash.merge_states(np.stack([a[0], b[0]]), np.stack([a[1], b[1]]))
+    assert np.array_equal(so, mo) and np.array_equal(sl, ml)
+
+
+def test_merge_all_minus_inf_gives_zero(parts):
+    o1, l1, o2, l2 = parts
+    ninf = np.full_like(l1, -np.inf)
+    out, lse = cuflash.merge_states(o1, ninf, o2, ninf)
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+def test_merge_one_empty_part_is_identity(parts):
+    o1, l1, o2, _ = parts
+    out, lse = cuflash.merge_states(o1, l1, o2, np.full_like(l1, -np.inf))
+    close(out, o1, tol=1e-6)
+    close(lse, l1, tol=1e-6)
+
+
+def test_merge_empty_arrays_and_varlen_and_bhsd(rng, parts):
+    out, lse = cuflash.merge_states(rnd(rng, 0, 5, 3, 4), rnd(rng, 0, 3, 5), rnd(rng, 0, 5, 3, 4), rnd(rng, 0, 3, 5))
+    assert out.shape == (0, 5, 3, 4) and lse.shape == (0, 3, 5)
+    out, lse = cuflash.merge_states(rnd(rng, 7, 3, 4), rnd(rng, 3, 7), rnd(rng, 7, 3, 4), rnd(rng, 3, 7))
+    assert out.shape == (7, 3, 4) and lse.shape == (3, 7)
+    o1, l1, o2, l2 = parts
+    out, lse = cuflash.merge_states(o1, l1.reshape(2, 5, 3), o2, l2.reshape(2, 5, 3), layout="bhsd")
+    assert out.shape == o1.shape and lse.shape == (2, 5, 3)
+
+
+def test_merge_fp16_parts_keep_dtype(parts):
+    o1, l1, o2, l2 = parts
+    out, lse = cuflash.merge_states(o1.astype(np.float16), l1.astype(np.float64), o2.astype(np.float16), l2)
+    assert out.dtype == np.float16 and lse.dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "make, exc, arg",
+    [
+        (lambda o1, l1, o2, l2: (o1, l1.swapaxes(1, 2), o2, l2), ValueError, "lse"),
+        (lambda o1, l1, o2, l2: (o1, l1, o2[:, :4], l2), ValueError, "shape"),
+        (lambda o1, l1, o2, l2: (o1, l1, o2.astype(np.float16), l2), TypeError, "dtype"),
+        (lambda o1, l1, o2, l2: (o1.astype(int), l1, o2.astype(int), l2), TypeError, "floating"),
+        (lambda o1, l1, o2, l2: (o1 > 0, l1, o2 > 0, l2), TypeError, "floating"),
+        (lambda o1, l1, o2, l2: (o1.astype(complex), l1, o2.astype(complex), l2), TypeError, "floating"),
+        (lambda o1, l1, o2, l2: (o1, l1.astype(int), o2, l2.astype(int)), TypeError, "floating"),
+        (lambda o1, l1, o2, l2: (o1.tolist(), l1, o2, l2), TypeError, "out_a"),
+        (lambda o1, l1, o2, l2: (o1, l1, o2), ValueError, "merge_states"),
+        (lambda o1, l1, o2, l2: (), ValueError, "merge_states"),
+        (lambda o1, l1, o2, l2: (o1[None], l1[None], o2[None], l2[None]), ValueError, "dimensions"),
+        (lambda o1, l1, o2, l2: (o1[0, 0], l1[0, 0], o2[0, 0], l2[0, 0]), ValueError, "dimensions"),
+        (lambda o1, l1, o2, l2: (np.stack([o1, o2]), np.stack([l1, l2])[:, 0]), ValueError, "lse"),
+        (lambda o1, l1, o2, l2: (np.stack([o1, o2]), np.stack([l1, l2, l2])), ValueError, "lses"),
+    ],
+)
+def test_merge_bad_arguments(parts, make, exc, arg):
+    raises_naming(exc, arg, cuflash.merge_states, *make(*parts))
+
+
+def test_merge_layout_typo(parts):
+    raises_naming(ValueError, "layout", cuflash.merge_states, *parts, layout="BSHD")
+
+
+def test_defect_merge_zero_parts_raises_indexerror():
+    # merge_states(outs, lses) with an empty parts axis: IndexError from outs[0].
+    # Expected: ValueError (no parts to merge) naming outs.
+    raises_naming(ValueError, "outs", cuflash.merge_states,
+                  np.empty((0, 1, 3, 2, 4), np.float32), np.empty((0, 1, 2, 3), np.float32))
+
+
+# =============================================================================================
+# softmax
+# =============================================================================================
+
+
+def np_softmax(x, axis=-1):
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=axis, keepdims=True)
+    e = np.exp(x - m)
+    return e / e.sum(axis=axis, keepdims=True)
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.int8, bool, np.complex64, object])
+def test_softmax_rejects_non_float(dtype):
+    raises_naming(TypeError, "x", cuflash.softmax, np.ones(5, dtype=dtype))
+
+
+def test_softmax_rejects_non_arrays():
+    raises_naming(TypeError, "x", cuflash.softmax, [1.0, 2.0])
+    raises_naming(TypeError, "x", cuflash.softmax, 3.0)
+
+
+@pytest.mark.parametrize("axis", [2, -3, 5])
+def test_softmax_axis_out_of_range(axis):
+    with pytest.raises(np.exceptions.AxisError):
+        cuflash.softmax(np.ones((2, 3)), axis=axis)
+
+
+@pytest.mark.parametrize("axis", [None, "1", 1.0])
+def test_softmax_axis_wrong_type(axis):
+    with pytest.raises(TypeError):
+        cuflash.softmax(np.ones((2, 3)), axis=axis)
+
+
+def test_softmax_empty_and_all_minus_inf():
+    assert cuflash.softmax(np.empty((0, 5), np.float32)).shape == (0, 5)
+    assert cuflash.softmax(np.empty((3, 0), np.float32)).shape == (3, 0)
+    y = cuflash.softmax(np.array([[-np.inf] * 3, [0, 1, 2.0]]))
+    assert (y[0] == 0).all()
+    close(y[1], np_softmax([0, 1, 2.0]), tol=1e-12)
+    y = cuflash.softmax(np.array([-np.inf, 0.0, -np.inf]))
+    assert np.array_equal(y, [0.0, 1.0, 0.0])
+
+
+def test_softmax_strided_and_dtypes(rng):
+    x = rnd(rng, 3, 700, 5)
+    view = x[:, ::-1, ::2]
+    close(cuflash.softmax(view, axis=1), np_softmax(view, axis=1), tol=1e-5)
+    close(cuflash.softmax(x, axis=np.int64(0)), np_softmax(x, axis=0), tol=1e-5)
+    for dt in (np.float16, ml_dtypes.bfloat16, np.float64):
+        y = cuflash.softmax((x * 1000).astype(dt))
+        assert y.dtype == np.dtype(dt) and not np.isnan(y.astype(np.float32)).any()
+    y = cuflash.softmax(np.array([3e38, -3e38], np.float32))
+    assert np.array_equal(y, [1.0, 0.0])
