@@ -353,6 +353,11 @@ def softmax(x, axis, *, block=SOFTMAX_BLOCK):
     exp(m_old − m_new) when the max grows; then one elementwise pass writes exp(x − m) / l.
     Computed in float32 (float64 for float64 input).
     """
+    with np.errstate(invalid="ignore"):  # +inf inputs give NaN (inf - inf), as in SciPy; no warning
+        return _softmax(x, axis, block)
+
+
+def _softmax(x, axis, block):
     acc = _acc_dtype(x.dtype)
     xm = np.moveaxis(x, axis, -1)
     m = np.full(xm.shape[:-1] + (1,), -np.inf, dtype=acc)

@@ -219,7 +219,7 @@ def io_model(
 
     # Tiled attention: K and V are read once per query block (Theorem 2).
     sram_elems = sram_bytes // e
-    block_rows = max(1, math.ceil(sram_elems / (4 * max(d, dv))))
+    block_rows = max(1, min(math.ceil(sram_elems / (4 * max(d, dv))), nq))  # no block past the sequence
 
     query_blocks = math.ceil(nq / block_rows)
     tiled_steps = (

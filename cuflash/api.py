@@ -44,8 +44,13 @@ _METHOD_DOC = """\
     the per-row log-sum-exp."""
 
 
+# Packed batches carry their key lengths in cu_seqlens_k, so their docstrings omit seqlens_k.
+_VARLEN_OPTIONS_DOC = _OPTIONS_DOC[: _OPTIONS_DOC.index("    seqlens_k :")].rstrip("\n")
+
+
 def _doc(fn):
-    fn.__doc__ = fn.__doc__.replace("{options}", _OPTIONS_DOC).replace("{method}", _METHOD_DOC)
+    options = _VARLEN_OPTIONS_DOC if fn.__name__.startswith("attention_varlen") else _OPTIONS_DOC
+    fn.__doc__ = fn.__doc__.replace("{options}", options).replace("{method}", _METHOD_DOC)
     return fn
 
 
@@ -331,7 +336,7 @@ def attention_varlen(
     -------
     out : array of shape (total_q, nheads, headdim_v)
         Rows past ``cu_seqlens_q[-1]`` belong to no sequence and are set to 0.
-    lse : array of shape (nheads, total_q), float32
+    lse : array of shape (nheads, total_q), float32 (float64 for float64 inputs)
         Only when ``return_lse``; -inf on empty rows and rows past ``cu_seqlens_q[-1]``.
 
     Raises

@@ -111,8 +111,8 @@ def info():
     ]
     cp = _arrays.cupy_module()
     if cp is None:
-        rows.append(("cupy", "not installed: NumPy arrays run on the CPU (pip install 'cuflash[cuda12]' "
-                             "or 'cuflash[cuda13]' for the GPU)"))
+        rows.append(("cupy", "not installed: NumPy arrays run on the CPU (install the cuda12 or cuda13 "
+                             "extra for the GPU, e.g. pip install -e '.[cuda13]' in a checkout)"))
         gpus = ["no GPU found (CuPy is not installed)"]
     else:
         rows.append(("cupy", cp.__version__))
@@ -203,7 +203,7 @@ def io_report(m: _io_model.IOModel) -> list[str]:
     lines += [row(f"  {label}", nbytes) for label, nbytes in m.standard_steps]
     lines += [
         row("tiled (FlashAttention)", m.tiled_hbm_bytes, "Theta(N^2 d^2 / M)"),
-        f"    {m.query_blocks} query blocks of B_r = ceil(M / 4d) = {m.block_rows} rows "
+        f"    {m.query_blocks} query blocks of B_r = min(ceil(M / 4d), N) = {m.block_rows} rows "
         f"(M = {m.sram_elems} {e} elements)",
     ]
     lines += [row(f"  {label}", nbytes) for label, nbytes in m.tiled_steps]

@@ -7,11 +7,11 @@ import pytest
 
 from cuflash import _arrays
 
-GPU_SKIP_REASON = (
-    "no CUDA GPU visible to CuPy (CuPy not installed or no device): GPU tests run on the device "
-    "machine through scripts/gpu_check.sh"
-)
 HAS_GPU = _arrays.gpu_available()
+GPU_SKIP_REASON = (
+    "no CUDA GPU: CuPy is not installed" if _arrays.cupy_module() is None
+    else "no CUDA GPU: CuPy found no device (see `cuflash info`); scripts/gpu_check.sh runs these on a GPU"
+)
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=GPU_SKIP_REASON)
 
 

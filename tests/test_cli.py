@@ -47,7 +47,7 @@ def test_io_output_uses_the_model_numbers():
     for value in (m.q_bytes, m.k_bytes, m.score_bytes, m.tile_bytes, m.standard_hbm_bytes,
                   m.tiled_hbm_bytes, m.kernel_hbm_bytes):
         assert format_bytes(value) in result.output
-    assert f"{m.query_blocks} query blocks of B_r = ceil(M / 4d) = {m.block_rows} rows" in result.output
+    assert f"{m.query_blocks} query blocks of B_r = min(ceil(M / 4d), N) = {m.block_rows} rows" in result.output
     assert "score matrix S (1000 x 3000)" in result.output
 
 
