@@ -215,3 +215,93 @@ def io_report(m: _io_model.IOModel) -> list[str]:
         _io_model.why_fast(m),
     ]
     return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# cuflash demo and cuflash check
+
+
+def _array_module():
+    """(xp, description): CuPy on its current GPU when one is visible, else NumPy."""
+    from . import _arrays
+
+    if _arrays.gpu_available():
+        cp = _arrays.cupy_module()
+        name = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        return cp, f"GPU {cp.cuda.Device().id}: {name}"
+    import numpy as np
+
+    return np, "no GPU found: running the CPU path (NumPy)"
+
+
+def _progress_steps(labels):
+    """A click progress bar advanced by name; returns (bar, step)."""
+    bar = click.progressbar(length=len(labels), label="cuflash demo", show_pos=True)
+    seen = []
+
+    def step(label):
+        if seen:
+            bar.update(1)
+        seen.append(label)
+        bar.label = f"cuflash demo: {label}"
+        bar.render_progress()
+    return bar, step
+
+
+@main.command()
+def demo():
+    """Run a default attention problem, check it, and time it against plain attention."""
+    from . import _demo
+
+    xp, where = _array_module()
+    cfg = _demo.GPU_DEFAULT if xp.__name__ == "cupy" else _demo.CPU_DEFAULT
+    click.echo(where)
+    click.echo(f"problem: batch {cfg.batch}, seqlen {cfg.seqlen}, heads {cfg.heads}, head dim {cfg.headdim}, "
+               f"{cfg.dtype}, causal={cfg.causal}")
+    labels = ["forward", "backward", "plain attention"]
+    bar, step = _progress_steps(labels)
+    with bar:
+        r = _demo.run(cfg, xp, step)
+        bar.update(1)
+    click.echo(f"forward : {r['forward_s'] * 1e3:9.2f} ms  {r['forward_tflops']:7.2f} TF/s   "
+               f"max error vs float64 on 64 rows: {r['forward_error']:.2e}")
+    click.echo(f"backward: {r['backward_s'] * 1e3:9.2f} ms  {r['backward_tflops']:7.2f} TF/s   "
+               f"error ratio on a small problem: {r['backward_ratio']:.2f} (pass <= 1)")
+    if r["plain_s"] is not None:
+        click.echo(f"plain attention (matmul, softmax, matmul): {r['plain_s'] * 1e3:.2f} ms -> "
+                   f"cuflash forward is {r['plain_s'] / r['forward_s']:.1f}x faster")
+    else:
+        click.echo(f"plain attention failed ({r['plain_error']}); cuflash needs no score matrix")
+    click.echo(f"score matrix plain attention materialises: {format_bytes(r['score_bytes'])} (float32); "
+               f"cuflash keeps only {cfg.batch * cfg.heads * cfg.seqlen * 4 // 1024} KiB of LSE")
+    if r["backward_ratio"] > 1 or not r["forward_error"] < 0.1:
+        raise SystemExit(1)
+
+
+@main.command()
+@click.option("--quick", is_flag=True, help="A short sweep (two head dims, two lengths).")
+def check(quick):
+    """Correctness sweep against the float64 reference on this machine's GPU (or the CPU path)."""
+    import numpy as np
+
+    from . import _check
+
+    xp, where = _array_module()
+    cases = _check.cases(on_gpu=xp is not np, quick=quick)
+    click.echo(f"{where}; {len(cases)} cases, forward and backward, exactness rule (ratio <= 1 passes)")
+    rng = np.random.default_rng()
+    results = []
+    with click.progressbar(cases, label="cuflash check", item_show_func=lambda c: c.label if c else "") as bar:
+        for case in bar:
+            results.append(_check.run_case(case, xp, rng))
+    width = max(len(r.case.label) for r in results)
+    click.echo(f"{'case'.ljust(width)}  fwd ratio  bwd ratio  result")
+    for r in results:
+        verdict = "ok" if r.passed else "FAIL"
+        click.echo(f"{r.case.label.ljust(width)}  {r.forward_ratio:9.3f}  {r.backward_ratio:9.3f}  {verdict}")
+    failed = [r for r in results if not r.passed]
+    worst = max(max(r.forward_ratio, r.backward_ratio) for r in results)
+    click.echo(f"{len(results) - len(failed)} passed, {len(failed)} failed; worst error ratio {worst:.3f}")
+    if failed:
+        raise SystemExit(1)

@@ -1,0 +1,39 @@
+"""`cuflash demo` and `cuflash check` on this machine (the CPU path without a GPU)."""
+
+from click.testing import CliRunner
+
+from cuflash import _arrays, _check
+from cuflash.cli import main
+
+
+def test_demo_runs_checks_and_reports():
+    result = CliRunner().invoke(main, ["demo"])
+    assert result.exit_code == 0, result.output
+    if not _arrays.gpu_available():
+        assert "no GPU found" in result.output
+    for needle in ("forward :", "backward:", "TF/s", "max error vs float64", "score matrix"):
+        assert needle in result.output
+
+
+def test_check_quick_passes():
+    result = CliRunner().invoke(main, ["check", "--quick"])
+    assert result.exit_code == 0, result.output
+    assert " 0 failed" in result.output and "worst error ratio" in result.output
+
+
+def test_check_exits_nonzero_on_a_failure(monkeypatch):
+    def failing(case, xp, rng):
+        return _check.Result(case, 3.0, 0.5)
+
+    monkeypatch.setattr(_check, "run_case", failing)
+    result = CliRunner().invoke(main, ["check", "--quick"])
+    assert result.exit_code == 1
+    assert "FAIL" in result.output
+
+
+def test_check_cases_cover_every_option_and_dtype():
+    cpu = _check.cases(on_gpu=False)
+    assert {c.dtype for c in cpu} == {"float16", "bfloat16", "float32"}
+    assert {c.option for c in cpu} == {name for name, _ in _check.OPTIONS}
+    gpu = _check.cases(on_gpu=True, quick=True)
+    assert {c.dtype for c in gpu} == {"float16", "bfloat16"}
