@@ -51,6 +51,26 @@ def plain_attention(xp, q, k, v, causal: bool):
     return xp.matmul(p.astype(q.dtype), vh).swapaxes(1, 2)
 
 
+def plain_attention_backward(xp, q, k, v, dout, causal: bool):
+    """Gradients of :func:`plain_attention` the standard way: P recomputed in full, fp32 softmax.
+
+    dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = dS K / sqrt(d), dK = dSᵀ Q / sqrt(d).
+    """
+    scale = np.float32(1 / math.sqrt(q.shape[-1]))
+    qh, kh, vh, doh = (x.swapaxes(1, 2) for x in (q, k, v, dout))
+    s = xp.matmul(qh, kh.swapaxes(-1, -2)).astype(np.float32) * scale
+    if causal:
+        n = s.shape[-1]
+        s = xp.where(xp.tri(n, dtype=bool), s, np.float32(-np.inf))
+    p = xp.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    dv = xp.matmul(p.astype(q.dtype).swapaxes(-1, -2), doh)
+    dp = xp.matmul(doh, vh.swapaxes(-1, -2)).astype(np.float32)
+    ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * scale).astype(q.dtype)
+    dq, dk = xp.matmul(ds, kh), xp.matmul(ds.swapaxes(-1, -2), qh)
+    return tuple(x.swapaxes(1, 2) for x in (dq, dk, dv))
+
+
 def _timer(xp):
     """Seconds for fn(), synchronising the GPU around it."""
     def run(fn, repeat=3):

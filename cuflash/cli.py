@@ -7,6 +7,7 @@ compiled kernels are cached); ``cuflash io`` prints the I/O model of :mod:`cufla
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import platform
 import sys
@@ -305,3 +306,34 @@ def check(quick):
     click.echo(f"{len(results) - len(failed)} passed, {len(failed)} failed; worst error ratio {worst:.3f}")
     if failed:
         raise SystemExit(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# cuflash bench
+
+
+@main.command()
+@click.option("--suite", type=click.Choice(["standard", "paper"]), default="standard", show_default=True,
+              help="standard: the FlashAttention-2/3 sweep; paper: GPT-2 medium, standard vs cuflash.")
+@click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard suite).")
+@click.option("--dtypes", default="bf16,fp16", show_default=True)
+@click.option("--headdims", default="64,128,256", show_default=True)
+@click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True)
+@click.option("--no-peers", is_flag=True, help="Skip plain CuPy, torch and JAX.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the numbers as JSON.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Bar chart PNG (needs matplotlib).")
+def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_path):
+    """Measure TF/s on this GPU, with the peers present on the machine in the same run."""
+    from . import _arrays
+
+    if not _arrays.gpu_available():
+        raise click.ClickException("cuflash bench measures GPU kernels; no GPU visible to CuPy (see `cuflash info`)")
+    if plot_path and importlib.util.find_spec("matplotlib") is None:
+        raise click.ClickException("--plot needs matplotlib: pip install 'cuflash[plot]'")
+    from . import bench as bench_module
+
+    argv = ["--suite", suite, "--dtypes", dtypes, "--headdims", headdims, "--seqlens", seqlens]
+    argv += ["--backward"] * backward + ["--no-peers"] * no_peers
+    argv += ["--json", json_path] if json_path else []
+    argv += ["--plot", plot_path] if plot_path else []
+    bench_module.main(argv)

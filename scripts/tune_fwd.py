@@ -10,14 +10,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cupy as cp  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
-from bench import attention_flops, check_against_plain, time_gpu  # noqa: E402
+from cuflash.bench import attention_flops, check_against_plain, time_gpu  # noqa: E402
 from cuflash import _kernels  # noqa: E402
 
 

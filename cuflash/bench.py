@@ -1,0 +1,368 @@
+"""Attention throughput of cuflash and of the peers present on this machine, in one run.
+
+TF/s = FLOPs / time with the FlashAttention benchmark convention: forward FLOPs = 4·B·H·Sq·Sk·D,
+halved when causal; backward = 2.5 × forward.  Standard sweep (FlashAttention-2/3 papers):
+batch·seqlen = 16k tokens, nheads·headdim = 2048, head dims 64/128/256, seqlen 512 … 16k.
+Every cuflash configuration is checked against plain attention on a slice before it is timed.
+Peers: plain CuPy attention (matmul, softmax, matmul) always; torch SDPA (flash and cuDNN
+backends) and JAX's cuDNN attention when importable.  cuflash never imports them.
+
+Usage: cuflash bench [--suite standard|paper] [--backward] [--json FILE] [--plot FILE.png] ...
+(or python scripts/bench.py with the same options).  Needs a GPU with CuPy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from pathlib import Path
+
+import cupy as cp
+import ml_dtypes
+import numpy as np
+
+import cuflash
+
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, backward=False):
+    """FlashAttention benchmark convention: 4·B·H·Sq·Sk·D, /2 causal, ×2.5 backward."""
+    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    if causal:
+        f /= 2
+    return f * (2.5 if backward else 1.0)
+
+
+def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0):
+    """Median milliseconds of fn() measured with CUDA events on the current stream."""
+    for _ in range(warmup):
+        fn()
+    cp.cuda.Device().synchronize()
+    times = []
+    start_wall = time.perf_counter()
+    for _ in range(reps):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+        if time.perf_counter() - start_wall > max_seconds and len(times) >= 3:
+            break
+    return float(np.median(times))
+
+
+def plain_cupy_attention(q, k, v, causal):
+    """Standard three-kernel attention in the input dtype, (B, H, S, D) layout."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32)  # scores in the input dtype, softmax in fp32
+    s *= np.float32(scale)
+    if causal:
+        n = s.shape[-1]
+        s = cp.where(cp.tri(n, dtype=bool), s, np.float32(-np.inf))
+    s -= s.max(axis=-1, keepdims=True)
+    p = cp.exp(s)
+    p /= p.sum(axis=-1, keepdims=True)
+    return cp.matmul(p.astype(q.dtype), v)
+
+
+def _torch_peers():
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+    except Exception:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+
+    def make(backend):
+        def run(q, k, v, causal):
+            tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)) for x in (q, k, v))  # (B, H, S, D) views
+
+            def call():
+                with sdpa_kernel([backend]):  # the backend choice must be in force at call time
+                    return sdpa(tq, tk, tv, is_causal=causal)
+            return call
+        return run
+
+    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+
+
+def _jax_peer():
+    try:
+        import jax
+        import jax.numpy as jnp
+    except Exception:
+        return {}
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return {}
+
+    def run(q, k, v, causal):
+        jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))  # (B, S, H, D), JAX's own layout
+        f = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn"))
+        f(jq, jk, jv).block_until_ready()
+        return lambda: f(jq, jk, jv).block_until_ready()
+
+    return {"jax-cudnn": run}
+
+
+def check_against_plain(q, k, v, causal, out):
+    """Compare the last 64 query rows of one head with plain float32 attention (catches garbage)."""
+    qs, ks, vs = (x[:1, :, :1].astype(cp.float32) for x in (q, k, v))
+    ref = plain_cupy_attention(qs.swapaxes(1, 2), ks.swapaxes(1, 2), vs.swapaxes(1, 2), causal).swapaxes(1, 2)
+    err = float(cp.abs(out[:1, -64:, :1].astype(cp.float32) - ref[:, -64:]).max())
+    if not err < 2e-2 * max(1.0, float(cp.abs(ref).max())):
+        raise RuntimeError(f"cuflash output differs from plain attention by {err}")
+
+
+def _torch_bwd_peers():
+    """torch SDPA backward through autograd, pinned to one backend (timed: backward only)."""
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+    except Exception:
+        return {}
+    if not torch.cuda.is_available():
+        return {}
+
+    def make(backend):
+        def run(q, k, v, causal):
+            tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)).detach().requires_grad_() for x in (q, k, v))
+            with sdpa_kernel([backend]):
+                o = sdpa(tq, tk, tv, is_causal=causal)
+            do = torch.randn_like(o)
+            return lambda: torch.autograd.grad(o, (tq, tk, tv), do, retain_graph=True)
+        return run
+
+    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+
+
+def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048):
+    batch, nheads = max(1, tokens // seqlen), hidden // headdim
+    rng = np.random.default_rng(0)
+    shape = (batch, seqlen, nheads, headdim)
+    q, k, v, dout = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(DTYPES[dtype_name]) for _ in range(4))
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, backward=True)
+    row = dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    for g in grads:
+        if not bool(cp.isfinite(g.astype(cp.float32)).all()):
+            raise RuntimeError("non-finite gradient")
+    row["cuflash"] = flops / time_gpu(lambda: cuflash.attention_backward(
+        dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
+    for name, make in peers.items():
+        try:
+            row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
+        except Exception as exc:
+            row[name] = None
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    return row
+
+
+def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048):
+    batch, nheads = max(1, tokens // seqlen), hidden // headdim
+    dtype = DTYPES[dtype_name]
+    rng = np.random.default_rng(0)
+    shape = (batch, seqlen, nheads, headdim)
+    q, k, v = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype) for _ in range(3))
+    flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal)
+    row = dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal)
+    out = cuflash.attention(q, k, v, causal=causal)
+    check_against_plain(q, k, v, causal, out)
+    ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
+    row["cuflash"] = flops / ms / 1e9
+    for name, make in peers.items():
+        try:
+            if name == "cupy-plain":
+                qb, kb, vb = (x.swapaxes(1, 2) for x in (q, k, v))
+                fn = lambda: plain_cupy_attention(qb, kb, vb, causal)  # noqa: E731
+            else:
+                fn = make(q, k, v, causal)
+            row[name] = flops / time_gpu(fn, reps=10) / 1e9
+        except Exception as exc:  # out of memory, unsupported shape: report, keep going
+            row[name] = None
+            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        cp.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def environment():
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+        "cc": dev.compute_capability,
+        "cuflash": cuflash.__version__,
+        "cupy": cp.__version__,
+        "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        "nvrtc": ".".join(map(str, cp.cuda.nvrtc.getVersion())),
+        "python": platform.python_version(),
+    }
+    for mod in ("torch", "jax"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            pass
+    return env
+
+
+def to_markdown(rows, env):
+    fixed = ("dtype", "headdim", "seqlen", "batch", "nheads", "causal", "cuflash")
+    names = ["cuflash"]
+    for r in rows:  # peers in order of first appearance (JAX runs on a subset only)
+        names += [k for k in r if k not in fixed and not k.endswith("_error") and k not in names]
+    lines = [
+        f"GPU {env['gpu']} (sm_{env['cc']}), {env['date']}, cuflash {env['cuflash']}, CuPy {env['cupy']}, "
+        f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax") if m in env),
+        "",
+        "| dtype | hdim | causal | seqlen | " + " | ".join(names) + " | cuflash / torch-flash |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for r in rows:
+        vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
+        ratio = f"{r['cuflash'] / r['torch-flash']:.2f}" if r.get("torch-flash") else "–"
+        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(vals) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper suite: FlashAttention (Dao et al. 2022), Fig. 2 left — GPT-2 medium attention on an
+# A100, forward + backward: standard attention against FlashAttention.
+
+PAPER_SHAPE = dict(batch=64, seqlen=1024, nheads=16, headdim=64)
+PAPER_A100 = {"standard": dict(gflops=66.6, hbm_gb=40.3, ms=41.7), "flash": dict(gflops=75.2, hbm_gb=4.4, ms=7.3)}
+
+
+def paper_suite(dtype_name="fp16"):
+    """Times standard attention (matmul, softmax, matmul + its backward) and cuflash, fwd + bwd."""
+    from . import _demo, _io_model
+
+    s = PAPER_SHAPE
+    shape = (s["batch"], s["seqlen"], s["nheads"], s["headdim"])
+    rng = np.random.default_rng(0)
+    q, k, v, dout = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(DTYPES[dtype_name]) for _ in range(4))
+
+    def flash():
+        out, lse = cuflash.attention(q, k, v, return_lse=True)
+        cuflash.attention_backward(dout, q, k, v, out, lse)
+
+    def standard():
+        _demo.plain_attention(cp, q, k, v, False)
+        _demo.plain_attention_backward(cp, q, k, v, dout, False)
+
+    check_against_plain(q, k, v, False, cuflash.attention(q, k, v))
+    flops = 3.5 * attention_flops(s["batch"], s["nheads"], s["seqlen"], s["seqlen"], s["headdim"], False)
+    io = _io_model.io_model(batch=s["batch"], heads=s["nheads"], seqlen_q=s["seqlen"], headdim=s["headdim"],
+                            dtype="float16" if dtype_name == "fp16" else "bfloat16")
+    rows = {}
+    for name, fn, hbm in (("standard", standard, io.standard_hbm_bytes), ("flash", flash, io.kernel_hbm_bytes)):
+        rows[name] = dict(gflops=flops / 1e9, hbm_gb=hbm / 1e9, ms=time_gpu(fn, reps=10))
+    return rows
+
+
+def paper_markdown(rows, env):
+    pub = PAPER_A100
+    lines = [
+        f"GPT-2 medium attention (batch 64, seqlen 1024, 16 heads, head dim 64), forward + backward; "
+        f"GPU {env['gpu']}, {env['date']}",
+        "",
+        "| | published A100: standard | published A100: FlashAttention | ours: standard (CuPy) | ours: cuflash |",
+        "|---|---|---|---|---|",
+        f"| GFLOPs | {pub['standard']['gflops']} | {pub['flash']['gflops']} | {rows['standard']['gflops']:.1f} | {rows['flash']['gflops']:.1f} |",
+        f"| HBM R/W (GB) | {pub['standard']['hbm_gb']} | {pub['flash']['hbm_gb']} | {rows['standard']['hbm_gb']:.2f} (fwd model) | {rows['flash']['hbm_gb']:.2f} (fwd model) |",
+        f"| runtime (ms) | {pub['standard']['ms']} | {pub['flash']['ms']} | {rows['standard']['ms']:.1f} | {rows['flash']['ms']:.1f} |",
+        f"| speed-up | | {pub['standard']['ms'] / pub['flash']['ms']:.1f}x | | {rows['standard']['ms'] / rows['flash']['ms']:.1f}x |",
+        "",
+        "Our GFLOPs use the benchmark convention (3.5 x 4·B·H·N²·D for forward + backward, matmuls only); "
+        "HBM bytes are `cuflash io`'s forward model (standard: S and P written and read; cuflash: K, V "
+        "re-read once per query block of the kernel's forward).",
+    ]
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    """Bar chart of TF/s per configuration, one bar per system (matplotlib, the `plot` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fixed = ("dtype", "headdim", "seqlen", "batch", "nheads", "causal")
+    systems = []
+    for r in rows:
+        systems += [k for k in r if k not in fixed and not k.endswith("_error") and k not in systems]
+    labels = [f"{r['dtype']} d{r['headdim']}{' causal' if r['causal'] else ''}\n{r['seqlen']}" for r in rows]
+    width = 0.8 / len(systems)
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 4.5))
+    for n, name in enumerate(systems):
+        vals = [r.get(name) or 0 for r in rows]
+        ax.bar([i + n * width for i in range(len(rows))], vals, width, label=name)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], labels, fontsize=7)
+    ax.set_ylabel("TFLOPs/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--headdims", default="64,128,256")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="false,true")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
+    ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
+    ap.add_argument("--suite", choices=("standard", "paper"), default="standard")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    ap.add_argument("--plot", help="PNG bar chart of the sweep (needs matplotlib)")
+    args = ap.parse_args(argv)
+    if args.suite == "paper":
+        env = environment()
+        rows = paper_suite()
+        md = paper_markdown(rows, env)
+        print(md)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"env": env, "paper": rows}, indent=1))
+        if args.markdown:
+            Path(args.markdown).write_text(md + "\n")
+        return
+
+    base_peers = {} if args.no_peers else {"cupy-plain": None, **_torch_peers()}
+    jax_peers = {} if args.no_peers else _jax_peer()
+    if args.backward:
+        base_peers, jax_peers = ({} if args.no_peers else _torch_bwd_peers()), {}
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        for headdim in map(int, args.headdims.split(",")):
+            for causal in (c == "true" for c in args.causal.split(",")):
+                for seqlen in map(int, args.seqlens.split(",")):
+                    peers = dict(base_peers)
+                    if str(headdim) in args.jax_headdims.split(",") and dtype_name == "bf16":
+                        peers.update(jax_peers)
+                    bench = bench_backward if args.backward else bench_config
+                    row = bench(dtype_name, headdim, seqlen, causal, peers)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    env = environment()
+    md = ("Backward (TF/s = 2.5 x forward FLOPs / time)\n" if args.backward else "") + to_markdown(rows, env)
+    print(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(md + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""Pieces of `cuflash bench` that need no GPU: the standard-attention backward of the paper suite,
+its table, the plot, and the command's refusal without a GPU."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cuflash import _arrays, _demo, reference
+from cuflash.cli import main
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_plain_attention_and_backward_match_reference(rng, causal):
+    q, k, v, dout = (rng.standard_normal((2, 33, 3, 16)).astype(np.float32) for _ in range(4))
+    out = _demo.plain_attention(np, q, k, v, causal)
+    np.testing.assert_allclose(out, reference.attention_ref(q, k, v, causal=causal)[0], atol=1e-5)
+    grads = _demo.plain_attention_backward(np, q, k, v, dout, causal)
+    for g, r in zip(grads, reference.attention_backward_ref(dout, q, k, v, causal=causal)):
+        np.testing.assert_allclose(g, r, atol=1e-4)
+
+
+@pytest.mark.skipif(_arrays.cupy_module() is None, reason="cuflash.bench imports CuPy")
+def test_paper_table_and_plot(tmp_path):
+    from cuflash import bench
+
+    rows = {"standard": dict(gflops=824.6, hbm_gb=12.3, ms=20.0), "flash": dict(gflops=824.6, hbm_gb=2.1, ms=4.0)}
+    md = bench.paper_markdown(rows, {"gpu": "X", "date": "2026-11-29"})
+    assert "| runtime (ms) | 41.7 | 7.3 | 20.0 | 4.0 |" in md and "| speed-up | | 5.7x | | 5.0x |" in md
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib (the plot extra) is not installed")
+    sweep = [dict(dtype="bf16", headdim=64, seqlen=512, batch=32, nheads=32, causal=False, cuflash=200.0, **{"torch-flash": 250.0})]
+    bench.plot(sweep, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.skipif(_arrays.gpu_available(), reason="checks the message shown without a GPU")
+def test_bench_without_gpu_is_a_clear_error():
+    result = CliRunner().invoke(main, ["bench", "--suite", "paper"])
+    assert result.exit_code == 1
+    assert "no GPU visible" in result.output
