@@ -26,6 +26,8 @@ import numpy as np
 
 import cuflash
 
+from . import _demo
+
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
 
@@ -54,20 +56,6 @@ def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0):
         if time.perf_counter() - start_wall > max_seconds and len(times) >= 3:
             break
     return float(np.median(times))
-
-
-def plain_cupy_attention(q, k, v, causal):
-    """Standard three-kernel attention in the input dtype, (B, H, S, D) layout."""
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    s = cp.matmul(q, k.swapaxes(-1, -2)).astype(cp.float32)  # scores in the input dtype, softmax in fp32
-    s *= np.float32(scale)
-    if causal:
-        n = s.shape[-1]
-        s = cp.where(cp.tri(n, dtype=bool), s, np.float32(-np.inf))
-    s -= s.max(axis=-1, keepdims=True)
-    p = cp.exp(s)
-    p /= p.sum(axis=-1, keepdims=True)
-    return cp.matmul(p.astype(q.dtype), v)
 
 
 def _torch_peers():
@@ -114,7 +102,7 @@ def _jax_peer():
 def check_against_plain(q, k, v, causal, out):
     """Compare the last 64 query rows of one head with plain float32 attention (catches garbage)."""
     qs, ks, vs = (x[:1, :, :1].astype(cp.float32) for x in (q, k, v))
-    ref = plain_cupy_attention(qs.swapaxes(1, 2), ks.swapaxes(1, 2), vs.swapaxes(1, 2), causal).swapaxes(1, 2)
+    ref = _demo.plain_attention(cp, qs, ks, vs, causal)
     err = float(cp.abs(out[:1, -64:, :1].astype(cp.float32) - ref[:, -64:]).max())
     if not err < 2e-2 * max(1.0, float(cp.abs(ref).max())):
         raise RuntimeError(f"cuflash output differs from plain attention by {err}")
@@ -181,8 +169,7 @@ def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidde
     for name, make in peers.items():
         try:
             if name == "cupy-plain":
-                qb, kb, vb = (x.swapaxes(1, 2) for x in (q, k, v))
-                fn = lambda: plain_cupy_attention(qb, kb, vb, causal)  # noqa: E731
+                fn = lambda: _demo.plain_attention(cp, q, k, v, causal)  # noqa: E731
             else:
                 fn = make(q, k, v, causal)
             row[name] = flops / time_gpu(fn, reps=10) / 1e9
@@ -243,7 +230,7 @@ PAPER_A100 = {"standard": dict(gflops=66.6, hbm_gb=40.3, ms=41.7), "flash": dict
 
 def paper_suite(dtype_name="fp16"):
     """Times standard attention (matmul, softmax, matmul + its backward) and cuflash, fwd + bwd."""
-    from . import _demo, _io_model
+    from . import _io_model
 
     s = PAPER_SHAPE
     shape = (s["batch"], s["seqlen"], s["nheads"], s["headdim"])
