@@ -58,15 +58,21 @@ def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0):
     return float(np.median(times))
 
 
-def _torch_peers():
+def _torch_sdpa():
+    """(torch, SDPBackend, sdpa_kernel, sdpa) when torch with CUDA is importable, else None."""
     try:
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
     except Exception:
+        return None
+    return (torch, SDPBackend, sdpa_kernel, sdpa) if torch.cuda.is_available() else None
+
+
+def _torch_peers():
+    if _torch_sdpa() is None:
         return {}
-    if not torch.cuda.is_available():
-        return {}
+    torch, SDPBackend, sdpa_kernel, sdpa = _torch_sdpa()
 
     def make(backend):
         def run(q, k, v, causal):
@@ -110,14 +116,9 @@ def check_against_plain(q, k, v, causal, out):
 
 def _torch_bwd_peers():
     """torch SDPA backward through autograd, pinned to one backend (timed: backward only)."""
-    try:
-        import torch
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.functional import scaled_dot_product_attention as sdpa
-    except Exception:
+    if _torch_sdpa() is None:
         return {}
-    if not torch.cuda.is_available():
-        return {}
+    torch, SDPBackend, sdpa_kernel, sdpa = _torch_sdpa()
 
     def make(backend):
         def run(q, k, v, causal):
