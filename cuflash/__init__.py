@@ -13,6 +13,7 @@ from .api import (
     merge_states,
     softmax,
 )
+from .kvcache import attention_with_kvcache
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "attention_vjp",
     "attention_varlen",
     "attention_varlen_backward",
+    "attention_with_kvcache",
     "merge_states",
     "softmax",
     "__version__",

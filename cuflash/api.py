@@ -7,6 +7,8 @@ shared parameter descriptions are written once below and substituted into each d
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 try:
@@ -44,12 +46,13 @@ _METHOD_DOC = """\
     the per-row log-sum-exp."""
 
 
-# Packed batches carry their key lengths in cu_seqlens_k, so their docstrings omit seqlens_k.
+# Packed batches and KV caches carry their key lengths elsewhere: their docstrings omit seqlens_k.
 _VARLEN_OPTIONS_DOC = _OPTIONS_DOC[: _OPTIONS_DOC.index("    seqlens_k :")].rstrip("\n")
 
 
 def _doc(fn):
-    options = _VARLEN_OPTIONS_DOC if fn.__name__.startswith("attention_varlen") else _OPTIONS_DOC
+    takes_seqlens_k = "seqlens_k" in inspect.signature(fn).parameters
+    options = _OPTIONS_DOC if takes_seqlens_k else _VARLEN_OPTIONS_DOC
     fn.__doc__ = fn.__doc__.replace("{options}", options).replace("{method}", _METHOD_DOC)
     return fn
 

@@ -1,0 +1,195 @@
+"""Attention against a KV cache: append new keys/values in place, then attend to each valid prefix.
+
+The cache is either contiguous, ``(batch_cache, capacity, nheads_k, headdim)`` (optionally
+indexed through ``cache_batch_idx``), or paged, ``(num_pages, page_size, nheads_k, headdim)``
+with a ``block_table`` of shape ``(batch, max_pages)`` mapping sequence positions to pages.  The
+attention itself is :func:`cuflash.attention` with ``seqlens_k`` = each sequence's valid length,
+so nothing past it is read.  A contiguous cache without ``cache_batch_idx`` is used in place;
+the other layouts are gathered into one contiguous copy first (a split-KV decode kernel that
+reads pages directly is future work).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays
+from . import _validate as V
+from .api import _doc, attention
+
+
+@_doc
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    block_table=None,
+    cache_batch_idx=None,
+    num_splits=0,
+    return_lse=False,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+):
+    """Decode-style attention: write ``k``, ``v`` into the cache, then attend to the valid prefix.
+
+    Parameters
+    ----------
+    q : array of shape (batch, seqlen_q, nheads, headdim)
+        Queries, usually 1 to a few tokens per sequence.
+    k_cache, v_cache : arrays
+        Contiguous: (batch_cache, capacity, nheads_k, headdim[_v]).  Paged (with
+        ``block_table``): (num_pages, page_size, nheads_k, headdim[_v]).  Any page size.
+        Modified in place when ``k`` and ``v`` are given.
+    k, v : arrays of shape (batch, seqlen_new, nheads_k, headdim[_v]), optional
+        New keys and values, written at positions ``cache_seqlens[b] ...`` of sequence b before
+        attending.  Both or neither.
+    cache_seqlens : int32/int64 array of shape (batch,), or int
+        Valid cache length of each sequence before the new tokens.  Sequence b attends to its
+        first ``cache_seqlens[b] + seqlen_new`` keys; entries past that are never read.
+    block_table : int32/int64 array of shape (batch, max_pages), optional
+        Page of each block of ``page_size`` positions of each sequence.
+    cache_batch_idx : int32/int64 array of shape (batch,), optional
+        Row of the contiguous cache that holds sequence b (not with ``block_table``).
+    num_splits : int, default 0
+        Split-KV hint for the GPU (0 = choose automatically); results do not depend on it.
+    return_lse : bool, default False
+        Also return the log-sum-exp, shape (batch, nheads, seqlen_q).
+{options}
+
+    Returns
+    -------
+    out : array of shape (batch, seqlen_q, nheads, headdim_v)
+    lse : array of shape (batch, nheads, seqlen_q), float32
+        Only when ``return_lse``.
+
+    Raises
+    ------
+    TypeError
+        As :func:`cuflash.attention`; index arrays that are not int32/int64.
+    ValueError
+        Shapes that do not match; ``k`` without ``v``; ``block_table`` together with
+        ``cache_batch_idx``; cache lengths (plus new tokens) beyond the capacity; page or batch
+        indices out of range (checked for NumPy index arrays, and for GPU ones with
+        ``CUFLASH_DEBUG=1``).
+
+    Notes
+    -----
+    Causal and window rules use each sequence's valid length as Sk (bottom-right alignment:
+    the last query is the newest token).  Same interface as FlashAttention's
+    ``flash_attn_with_kvcache`` (Dao et al.); split-KV decoding follows Flash-Decoding (2023).
+    """
+    q, k_cache, v_cache = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    V.check_qkv(q, k_cache, v_cache)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (new tokens to append) or both omitted")
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+        raise ValueError(f"num_splits must be an integer >= 0 (0 = automatic); got {num_splits!r}")
+    batch, _, _, headdim = q.shape
+    xp = _arrays.module_of(q)
+    paged = block_table is not None
+    if paged and cache_batch_idx is not None:
+        raise ValueError("block_table and cache_batch_idx cannot be combined")
+    capacity_rows, row_len, nheads_k = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(f"v_cache must match k_cache's first three axes {tuple(k_cache.shape[:3])}; got {tuple(v_cache.shape[:3])}")
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]}; it must equal q's head dim {headdim}")
+
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    cache_seqlens = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+    if paged:
+        block_table = V.check_index_array(block_table, "block_table", like=q, ndim=2)
+        if block_table.shape[0] != batch:
+            raise ValueError(f"block_table must have {batch} rows (q's batch); got {block_table.shape[0]}")
+        capacity = block_table.shape[1] * row_len
+    else:
+        capacity = row_len
+        if cache_batch_idx is not None:
+            cache_batch_idx = V.check_index_array(cache_batch_idx, "cache_batch_idx", like=q, length=batch)
+        elif capacity_rows != batch:
+            raise ValueError(f"k_cache has {capacity_rows} sequences; q has {batch} (pass cache_batch_idx to pick rows)")
+
+    new = 0
+    if k is not None:
+        k, v = _arrays.as_array(k, "k"), _arrays.as_array(v, "v")
+        V.check_qkv(q, k, v)
+        new = k.shape[1]
+        if tuple(k.shape) != (batch, new, nheads_k, headdim) or tuple(v.shape) != (batch, new, nheads_k, v_cache.shape[3]):
+            raise ValueError(
+                f"k and v must have shapes ({batch}, seqlen_new, {nheads_k}, {headdim}) and "
+                f"({batch}, seqlen_new, {nheads_k}, {v_cache.shape[3]}); got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+    _check_ranges(cache_seqlens, new, capacity, row_len, block_table, capacity_rows, cache_batch_idx)
+
+    lengths = cache_seqlens.astype(np.int64) + new  # keys each sequence attends to
+    positions = xp.arange(capacity)
+    if paged:
+        # Page of each position; positions past a sequence's length read page 0 (never used),
+        # so block_table entries past the used pages may hold anything.
+        used = positions[None, :] < lengths[:, None]
+        page_of = xp.where(used, block_table.astype(np.int64)[:, positions // row_len], 0)  # (batch, capacity)
+        slot_of = positions % row_len
+    if new:
+        _append(xp, k_cache, v_cache, k, v, cache_seqlens, new, paged,
+                page_of if paged else None, slot_of if paged else None, cache_batch_idx)
+
+    if paged:
+        keys, values = k_cache[page_of, slot_of[None, :]], v_cache[page_of, slot_of[None, :]]
+    elif cache_batch_idx is not None:
+        rows = cache_batch_idx.astype(np.int64)
+        keys, values = k_cache[rows], v_cache[rows]
+    else:
+        keys, values = k_cache, v_cache
+    return attention(q, keys, values, seqlens_k=lengths, return_lse=return_lse,
+                     softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                     alibi_slopes=alibi_slopes)
+
+
+def _check_ranges(cache_seqlens, new, capacity, page_size, block_table, num_rows, cache_batch_idx):
+    """Lengths within capacity; used pages and rows within the cache (host-readable values only)."""
+    lengths = V.host_values(cache_seqlens, "cache_seqlens")
+    if lengths is None or not lengths.size:
+        return
+    if lengths.min() < 0:
+        raise ValueError(f"cache_seqlens must be >= 0; got min {lengths.min()}")
+    if lengths.max() + new > capacity:
+        raise ValueError(
+            f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}; got max length "
+            f"{lengths.max() + new}"
+        )
+    if block_table is not None:
+        table = V.host_values(block_table, "block_table")
+        if table is not None:
+            used_pages = -(-(lengths.astype(np.int64) + new) // page_size)  # ceil
+            used = np.arange(table.shape[1])[None, :] < used_pages[:, None]
+            bad = used & ((table < 0) | (table >= num_rows))
+            if bad.any():
+                b, j = np.argwhere(bad)[0]
+                raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache (0..{num_rows - 1})")
+    if cache_batch_idx is not None:
+        rows = V.host_values(cache_batch_idx, "cache_batch_idx")
+        if rows is not None and (rows.min() < 0 or rows.max() >= num_rows):
+            raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
+
+
+def _append(xp, k_cache, v_cache, k, v, cache_seqlens, new, paged, page_of, slot_of, cache_batch_idx):
+    """Write the new tokens at positions cache_seqlens[b] + t (in place)."""
+    batch = k.shape[0]
+    pos = cache_seqlens.astype(np.int64)[:, None] + xp.arange(new)[None, :]  # (batch, new)
+    if paged:
+        b_idx = xp.arange(batch)[:, None]
+        pages, slots = page_of[b_idx, pos], slot_of[pos]
+        k_cache[pages, slots] = k
+        v_cache[pages, slots] = v
+    else:
+        rows = xp.arange(batch) if cache_batch_idx is None else cache_batch_idx.astype(np.int64)
+        k_cache[rows[:, None], pos] = k
+        v_cache[rows[:, None], pos] = v

@@ -1,0 +1,146 @@
+"""attention_with_kvcache: in-place append, contiguous and paged caches, against the reference.
+
+Shared bodies: NumPy (CPU path) and CuPy (GPU kernels).  Cache entries past each valid length
+hold NaN, so any read of them shows.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _arrays
+from cuflash.reference import assert_exact, attention_ref, naive_attention
+
+DTYPES = [np.float16, ml_dtypes.bfloat16]
+
+
+def _check_per_sequence(out, lse, q, keys, values, lengths, **opts):
+    """Each sequence against the reference over its own valid keys (exactness rule)."""
+    out, lse = _arrays.to_numpy(out), _arrays.to_numpy(lse)
+    for b, n in enumerate(lengths):
+        args = (q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n])
+        ref, ref_lse = attention_ref(*args, **opts)
+        naive, naive_lse = naive_attention(*args, return_lse=True, **opts)
+        assert_exact(out[b:b + 1], ref, naive, f"out of sequence {b}")
+        assert_exact(lse[b:b + 1], ref_lse, naive_lse, f"lse of sequence {b}")
+
+
+def _poisoned_cache(rng, dtype, batch, capacity, hkv, d, lengths):
+    cache = rng.standard_normal((batch, capacity, hkv, d)).astype(dtype)
+    for b, n in enumerate(lengths):
+        cache[b, n:] = np.nan
+    return cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("new", [0, 1, 3])
+@pytest.mark.parametrize("causal", [False, True])
+def test_contiguous_cache(xp, rng, dtype, heads, new, causal):
+    hq, hkv = heads
+    lengths = np.array([0, 1, 17, 64 - new], dtype=np.int32)
+    batch, capacity, d = len(lengths), 64, 64
+    kc = _poisoned_cache(rng, dtype, batch, capacity, hkv, d, lengths)
+    vc = _poisoned_cache(rng, dtype, batch, capacity, hkv, d, lengths)
+    q = rng.standard_normal((batch, max(new, 1), hq, d)).astype(dtype)
+    k_new = rng.standard_normal((batch, new, hkv, d)).astype(dtype)
+    v_new = rng.standard_normal((batch, new, hkv, d)).astype(dtype)
+    kd, vd = xp.asarray(kc), xp.asarray(vc)
+    extra = dict(k=xp.asarray(k_new), v=xp.asarray(v_new)) if new else {}
+    out, lse = cuflash.attention_with_kvcache(xp.asarray(q), kd, vd, cache_seqlens=xp.asarray(lengths),
+                                              causal=causal, return_lse=True, **extra)
+    for b, n in enumerate(lengths):  # the cache now holds the new tokens, the rest is untouched
+        kc[b, n:n + new], vc[b, n:n + new] = k_new[b], v_new[b]
+    np.testing.assert_array_equal(_arrays.to_numpy(kd).view(np.uint16), kc.view(np.uint16))
+    np.testing.assert_array_equal(_arrays.to_numpy(vd).view(np.uint16), vc.view(np.uint16))
+    _check_per_sequence(out, lse, q, kc, vc, lengths + new, causal=causal)
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_paged_cache(xp, rng, page_size, causal):
+    dtype, hq, hkv, d, new = np.float16, 8, 2, 64, 2
+    lengths = np.array([0, 1, page_size, 3 * page_size + 5], dtype=np.int64)
+    batch = len(lengths)
+    max_pages = int(-(-(lengths.max() + new) // page_size)) + 1
+    num_pages = batch * max_pages + 3
+    perm = rng.permutation(num_pages)  # pages scattered through the pool
+    table = perm[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    logical = [rng.standard_normal((max_pages * page_size, hkv, d)).astype(dtype) for _ in range(batch)]
+    k_pool = np.full((num_pages, page_size, hkv, d), np.nan, dtype=dtype)
+    v_pool = np.full((num_pages, page_size, hkv, d), np.nan, dtype=dtype)
+    v_logical = [rng.standard_normal(x.shape).astype(dtype) for x in logical]
+    for b, n in enumerate(lengths):
+        for pos in range(n):
+            page, slot = table[b, pos // page_size], pos % page_size
+            k_pool[page, slot], v_pool[page, slot] = logical[b][pos], v_logical[b][pos]
+    for b, n in enumerate(lengths):  # entries past the used pages may hold anything
+        table[b, -(-(n + new) // page_size):] = -1
+    q = rng.standard_normal((batch, new, hq, d)).astype(dtype)
+    k_new = rng.standard_normal((batch, new, hkv, d)).astype(dtype)
+    v_new = rng.standard_normal((batch, new, hkv, d)).astype(dtype)
+    out, lse = cuflash.attention_with_kvcache(
+        xp.asarray(q), xp.asarray(k_pool), xp.asarray(v_pool), xp.asarray(k_new), xp.asarray(v_new),
+        cache_seqlens=xp.asarray(lengths), block_table=xp.asarray(table), causal=causal, return_lse=True)
+    keys = np.stack([np.concatenate([lg[:n], k_new[b], lg[n + new:]]) for b, (lg, n) in enumerate(zip(logical, lengths))])
+    values = np.stack([np.concatenate([lg[:n], v_new[b], lg[n + new:]]) for b, (lg, n) in enumerate(zip(v_logical, lengths))])
+    _check_per_sequence(out, lse, q, keys, values, lengths + new, causal=causal)
+
+
+def test_cache_batch_idx_and_options(xp, rng):
+    dtype, d = ml_dtypes.bfloat16, 128
+    lengths = np.array([5, 40, 0], dtype=np.int64)
+    rows = np.array([3, 0, 1], dtype=np.int64)
+    kc = rng.standard_normal((4, 48, 2, d)).astype(dtype)
+    vc = rng.standard_normal((4, 48, 2, d)).astype(dtype)
+    q = rng.standard_normal((3, 2, 4, d)).astype(dtype)
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625], dtype=np.float32)
+    opts = dict(causal=True, window_size=(8, 0), softcap=20.0)
+    out, lse = cuflash.attention_with_kvcache(
+        xp.asarray(q), xp.asarray(kc), xp.asarray(vc), cache_seqlens=xp.asarray(lengths),
+        cache_batch_idx=xp.asarray(rows), alibi_slopes=xp.asarray(slopes), return_lse=True, **opts)
+    _check_per_sequence(out, lse, q, kc[rows], vc[rows], lengths, alibi_slopes=slopes, **opts)
+
+
+def test_decode_equals_full_attention_over_the_prefix(xp, rng):
+    """One new token attending to cache + itself = the last row of causal attention."""
+    d, n = 64, 30
+    seq = rng.standard_normal((1, n + 1, 2, d)).astype(np.float16)
+    kc = np.zeros((1, 64, 2, d), np.float16)
+    vc = np.zeros((1, 64, 2, d), np.float16)
+    kc[0, :n], vc[0, :n] = seq[0, :n], seq[0, :n]
+    out = cuflash.attention_with_kvcache(xp.asarray(seq[:, n:]), xp.asarray(kc), xp.asarray(vc),
+                                         xp.asarray(seq[:, n:]), xp.asarray(seq[:, n:]), cache_seqlens=n, causal=True)
+    full = cuflash.attention(xp.asarray(seq), xp.asarray(seq), xp.asarray(seq), causal=True)
+    np.testing.assert_allclose(_arrays.to_numpy(out)[0, 0].astype(np.float32),
+                               _arrays.to_numpy(full)[0, n].astype(np.float32), atol=2e-3)
+
+
+def test_errors(rng):
+    q = np.zeros((2, 1, 4, 8), np.float16)
+    kc = np.zeros((2, 16, 2, 8), np.float16)
+    new = np.zeros((2, 1, 2, 8), np.float16)
+    call = cuflash.attention_with_kvcache
+    with pytest.raises(ValueError, match="exceed the cache capacity 16"):
+        call(q, kc, kc.copy(), new, new, cache_seqlens=np.array([3, 16]))
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        call(q, kc, kc.copy(), new, cache_seqlens=np.array([3, 4]))
+    with pytest.raises(ValueError, match="cache_seqlens must be >= 0"):
+        call(q, kc, kc.copy(), cache_seqlens=np.array([-1, 4]))
+    with pytest.raises(TypeError, match="cache_seqlens must have dtype int32 or int64"):
+        call(q, kc, kc.copy(), cache_seqlens=np.array([1.0, 4.0]))
+    with pytest.raises(ValueError, match="num_splits"):
+        call(q, kc, kc.copy(), cache_seqlens=np.array([1, 4]), num_splits=-1)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        call(q, kc, kc.copy(), cache_seqlens=np.array([1, 4]), block_table=np.zeros((2, 1), np.int32),
+             cache_batch_idx=np.array([0, 1]))
+    pool = np.zeros((3, 4, 2, 8), np.float16)
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 7 is not a page"):
+        call(q, pool, pool.copy(), cache_seqlens=np.array([2, 6]), block_table=np.array([[0, -1], [1, 7]]))
+    with pytest.raises(ValueError, match="exceed the cache capacity 8"):
+        call(q, pool, pool.copy(), cache_seqlens=np.array([2, 9]), block_table=np.array([[0, 1], [1, 2]]))
+    with pytest.raises(ValueError, match="cache_batch_idx entries must lie in"):
+        call(q, kc, kc.copy(), cache_seqlens=np.array([1, 4]), cache_batch_idx=np.array([0, 2]))
+    with pytest.raises(ValueError, match="k_cache has 2 sequences; q has 3"):
+        call(np.zeros((3, 1, 4, 8), np.float16), kc, kc.copy(), cache_seqlens=np.array([1, 1, 1]))
