@@ -9,6 +9,7 @@ contiguous copy is made.  Head dims that are not multiples of 8 are zero-padded 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -29,6 +30,12 @@ class NotAvailableOnGPU(NotImplementedError, TypeError):
 
 def _cp():
     return cupy_module()
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_limit(device_id: int) -> int:
+    """Opt-in shared memory per block of one device (read once: the attribute dict is slow)."""
+    return _cp().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
 def _check_gpu_dtype(q):
@@ -99,7 +106,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         ox = out if direct else cp.empty(out.shape[:-1] + (dv8,), dtype=out.dtype)
         seqlens_k = _int32(p.seqlens_k)
         cu_q32, cu_k32 = _int32(cu_q), _int32(cu_k)
-        limit = cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+        limit = _smem_limit(device)
         variant = _kernels.fwd_variant(
             dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=limit
         )
@@ -177,7 +184,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             gx.append(g_out if direct else cp.empty(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
         seqlens_k = _int32(p.seqlens_k)
         cu_q32, cu_k32 = _int32(cu_q), _int32(cu_k)
-        limit = cp.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"]
+        limit = _smem_limit(device)
         variant = _kernels.bwd_variant(
             dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=limit
         )

@@ -109,6 +109,7 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
 def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``."""
@@ -138,6 +139,7 @@ def bwd_smem_bytes(headdim: int, warps: int) -> int:
     return 4 * rows * (headdim + 8) * 2 + 2 * rows * 4
 
 
+@functools.lru_cache(maxsize=None)
 def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The backward kernels (``<name>_dsum``, ``<name>_dq``, ``<name>_dkdv``) for one problem kind."""
@@ -151,6 +153,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps))
 
 
+@functools.lru_cache(maxsize=None)
 def softmax_variant(dtype: str) -> Variant:
     return Variant("softmax.cu", f"cuflash_softmax_{_SHORT[dtype]}", (("CUFLASH_DTYPE", DTYPE_TAGS[dtype]),), 256)
 

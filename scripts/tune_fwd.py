@@ -37,6 +37,7 @@ def main():
                 if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
                     continue
                 _kernels.fwd_tile = lambda headdim, smem_limit=0, t=tile: t
+                _kernels.fwd_variant.cache_clear()  # variants are memoised per tile table
                 try:
                     out = cuflash.attention(q, k, v, causal=causal)
                     check_against_plain(q, k, v, causal, out)
@@ -48,6 +49,7 @@ def main():
                     print(f"d{d} causal={causal} {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
                 finally:
                     _kernels.fwd_tile = original
+                    _kernels.fwd_variant.cache_clear()
 
 
 if __name__ == "__main__":
