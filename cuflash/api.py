@@ -279,7 +279,7 @@ def attention_vjp(q, k, v, **options):
         As :func:`attention`.
     vjp : callable
         ``vjp(dout) -> (dq, dk, dv)``, computed by :func:`attention_backward` from the saved
-        ``out`` and ``lse`` (nothing else is kept).
+        ``out`` and ``lse`` (nothing else is kept: FlashAttention-2, Dao 2024, Algorithm 2).
 
     Raises
     ------
