@@ -2,6 +2,9 @@
 # One device call: GPU tests, compute-sanitizer (memcheck + racecheck), benchmark.
 # Logs go to $OUT (or ./gpu_check_out); the last lines printed are the summary.
 #   scripts/gpu_check.sh [tests|sanitize|bench]...   (default: all three)
+# The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
+# --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
+# device call's carry list.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu_check_out}

