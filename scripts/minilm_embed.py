@@ -104,7 +104,7 @@ def _erf(xp, x):
         return np.vectorize(math.erf, otypes=[x.dtype])(x)
     from cupyx.scipy.special import erf
 
-    return erf(x)
+    return erf(x.astype(np.float32)).astype(x.dtype)  # fp16 activations: evaluate erf in fp32
 
 
 def _layer_norm(xp, x, w, b):
