@@ -300,6 +300,47 @@ def plot(rows, path):
     fig.savefig(path, dpi=120)
 
 
+# ---------------------------------------------------------------------------------------------
+# The host suite: what cuflash adds on the CPU side of a call, and the cold compile time.
+
+
+def host_suite(calls=2000):
+    """Host microseconds per warm call (no synchronisation) for cuflash.attention and for a bare
+    launch of the same compiled kernel, plus NVRTC seconds per forward variant (cold, no cache)."""
+    import ctypes
+
+    from . import _kernels
+    from ._params import FlashParams
+
+    q = cp.asarray(np.random.default_rng(0).standard_normal((1, 16, 1, 64)).astype(np.float16))
+    out = cp.empty_like(q)
+    cuflash.attention(q, q, q, out=out)  # compile and warm up
+    variant = _kernels.fwd_variant("float16", 64, softcap=False, alibi=False)
+    fn = _kernels.get_function(variant, q.device.id)
+    prm = FlashParams()
+    arg = cp.cuda.function.CPointer(ctypes.addressof(prm))
+
+    def per_call(call):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        t1 = time.perf_counter()
+        cp.cuda.Device().synchronize()
+        return (t1 - t0) / calls * 1e6
+
+    # A grid of zero blocks would be an error; one block whose batch index is out of range
+    # returns at once (batch = 0 in the zeroed params), which isolates the launch cost.
+    bare = per_call(lambda: fn((1, 1, 1), (variant.threads,), (arg,), shared_mem=variant.smem_bytes))
+    full = per_call(lambda: cuflash.attention(q, q, q, out=out))
+    compile_s = []
+    for v in [_kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False) for d in (64, 128, 256)]:
+        t0 = time.perf_counter()
+        _kernels.compile_for_arch(v, "90")
+        compile_s.append((v.name, time.perf_counter() - t0))
+    return {"attention_us": full, "bare_launch_us": bare, "overhead_us": full - bare, "compile_s": compile_s}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bf16,fp16")
@@ -309,11 +350,20 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
     ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
-    ap.add_argument("--suite", choices=("standard", "paper"), default="standard")
+    ap.add_argument("--suite", choices=("standard", "paper", "host"), default="standard")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     ap.add_argument("--plot", help="PNG bar chart of the sweep (needs matplotlib)")
     args = ap.parse_args(argv)
+    if args.suite == "host":
+        r = host_suite()
+        print(f"host time per warm call: cuflash.attention {r['attention_us']:.1f} us, bare kernel launch "
+              f"{r['bare_launch_us']:.1f} us, cuflash adds {r['overhead_us']:.1f} us")
+        for name, seconds in r["compile_s"]:
+            print(f"cold NVRTC compile {name}: {seconds:.2f} s")
+        if args.json:
+            Path(args.json).write_text(json.dumps(r, indent=1))
+        return
     if args.suite == "paper":
         env = environment()
         rows = paper_suite()

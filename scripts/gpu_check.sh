@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, compute-sanitizer (memcheck + racecheck), benchmark.
 # Logs go to $OUT (or ./gpu_check_out); the last lines printed are the summary.
-#   scripts/gpu_check.sh [tests|sanitize|bench]...   (default: all three)
+#   scripts/gpu_check.sh [tests|sanitize|bench|host]...   (default: all four)
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
 # --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
 # device call's carry list.
@@ -11,7 +11,7 @@ OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-stages=${*:-tests sanitize bench}
+stages=${*:-tests sanitize bench host}
 summary=()
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -35,6 +35,10 @@ for stage in $stages; do
         --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1
       rc=$?; summary+=("bench rc=$rc")
       cat "$OUT/bench.md" 2>/dev/null || tail -n 20 "$OUT/bench.log" ;;
+    host)
+      timeout ${HOST_TIMEOUT:-120} $PY scripts/bench.py --suite host --json "$OUT/host.json" >"$OUT/host.log" 2>&1
+      rc=$?; summary+=("host rc=$rc: $(head -n 1 "$OUT/host.log")")
+      cat "$OUT/host.log" ;;
   esac
 done
 printf '%s\n' "== summary ==" "${summary[@]}"
