@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, compute-sanitizer (memcheck + racecheck), benchmark.
-# Logs go to $OUT (or ./gpu_check_out); the last lines printed are the summary.
+# Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
+# printed are the summary.
 #   scripts/gpu_check.sh [tests|sanitize|bench|host]...   (default: all four)
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
 # --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
@@ -36,7 +37,7 @@ for stage in $stages; do
       rc=$?; summary+=("bench rc=$rc")
       cat "$OUT/bench.md" 2>/dev/null || tail -n 20 "$OUT/bench.log" ;;
     host)
-      timeout ${HOST_TIMEOUT:-120} $PY scripts/bench.py --suite host --json "$OUT/host.json" >"$OUT/host.log" 2>&1
+      timeout ${HOST_TIMEOUT:-120} $PY scripts/bench.py --suite host >"$OUT/host.log" 2>&1
       rc=$?; summary+=("host rc=$rc: $(head -n 1 "$OUT/host.log")")
       cat "$OUT/host.log" ;;
   esac
