@@ -148,7 +148,12 @@ def debug_checks_enabled() -> bool:
 
 
 def check_index_array(x, name: str, *, like, length: int | None = None, ndim: int = 1):
-    """Integer index array (int32 or int64) on the same side (CPU/GPU) as the data."""
+    """Integer index array (int32 or int64) moved to the same side (CPU/GPU) as the data.
+
+    Returns ``(array, host)``: ``host`` holds the values as NumPy when they are known without a
+    device-to-host copy (a NumPy input, read before it is moved to the GPU) or when
+    ``CUFLASH_DEBUG=1``; otherwise None, and value checks are skipped.
+    """
     if not _arrays.is_array(x):
         raise TypeError(f"{name} must be an integer array; got {type(x).__name__}")
     kind = np.dtype(x.dtype)
@@ -158,20 +163,12 @@ def check_index_array(x, name: str, *, like, length: int | None = None, ndim: in
         raise ValueError(f"{name} must have {ndim} dimension(s); got shape {tuple(x.shape)}")
     if length is not None and x.shape[0] != length:
         raise ValueError(f"{name} must have length {length}; got {x.shape[0]}")
-    if _arrays.is_gpu(like) and not _arrays.is_gpu(x):
-        x = _arrays.to_device_like(x, like)
     if not _arrays.is_gpu(like) and _arrays.is_gpu(x):
         raise TypeError(f"{name} is a GPU array but q is a NumPy array; pass a NumPy array")
-    return x
-
-
-def host_values(x, name: str):
-    """Index values on the host when they can be read without a device copy (or in debug mode)."""
-    if not _arrays.is_gpu(x):
-        return np.asarray(x)
-    if debug_checks_enabled():
-        return _arrays.to_numpy(x)
-    return None
+    host = np.asarray(x) if not _arrays.is_gpu(x) else (_arrays.to_numpy(x) if debug_checks_enabled() else None)
+    if _arrays.is_gpu(like) and not _arrays.is_gpu(x):
+        x = _arrays.to_device_like(x, like)
+    return x, host
 
 
 def make_problem(
@@ -231,8 +228,7 @@ def _finish_problem(
     if alibi_slopes is not None:
         slopes = check_alibi_slopes(alibi_slopes, q, batch, nheads_q)
     if seqlens_k is not None:
-        seqlens_k = check_index_array(seqlens_k, "seqlens_k", like=q, length=batch)
-        values = host_values(seqlens_k, "seqlens_k")
+        seqlens_k, values = check_index_array(seqlens_k, "seqlens_k", like=q, length=batch)
         if values is not None and values.size and (values.min() < 0 or values.max() > seqlen_k):
             raise ValueError(
                 f"seqlens_k values must lie in [0, {seqlen_k}] (k's seqlen); got min {values.min()}, "
@@ -297,8 +293,8 @@ def check_bool(value, name: str) -> bool:
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
     """Check packed (total, heads, dim) inputs; return (batch, cu_q, cu_k, max_q, max_k)."""
     check_qkv(q, k, v, packed=True)
-    cu_q = check_index_array(cu_seqlens_q, "cu_seqlens_q", like=q)
-    cu_k = check_index_array(cu_seqlens_k, "cu_seqlens_k", like=q)
+    cu_q, host_q = check_index_array(cu_seqlens_q, "cu_seqlens_q", like=q)
+    cu_k, host_k = check_index_array(cu_seqlens_k, "cu_seqlens_k", like=q)
     if cu_q.shape[0] < 1:
         raise ValueError("cu_seqlens_q must have at least one entry (batch + 1 offsets)")
     if cu_q.shape[0] != cu_k.shape[0]:
@@ -311,8 +307,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k has head dim {k.shape[2]}; it must equal q's head dim {q.shape[2]}")
     batch = cu_q.shape[0] - 1
-    for name, cu, total in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_k", cu_k, k.shape[0])):
-        values = host_values(cu, name)
+    for name, values, total in (("cu_seqlens_q", host_q, q.shape[0]), ("cu_seqlens_k", host_k, k.shape[0])):
         if values is None:
             continue
         if values[0] != 0:
@@ -321,13 +316,12 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"{name} must be non-decreasing; got {values.tolist()}")
         if values[-1] > total:
             raise ValueError(f"{name}[-1] = {values[-1]} exceeds the {total} packed tokens")
-    max_q = _max_seqlen(cu_q, max_seqlen_q, "max_seqlen_q", q.shape[0])
-    max_k = _max_seqlen(cu_k, max_seqlen_k, "max_seqlen_k", k.shape[0])
+    max_q = _max_seqlen(cu_q, host_q, max_seqlen_q, "max_seqlen_q")
+    max_k = _max_seqlen(cu_k, host_k, max_seqlen_k, "max_seqlen_k")
     return batch, cu_q, cu_k, max_q, max_k
 
 
-def _max_seqlen(cu, given, name, total):
-    values = host_values(cu, name)
+def _max_seqlen(cu, values, given, name):
     if given is None:
         if values is None:
             # Reading device-resident offsets needs one small copy; it is the caller's choice to

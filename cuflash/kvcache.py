@@ -104,16 +104,17 @@ def attention_with_kvcache(
 
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
         cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
-    cache_seqlens = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+    cache_seqlens, host_lengths = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+    host_table = host_rows = None
     if paged:
-        block_table = V.check_index_array(block_table, "block_table", like=q, ndim=2)
+        block_table, host_table = V.check_index_array(block_table, "block_table", like=q, ndim=2)
         if block_table.shape[0] != batch:
             raise ValueError(f"block_table must have {batch} rows (q's batch); got {block_table.shape[0]}")
         capacity = block_table.shape[1] * row_len
     else:
         capacity = row_len
         if cache_batch_idx is not None:
-            cache_batch_idx = V.check_index_array(cache_batch_idx, "cache_batch_idx", like=q, length=batch)
+            cache_batch_idx, host_rows = V.check_index_array(cache_batch_idx, "cache_batch_idx", like=q, length=batch)
         elif capacity_rows != batch:
             raise ValueError(f"k_cache has {capacity_rows} sequences; q has {batch} (pass cache_batch_idx to pick rows)")
 
@@ -127,7 +128,7 @@ def attention_with_kvcache(
                 f"k and v must have shapes ({batch}, seqlen_new, {nheads_k}, {headdim}) and "
                 f"({batch}, seqlen_new, {nheads_k}, {v_cache.shape[3]}); got {tuple(k.shape)} and {tuple(v.shape)}"
             )
-    _check_ranges(cache_seqlens, new, capacity, row_len, block_table, capacity_rows, cache_batch_idx)
+    _check_ranges(host_lengths, new, capacity, row_len, host_table, capacity_rows, host_rows)
 
     lengths = cache_seqlens.astype(np.int64) + new  # keys each sequence attends to
     positions = xp.arange(capacity)
@@ -153,9 +154,8 @@ def attention_with_kvcache(
                      alibi_slopes=alibi_slopes)
 
 
-def _check_ranges(cache_seqlens, new, capacity, page_size, block_table, num_rows, cache_batch_idx):
-    """Lengths within capacity; used pages and rows within the cache (host-readable values only)."""
-    lengths = V.host_values(cache_seqlens, "cache_seqlens")
+def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
+    """Lengths within capacity; used pages and rows within the cache (values known on the host)."""
     if lengths is None or not lengths.size:
         return
     if lengths.min() < 0:
@@ -165,19 +165,15 @@ def _check_ranges(cache_seqlens, new, capacity, page_size, block_table, num_rows
             f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}; got max length "
             f"{lengths.max() + new}"
         )
-    if block_table is not None:
-        table = V.host_values(block_table, "block_table")
-        if table is not None:
-            used_pages = -(-(lengths.astype(np.int64) + new) // page_size)  # ceil
-            used = np.arange(table.shape[1])[None, :] < used_pages[:, None]
-            bad = used & ((table < 0) | (table >= num_rows))
-            if bad.any():
-                b, j = np.argwhere(bad)[0]
-                raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache (0..{num_rows - 1})")
-    if cache_batch_idx is not None:
-        rows = V.host_values(cache_batch_idx, "cache_batch_idx")
-        if rows is not None and (rows.min() < 0 or rows.max() >= num_rows):
-            raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
+    if table is not None:
+        used_pages = -(-(lengths.astype(np.int64) + new) // page_size)  # ceil
+        used = np.arange(table.shape[1])[None, :] < used_pages[:, None]
+        bad = used & ((table < 0) | (table >= num_rows))
+        if bad.any():
+            b, j = np.argwhere(bad)[0]
+            raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache (0..{num_rows - 1})")
+    if rows is not None and (rows.min() < 0 or rows.max() >= num_rows):
+        raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
 
 
 def _append(xp, k_cache, v_cache, k, v, cache_seqlens, new, paged, page_of, slot_of, cache_batch_idx):

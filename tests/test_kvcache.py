@@ -144,3 +144,15 @@ def test_errors(rng):
         call(q, kc, kc.copy(), cache_seqlens=np.array([1, 4]), cache_batch_idx=np.array([0, 2]))
     with pytest.raises(ValueError, match="k_cache has 2 sequences; q has 3"):
         call(np.zeros((3, 1, 4, 8), np.float16), kc, kc.copy(), cache_seqlens=np.array([1, 1, 1]))
+
+
+def test_numpy_index_arrays_are_checked_with_gpu_data_too(xp):
+    """Values of NumPy index arrays are checked before they move to the GPU (no device copy)."""
+    q = xp.zeros((2, 1, 4, 8), np.float16)
+    kc = xp.zeros((2, 16, 2, 8), np.float16)
+    with pytest.raises(ValueError, match="exceed the cache capacity 16"):
+        cuflash.attention_with_kvcache(q, kc, kc.copy(), cache_seqlens=np.array([3, 17]))
+    with pytest.raises(ValueError, match="seqlens_k values must lie in"):
+        cuflash.attention(q, kc, kc, seqlens_k=np.array([3, 17]))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
+        cuflash.attention_varlen(q[:, 0], kc[0], kc[0], np.array([0, 2, 1]), np.array([0, 8, 16]))
