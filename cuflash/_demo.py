@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import _arrays, reference
+from ._io_model import attention_flops
 from .api import attention, attention_backward
 
 
@@ -33,9 +34,8 @@ GPU_DEFAULT = DemoConfig(batch=4, seqlen=4096, heads=16, headdim=128, dtype="bfl
 CPU_DEFAULT = DemoConfig(batch=1, seqlen=1024, heads=4, headdim=64, dtype="float32")
 
 
-def attention_flops(cfg: DemoConfig, backward: bool = False) -> float:
-    f = 4.0 * cfg.batch * cfg.heads * cfg.seqlen**2 * cfg.headdim / (2 if cfg.causal else 1)
-    return f * (2.5 if backward else 1.0)
+def _flops(cfg: DemoConfig, backward: bool = False) -> float:
+    return attention_flops(cfg.batch, cfg.heads, cfg.seqlen, cfg.seqlen, cfg.headdim, cfg.causal, backward)
 
 
 def plain_attention(xp, q, k, v, causal: bool):
@@ -138,7 +138,7 @@ def run(cfg: DemoConfig, xp, step=lambda label: None) -> dict:
     return {
         "forward_error": fwd_err, "backward_ratio": bwd_ratio,
         "forward_s": t_fwd, "backward_s": t_bwd, "plain_s": t_plain, "plain_error": plain_error,
-        "forward_tflops": attention_flops(cfg) / t_fwd / 1e12,
-        "backward_tflops": attention_flops(cfg, backward=True) / t_bwd / 1e12,
+        "forward_tflops": _flops(cfg) / t_fwd / 1e12,
+        "backward_tflops": _flops(cfg, backward=True) / t_bwd / 1e12,
         "score_bytes": cfg.batch * cfg.heads * cfg.seqlen**2 * np.dtype(np.float32).itemsize,
     }

@@ -270,3 +270,11 @@ def why_fast(m: IOModel) -> str:
         f"the tiled algorithm keeps each {m.block_m}x{m.block_n} score tile on chip and re-reads only "
         f"K and V, once per query block: {format_bytes(m.tiled_hbm_bytes)}, {m.hbm_ratio:.1f}x less."
     )
+
+
+def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, backward=False) -> float:
+    """FlashAttention benchmark convention: 4·B·H·Sq·Sk·D, halved when causal, ×2.5 for the backward."""
+    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
+    if causal:
+        f /= 2
+    return f * (2.5 if backward else 1.0)

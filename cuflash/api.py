@@ -66,10 +66,6 @@ def _run(gpu_name: str, cpu_fn, *args, **kwargs):
     return cpu_fn(*args, **kwargs)
 
 
-def _empty_lse(xp, shape, dtype):
-    return xp.full(shape, -np.inf, dtype=dtype)
-
-
 def lse_dtype(dtype) -> np.dtype:
     """LSE is float32, or float64 for float64 inputs."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)

@@ -27,16 +27,9 @@ import numpy as np
 import cuflash
 
 from . import _demo
+from ._io_model import attention_flops
 
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
-
-
-def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, backward=False):
-    """FlashAttention benchmark convention: 4·B·H·Sq·Sk·D, /2 causal, ×2.5 backward."""
-    f = 4.0 * batch * nheads * seqlen_q * seqlen_k * headdim
-    if causal:
-        f /= 2
-    return f * (2.5 if backward else 1.0)
 
 
 def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0):

@@ -148,3 +148,11 @@ def test_why_fast_quotes_the_model():
     assert line.startswith("Why it is fast")
     for value in (m.score_bytes, m.standard_hbm_bytes, m.tiled_hbm_bytes):
         assert format_bytes(value) in line
+
+
+def test_attention_flops_convention():
+    from cuflash._io_model import attention_flops
+
+    assert attention_flops(1, 16, 4096, 4096, 128, causal=False) == 4 * 16 * 4096**2 * 128
+    assert attention_flops(1, 16, 4096, 4096, 128, causal=True) == 2 * 16 * 4096**2 * 128
+    assert attention_flops(2, 1, 10, 20, 8, causal=False, backward=True) == 2.5 * 4 * 2 * 10 * 20 * 8
