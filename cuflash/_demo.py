@@ -13,6 +13,7 @@ import math
 import time
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from . import _arrays, reference
@@ -38,8 +39,16 @@ def _flops(cfg: DemoConfig, backward: bool = False) -> float:
     return attention_flops(cfg.batch, cfg.heads, cfg.seqlen, cfg.seqlen, cfg.headdim, cfg.causal, backward)
 
 
+def _matmul_dtype(xp, q, k, v):
+    """CuPy has no bfloat16 matmul: plain attention then runs in float16 (same size and speed)."""
+    if xp is not np and np.dtype(q.dtype) == ml_dtypes.bfloat16:
+        return tuple(x.astype(np.float16) for x in (q, k, v))
+    return q, k, v
+
+
 def plain_attention(xp, q, k, v, causal: bool):
     """softmax(q kᵀ / sqrt(d)) v with the full score matrix, (B, S, H, D) in, accumulating in fp32."""
+    q, k, v = _matmul_dtype(xp, q, k, v)
     qh, kh, vh = (x.swapaxes(1, 2) for x in (q, k, v))
     s = xp.matmul(qh, kh.swapaxes(-1, -2)).astype(np.float32) * np.float32(1 / math.sqrt(q.shape[-1]))
     if causal:
@@ -57,6 +66,7 @@ def plain_attention_backward(xp, q, k, v, dout, causal: bool):
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = dS K / sqrt(d), dK = dSᵀ Q / sqrt(d).
     """
     scale = np.float32(1 / math.sqrt(q.shape[-1]))
+    (q, k, v), dout = _matmul_dtype(xp, q, k, v), _matmul_dtype(xp, dout, dout, dout)[0]
     qh, kh, vh, doh = (x.swapaxes(1, 2) for x in (q, k, v, dout))
     s = xp.matmul(qh, kh.swapaxes(-1, -2)).astype(np.float32) * scale
     if causal:
@@ -132,7 +142,7 @@ def run(cfg: DemoConfig, xp, step=lambda label: None) -> dict:
         t_plain = timer(lambda: plain_attention(xp, q, k, v, cfg.causal), repeat=2)
     except Exception as exc:  # out of memory is the point of the comparison
         t_plain = None
-        plain_error = f"{type(exc).__name__}"
+        plain_error = f"{type(exc).__name__}: {exc}"
     else:
         plain_error = None
     return {

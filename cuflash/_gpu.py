@@ -18,6 +18,8 @@ from ._arrays import cupy_module
 from ._params import FlashParams
 
 _GRID_YZ_MAX = 65535
+DECODE_MAX_ROWS = 16  # query rows up to which the split-KV decode variant runs (its block height)
+MAX_SPLITS = 128  # the _combine kernel's limit
 _ALIGN = 16  # bytes: cp.async moves 16-byte chunks
 
 
@@ -89,63 +91,136 @@ def _int32(x):
     return None if x is None else cp.ascontiguousarray(x, dtype=cp.int32)
 
 
-def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None, lse_strides):
+def _fill_params(p, pointers, strided, *, packed, lse_strides, d8, dv8, scale):
+    """The FlashParams every kernel reads: ``pointers`` maps fields to arrays (or None),
+    ``strided`` maps stride prefixes ("q", "k", ...) to the arrays whose strides they take."""
+    prm = FlashParams()
+    for field, x in pointers.items():
+        setattr(prm, field, None if x is None else x.data.ptr)
+    for prefix, x in strided.items():
+        bs, rs, hs = _strides(x, packed)
+        setattr(prm, f"{prefix}_batch_stride", bs)
+        setattr(prm, f"{prefix}_row_stride", rs)
+        setattr(prm, f"{prefix}_head_stride", hs)
+    prm.lse_batch_stride, prm.lse_head_stride = lse_strides
+    prm.batch, prm.nheads_q, prm.nheads_k = p.batch, p.nheads_q, p.nheads_k
+    prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
+    prm.headdim_qk, prm.headdim_v = d8, dv8
+    prm.window_left, prm.window_right, prm.top_left = p.window_left, p.window_right, int(p.top_left)
+    prm.softmax_scale, prm.softcap = scale, p.softcap
+    prm.num_splits = prm.pack_gqa = 1
+    return prm
+
+
+def _positive_scale(p, q):
+    """(q, scale, q_sign) with scale > 0: the kernels fold a positive scale into exp2, and
+    (-q)·k·|scale| and 0·k·1 are the same scores exactly; dq is mapped back with q_sign."""
+    scale = p.softmax_scale
+    if scale > 0:
+        return q, scale, 1.0
+    if scale < 0:
+        return -q, -scale, -1.0
+    return _cp().zeros_like(q), 1.0, 0.0
+
+
+def _grid_yz(bh: int):
+    grid_y = min(bh, _GRID_YZ_MAX)
+    return grid_y, (bh + grid_y - 1) // grid_y
+
+
+def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None, lse_strides,
+                          block_table=None, num_splits=0):
     cp = _cp()
     dtype = _check_gpu_dtype(q)
-    device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
+    device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
-        scale = p.softmax_scale
-        if scale <= 0:
-            # The kernel folds a positive scale into exp2; (-q)·k·|scale| and 0·k·1 are the
-            # same scores exactly, so a negative or zero scale is handled by rewriting q.
-            q = -q if scale < 0 else cp.zeros_like(q)
-            scale = -scale if scale < 0 else 1.0
+        q, scale, _ = _positive_scale(p, q)
         qx, kx, vx = _prepare(q, d8), _prepare(k, d8), _prepare(v, dv8)
         direct = out.shape[-1] == dv8 and _aligned(out)
         ox = out if direct else cp.empty(out.shape[:-1] + (dv8,), dtype=out.dtype)
-        seqlens_k = _int32(p.seqlens_k)
-        cu_q32, cu_k32 = _int32(cu_q), _int32(cu_k)
-        limit = _smem_limit(device)
-        variant = _kernels.fwd_variant(
-            dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=limit
-        )
-        prm = FlashParams()
-        prm.q, prm.k, prm.v, prm.out, prm.lse = (a.data.ptr for a in (qx, kx, vx, ox, lse))
-        prm.alibi_slopes = p.alibi_slopes.data.ptr if p.alibi_slopes is not None else None
-        prm.cu_seqlens_q = cu_q32.data.ptr if cu_q32 is not None else None
-        prm.cu_seqlens_k = cu_k32.data.ptr if cu_k32 is not None else None
-        prm.seqlens_k = seqlens_k.data.ptr if seqlens_k is not None else None
-        for prefix, x in (("q", qx), ("k", kx), ("v", vx), ("o", ox)):
-            bs, rs, hs = _strides(x, packed)
-            setattr(prm, f"{prefix}_batch_stride", bs)
-            setattr(prm, f"{prefix}_row_stride", rs)
-            setattr(prm, f"{prefix}_head_stride", hs)
-        prm.lse_batch_stride, prm.lse_head_stride = lse_strides
-        prm.batch, prm.nheads_q, prm.nheads_k = p.batch, p.nheads_q, p.nheads_k
-        prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
-        prm.headdim_qk, prm.headdim_v = d8, dv8
-        prm.window_left, prm.window_right, prm.top_left = p.window_left, p.window_right, int(p.top_left)
-        prm.softmax_scale, prm.softcap = scale, p.softcap
-
+        decode = not packed and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
+        variant = _kernels.fwd_variant(dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None,
+                                       splitkv=decode, smem_limit=_smem_limit(device))
+        pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
+                        cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
+        if block_table is not None:
+            pointers["block_table"] = _int32(block_table)
+        prm = _fill_params(p, pointers, dict(q=qx, k=kx, v=vx, o=ox), packed=packed, lse_strides=lse_strides,
+                           d8=d8, dv8=dv8, scale=scale)
+        if block_table is not None:  # k/v are (num_pages, page_size, Hk, D): the batch stride is the page stride
+            prm.block_table_batch_stride, prm.page_size = pointers["block_table"].shape[1], kx.shape[1]
         block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
-        bh = p.batch * p.nheads_q
-        grid_y = min(bh, _GRID_YZ_MAX)
-        grid = ((p.seqlen_q + block_m - 1) // block_m, grid_y, (bh + grid_y - 1) // grid_y)
         fn = _kernels.get_function(variant, device)
-        arg = cp.cuda.function.CPointer(ctypes.addressof(prm))
-        fn(grid, (variant.threads,), (arg,), shared_mem=variant.smem_bytes)
+        if not decode:
+            grid = ((p.seqlen_q + block_m - 1) // block_m, *_grid_yz(p.batch * p.nheads_q))
+            fn(grid, (variant.threads,), (_pointer(prm),), shared_mem=variant.smem_bytes)
+        else:
+            _launch_decode(p, prm, variant, fn, device, block_table, num_splits)
         if not direct:
             out[...] = ox[..., : out.shape[-1]]
 
 
-def forward(p, q, k, v, out, lse):
-    """Padded batch: q (B, Sq, H, D), out (B, Sq, H, Dv) views; lse (B, H, Sq) contiguous."""
+def _launch_decode(p, prm, variant, fn, device, block_table, num_splits):
+    """The split-KV variant: GQA heads packed into rows, the key range cut across blocks, then
+    the _combine kernel (Flash-Decoding)."""
+    cp = _cp()
+    pack = p.group_size if p.alibi_slopes is None else 1  # ALiBi slopes differ per head: no packing
+    rows = p.seqlen_q * pack
+    block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
+    block_n = dict(variant.defines)["CUFLASH_BLOCK_N"]
+    m_blocks = (rows + block_m - 1) // block_m
+    blocks = m_blocks * p.batch * (p.nheads_q // pack)
+    key_blocks = max(1, (p.seqlen_k + block_n - 1) // block_n)
+    if num_splits == 0:
+        num_splits = _auto_splits(blocks, key_blocks, variant, device)
+    num_splits = max(1, min(num_splits, key_blocks, MAX_SPLITS))
+    prm.pack_gqa, prm.num_splits = pack, num_splits
+    if num_splits > 1:  # freed on return: CuPy's pool reuses memory in stream order, after these launches
+        out_accum = cp.empty((num_splits, p.batch, p.nheads_q, p.seqlen_q, prm.headdim_v), dtype=cp.float32)
+        lse_accum = cp.empty((num_splits, p.batch, p.nheads_q, p.seqlen_q), dtype=cp.float32)
+        prm.out_accum, prm.lse_accum = out_accum.data.ptr, lse_accum.data.ptr
+    grid = (m_blocks * num_splits, *_grid_yz(p.batch * (p.nheads_q // pack)))
+    fn(grid, (variant.threads,), (_pointer(prm),), shared_mem=variant.smem_bytes)
+    if num_splits > 1:
+        combine = _kernels.get_function(variant, device, "_combine")
+        rows_total = p.batch * p.nheads_q * p.seqlen_q
+        combine(((rows_total + 3) // 4,), (128,), (_pointer(prm),))
+
+
+def _auto_splits(blocks: int, key_blocks: int, variant, device: int) -> int:
+    """Enough splits for about one full wave of blocks on this GPU, each split keeping at
+    least two key tiles (so the combine stays a small fraction of the work)."""
+    sms, smem_per_sm = _sm_resources(device)
+    per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + 1024)))
+    wave = sms * per_sm
+    if blocks >= 0.8 * wave:
+        return 1
+    return max(1, min(-(-wave // blocks), key_blocks // 2, MAX_SPLITS))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_resources(device_id: int):
+    attrs = _cp().cuda.Device(device_id).attributes
+    return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerMultiprocessor"]
+
+
+def _pointer(prm):
+    return _cp().cuda.function.CPointer(ctypes.addressof(prm))
+
+
+def forward(p, q, k, v, out, lse, *, block_table=None, num_splits=0):
+    """Padded batch: q (B, Sq, H, D), out (B, Sq, H, Dv) views; lse (B, H, Sq) contiguous.
+
+    With ``block_table`` (B, max_pages), k and v are paged caches (num_pages, page_size, Hk, D)
+    and ``p.seqlens_k`` gives each sequence's length.
+    """
     if p.seqlen_k == 0 or p.nheads_k == 0:
         out[...] = 0
         lse[...] = -np.inf
         return
-    _launch_attention_fwd(p, q, k, v, out, lse, packed=False, lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q))
+    _launch_attention_fwd(p, q, k, v, out, lse, packed=False, lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q),
+                          block_table=block_table, num_splits=num_splits)
 
 
 def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
@@ -155,13 +230,6 @@ def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
     _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]))
 
 
-def _set_strides(prm, prefix, x, packed):
-    bs, rs, hs = _strides(x, packed)
-    setattr(prm, f"{prefix}_batch_stride", bs)
-    setattr(prm, f"{prefix}_row_stride", rs)
-    setattr(prm, f"{prefix}_head_stride", hs)
-
-
 def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides):
     """dsum pre-pass, then the dq and dkdv kernels; grads = (dq, dk, dv) views, written in full."""
     cp = _cp()
@@ -169,11 +237,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
     device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
-        scale, q_sign = p.softmax_scale, 1.0
-        if scale <= 0:  # as in the forward; dq is mapped back below
-            q_sign = -1.0 if scale < 0 else 0.0
-            q = -q if scale < 0 else cp.zeros_like(q)
-            scale = -scale if scale < 0 else 1.0
+        q, scale, q_sign = _positive_scale(p, q)  # dq is mapped back below
         qx, kx = _prepare(q, d8), _prepare(k, d8)
         vx, ox, dox = _prepare(v, dv8), _prepare(out, dv8), _prepare(dout, dv8)
         lse = cp.ascontiguousarray(lse)
@@ -182,28 +246,14 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         for g_out, dim in zip(grads, (d8, d8, dv8)):
             direct = g_out.shape[-1] == dim and _aligned(g_out)
             gx.append(g_out if direct else cp.empty(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
-        seqlens_k = _int32(p.seqlens_k)
-        cu_q32, cu_k32 = _int32(cu_q), _int32(cu_k)
-        limit = _smem_limit(device)
         variant = _kernels.bwd_variant(
-            dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=limit
+            dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=_smem_limit(device)
         )
-
-        prm = FlashParams()
-        prm.q, prm.k, prm.v, prm.out, prm.lse = (a.data.ptr for a in (qx, kx, vx, ox, lse))
-        prm.dout, prm.dq, prm.dk, prm.dv, prm.dsum = (a.data.ptr for a in (dox, *gx, dsum))
-        prm.alibi_slopes = p.alibi_slopes.data.ptr if p.alibi_slopes is not None else None
-        prm.cu_seqlens_q = cu_q32.data.ptr if cu_q32 is not None else None
-        prm.cu_seqlens_k = cu_k32.data.ptr if cu_k32 is not None else None
-        prm.seqlens_k = seqlens_k.data.ptr if seqlens_k is not None else None
-        for prefix, x in (("q", qx), ("k", kx), ("v", vx), ("o", ox), ("do", dox), ("dq", gx[0]), ("dk", gx[1]), ("dv", gx[2])):
-            _set_strides(prm, prefix, x, packed)
-        prm.lse_batch_stride, prm.lse_head_stride = lse_strides
-        prm.batch, prm.nheads_q, prm.nheads_k = p.batch, p.nheads_q, p.nheads_k
-        prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
-        prm.headdim_qk, prm.headdim_v = d8, dv8
-        prm.window_left, prm.window_right, prm.top_left = p.window_left, p.window_right, int(p.top_left)
-        prm.softmax_scale, prm.softcap = scale, p.softcap
+        pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
+                        alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
+                        cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
+        strided = dict(q=qx, k=kx, v=vx, o=ox, do=dox, dq=gx[0], dk=gx[1], dv=gx[2])
+        prm = _fill_params(p, pointers, strided, packed=packed, lse_strides=lse_strides, d8=d8, dv8=dv8, scale=scale)
 
         # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
         pre = FlashParams.from_buffer_copy(prm)
@@ -211,16 +261,13 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             pre.batch, pre.seqlen_q = 1, q.shape[0]
         rows = pre.batch * pre.seqlen_q * pre.nheads_q
         fn = _kernels.get_function(variant, device, "_dsum")
-        fn(((rows + 7) // 8,), (256,), (cp.cuda.function.CPointer(ctypes.addressof(pre)),))
+        fn(((rows + 7) // 8,), (256,), (_pointer(pre),))
 
-        arg = cp.cuda.function.CPointer(ctypes.addressof(prm))
         tile = 16 * dict(variant.defines)["CUFLASH_WARPS"]
         for suffix, rows_per_head, heads in (("_dq", p.seqlen_q, p.nheads_q), ("_dkdv", p.seqlen_k, p.nheads_k)):
-            bh = p.batch * heads
-            grid_y = min(bh, _GRID_YZ_MAX)
-            grid = ((rows_per_head + tile - 1) // tile, grid_y, (bh + grid_y - 1) // grid_y)
+            grid = ((rows_per_head + tile - 1) // tile, *_grid_yz(p.batch * heads))
             fn = _kernels.get_function(variant, device, suffix)
-            fn(grid, (variant.threads,), (arg,), shared_mem=variant.smem_bytes)
+            fn(grid, (variant.threads,), (_pointer(prm),), shared_mem=variant.smem_bytes)
 
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:

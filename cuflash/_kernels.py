@@ -109,18 +109,29 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
     return cfg
 
 
+def decode_tile(headdim: int) -> TileConfig:
+    """Split-KV (decode) block sizes: one warp and 16 query rows, since decoding has few rows
+    (GQA heads packed in); many small blocks keep enough K/V loads in flight per SM."""
+    return TileConfig(16, 128 if headdim <= 64 else 64 if headdim <= 128 else 32, 1)
+
+
 @functools.lru_cache(maxsize=None)
-def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
+def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False,
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
-    """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``."""
+    """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
+
+    ``splitkv`` selects the decode variant (split key range, paged K/V, GQA packing) and its
+    ``<name>_combine`` kernel.
+    """
     d = headdim_bucket(headdim)
-    t = fwd_tile(d, smem_limit)
+    t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
-    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi
+    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+        ("CUFLASH_SPLITKV", int(splitkv)),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -166,6 +177,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for softcap in (False, True):
                 for alibi in (False, True):
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
+                    out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
     out += [softmax_variant(dt) for dt in DTYPE_TAGS]
     return out

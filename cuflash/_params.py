@@ -10,6 +10,7 @@ import ctypes
 _POINTERS = (
     "q", "k", "v", "out", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k",
     "dout", "dq", "dk", "dv", "dsum",
+    "block_table", "out_accum", "lse_accum",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",
@@ -26,6 +27,7 @@ _INTEGERS = (
     "headdim_qk", "headdim_v",
     "window_left", "window_right",
     "top_left",
+    "block_table_batch_stride", "page_size", "num_splits", "pack_gqa",
 )
 _REALS = ("softmax_scale", "softcap")
 

@@ -199,14 +199,14 @@ def make_problem(
         raise ValueError(
             f"v must have k's seqlen and heads ({seqlen_k}, {nheads_k}); got ({vb.shape[1]}, {vb.shape[2]})"
         )
-    return _finish_problem(
+    return finish_problem(
         q, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, headdim_qk, headdim_v,
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
     )
 
 
-def _finish_problem(
+def finish_problem(
     q, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, headdim_qk, headdim_v,
     *, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlens_k,
 ) -> AttnProblem:

@@ -442,7 +442,7 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     batch, cu_q, cu_k, max_q, max_k = V.check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     )
-    p = V._finish_problem(
+    p = V.finish_problem(
         q, batch, max_q, max_k, q.shape[1], k.shape[1], q.shape[2], v.shape[2],
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, seqlens_k=None,

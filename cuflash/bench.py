@@ -7,7 +7,7 @@ Every cuflash configuration is checked against plain attention on a slice before
 Peers: plain CuPy attention (matmul, softmax, matmul) always; torch SDPA (flash and cuDNN
 backends) and JAX's cuDNN attention when importable.  cuflash never imports them.
 
-Usage: cuflash bench [--suite standard|paper] [--backward] [--json FILE] [--plot FILE.png] ...
+Usage: cuflash bench [--suite standard|paper|decode|host] [--backward] [--json FILE] [--plot FILE.png] ...
 (or python scripts/bench.py with the same options).  Needs a GPU with CuPy.
 """
 
@@ -222,10 +222,19 @@ PAPER_SHAPE = dict(batch=64, seqlen=1024, nheads=16, headdim=64)
 PAPER_A100 = {"standard": dict(gflops=66.6, hbm_gb=40.3, ms=41.7), "flash": dict(gflops=75.2, hbm_gb=4.4, ms=7.3)}
 
 
-def paper_suite(dtype_name="fp16"):
-    """Times standard attention (matmul, softmax, matmul + its backward) and cuflash, fwd + bwd."""
+def paper_model(dtype_name="fp16"):
+    """(FLOPs of forward + backward, the I/O model) of the paper's shape: no GPU needed."""
     from . import _io_model
 
+    s = PAPER_SHAPE
+    flops = 3.5 * attention_flops(s["batch"], s["nheads"], s["seqlen"], s["seqlen"], s["headdim"], False)
+    io = _io_model.io_model(batch=s["batch"], nheads=s["nheads"], seqlen_q=s["seqlen"], headdim=s["headdim"],
+                            dtype="float16" if dtype_name == "fp16" else "bfloat16")
+    return flops, io
+
+
+def paper_suite(dtype_name="fp16"):
+    """Times standard attention (matmul, softmax, matmul + its backward) and cuflash, fwd + bwd."""
     s = PAPER_SHAPE
     shape = (s["batch"], s["seqlen"], s["nheads"], s["headdim"])
     rng = np.random.default_rng(0)
@@ -240,9 +249,7 @@ def paper_suite(dtype_name="fp16"):
         _demo.plain_attention_backward(cp, q, k, v, dout, False)
 
     check_against_plain(q, k, v, False, cuflash.attention(q, k, v))
-    flops = 3.5 * attention_flops(s["batch"], s["nheads"], s["seqlen"], s["seqlen"], s["headdim"], False)
-    io = _io_model.io_model(batch=s["batch"], heads=s["nheads"], seqlen_q=s["seqlen"], headdim=s["headdim"],
-                            dtype="float16" if dtype_name == "fp16" else "bfloat16")
+    flops, io = paper_model(dtype_name)
     rows = {}
     for name, fn, hbm in (("standard", standard, io.standard_hbm_bytes), ("flash", flash, io.kernel_hbm_bytes)):
         rows[name] = dict(gflops=flops / 1e9, hbm_gb=hbm / 1e9, ms=time_gpu(fn, reps=10))
@@ -297,6 +304,97 @@ def plot(rows, path):
 # The host suite: what cuflash adds on the CPU side of a call, and the cold compile time.
 
 
+# ---------------------------------------------------------------------------------------------
+# The decode suite: one new token per sequence against a KV cache (bf16, head dim 128), reported
+# as KV-cache bytes read per second, the quantity that bounds decoding.
+
+DECODE_HEADS = {"mha": (32, 32), "gqa": (32, 8)}
+
+
+def decode_configs(kv_lens=(4096, 16384, 65536, 131072), batches=(1, 8, 64), max_bytes=24 << 30):
+    """(heads name, batch, kv length) with a cache of at most max_bytes."""
+    out = []
+    for name, (_, hkv) in DECODE_HEADS.items():
+        for batch in batches:
+            for n in kv_lens:
+                if 2 * batch * n * hkv * 128 * 2 <= max_bytes:
+                    out.append((name, batch, n))
+    return out
+
+
+def _torch_decode_peers():
+    if _torch_sdpa() is None:
+        return {}
+    torch, SDPBackend, sdpa_kernel, sdpa = _torch_sdpa()
+
+    def make(backend):
+        def run(q, k, v):
+            tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)) for x in (q, k, v))
+            gqa = tq.shape[1] != tk.shape[1]
+
+            def call():
+                with sdpa_kernel([backend]):
+                    return sdpa(tq, tk, tv, enable_gqa=gqa)
+            return call
+        return run
+
+    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+
+
+def decode_suite(configs=None, peers=None, page_size=None):
+    """TB/s of KV cache read by attention_with_kvcache (q length 1) and by the peers."""
+    rows = []
+    peers = _torch_decode_peers() if peers is None else peers
+    for name, batch, n in configs or decode_configs():
+        hq, hkv = DECODE_HEADS[name]
+        rng = np.random.default_rng(0)
+        k = cp.asarray(rng.standard_normal((batch, n, hkv, 128), dtype=np.float32)).astype(ml_dtypes.bfloat16)
+        v = cp.asarray(rng.standard_normal((batch, n, hkv, 128), dtype=np.float32)).astype(ml_dtypes.bfloat16)
+        q = cp.asarray(rng.standard_normal((batch, 1, hq, 128), dtype=np.float32)).astype(ml_dtypes.bfloat16)
+        lengths = cp.full(batch, n, dtype=cp.int32)
+        kv_bytes = k.nbytes + v.nbytes
+        row = dict(heads=name, batch=batch, kv_len=n, kv_mb=kv_bytes / 1e6)
+        out = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths)
+        check_against_plain(q, k, v, False, out)  # head 0 of q uses K/V head 0 in both layouts
+        row["cuflash"] = kv_bytes / time_gpu(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths)) / 1e9
+        if page_size:
+            pages = batch * n // page_size
+            table = cp.asarray(rng.permutation(pages).reshape(batch, -1).astype(np.int32))
+            kp, vp = (x.reshape(pages, page_size, hkv, 128) for x in (k, v))
+            row[f"cuflash-paged{page_size}"] = kv_bytes / time_gpu(lambda: cuflash.attention_with_kvcache(
+                q, kp, vp, cache_seqlens=lengths, block_table=table)) / 1e9
+        for peer, make in peers.items():
+            try:
+                row[peer] = kv_bytes / time_gpu(make(q, k, v), reps=10) / 1e9
+            except Exception as exc:
+                row[peer] = None
+                row[f"{peer}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del k, v
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def decode_markdown(rows, env):
+    fixed = ("heads", "batch", "kv_len", "kv_mb")
+    names = []
+    for r in rows:
+        names += [k for k in r if k not in fixed and not k.endswith("_error") and k not in names]
+    lines = [
+        f"Decode, q length 1, bf16, head dim 128, TB/s of KV cache read (GPU {env['gpu']}, {env['date']})",
+        "",
+        "| heads (q/kv) | batch | kv len | KV MB | " + " | ".join(names) + " | cuflash / torch-cudnn |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|",
+    ]
+    for r in rows:
+        vals = [f"{r[n] / 1e3:.2f}" if r.get(n) else "–" for n in names]
+        ratio = f"{r['cuflash'] / r['torch-cudnn']:.2f}" if r.get("torch-cudnn") else "–"
+        hq, hkv = DECODE_HEADS[r["heads"]]
+        lines.append(f"| {hq}/{hkv} | {r['batch']} | {r['kv_len']} | {r['kv_mb']:.0f} | " + " | ".join(vals) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
 def host_suite(calls=2000):
     """Host microseconds per warm call (no synchronisation) for cuflash.attention and for a bare
     launch of the same compiled kernel, plus NVRTC seconds per forward variant (cold, no cache)."""
@@ -343,7 +441,8 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
     ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
-    ap.add_argument("--suite", choices=("standard", "paper", "host"), default="standard")
+    ap.add_argument("--suite", choices=("standard", "paper", "decode", "host"), default="standard")
+    ap.add_argument("--page-size", type=int, default=256, help="decode suite: also time a paged cache (0 = no)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
     ap.add_argument("--plot", help="PNG bar chart of the sweep (needs matplotlib)")
@@ -356,6 +455,16 @@ def main(argv=None):
             print(f"cold NVRTC compile {name}: {seconds:.2f} s")
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=1))
+        return
+    if args.suite == "decode":
+        env = environment()
+        rows = decode_suite(peers={} if args.no_peers else None, page_size=args.page_size)
+        md = decode_markdown(rows, env)
+        print(md)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"env": env, "decode": rows}, indent=1))
+        if args.markdown:
+            Path(args.markdown).write_text(md + "\n")
         return
     if args.suite == "paper":
         env = environment()

@@ -3,19 +3,19 @@
 The cache is either contiguous, ``(batch_cache, capacity, nheads_k, headdim)`` (optionally
 indexed through ``cache_batch_idx``), or paged, ``(num_pages, page_size, nheads_k, headdim)``
 with a ``block_table`` of shape ``(batch, max_pages)`` mapping sequence positions to pages.  The
-attention itself is :func:`cuflash.attention` with ``seqlens_k`` = each sequence's valid length,
-so nothing past it is read.  A contiguous cache without ``cache_batch_idx`` is used in place;
-the other layouts are gathered into one contiguous copy first (a split-KV decode kernel that
-reads pages directly is future work).
+attention is the forward pass with ``seqlens_k`` = each sequence's valid length, so nothing past
+it is read.  On the GPU, few query rows run the split-KV decode kernel, which reads paged caches
+through the block table in place; ``cache_batch_idx`` gathers the chosen rows into a copy.  The
+CPU path gathers pages into a contiguous copy.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _cpu
 from . import _validate as V
-from .api import _doc, attention
+from .api import _doc, lse_dtype
 
 
 @_doc
@@ -131,27 +131,39 @@ def attention_with_kvcache(
     _check_ranges(host_lengths, new, capacity, row_len, host_table, capacity_rows, host_rows)
 
     lengths = cache_seqlens.astype(np.int64) + new  # keys each sequence attends to
-    positions = xp.arange(capacity)
-    if paged:
-        # Page of each position; positions past a sequence's length read page 0 (never used),
-        # so block_table entries past the used pages may hold anything.
-        used = positions[None, :] < lengths[:, None]
-        page_of = xp.where(used, block_table.astype(np.int64)[:, positions // row_len], 0)  # (batch, capacity)
-        slot_of = positions % row_len
     if new:
-        _append(xp, k_cache, v_cache, k, v, cache_seqlens, new, paged,
-                page_of if paged else None, slot_of if paged else None, cache_batch_idx)
+        _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, row_len, cache_batch_idx)
 
-    if paged:
-        keys, values = k_cache[page_of, slot_of[None, :]], v_cache[page_of, slot_of[None, :]]
+    gpu = _arrays.is_gpu(q)
+    keys, values = k_cache, v_cache
+    if paged and not gpu:  # the CPU path reads a contiguous copy; the GPU kernel follows the pages itself
+        positions = xp.arange(capacity)
+        # Positions past a sequence's length read page 0 (never used), so block_table entries
+        # past the used pages may hold anything.
+        used = positions[None, :] < lengths[:, None]
+        page_of = xp.where(used, block_table.astype(np.int64)[:, positions // row_len], 0)
+        keys, values = k_cache[page_of, positions % row_len], v_cache[page_of, positions % row_len]
     elif cache_batch_idx is not None:
         rows = cache_batch_idx.astype(np.int64)
         keys, values = k_cache[rows], v_cache[rows]
+
+    p = V.finish_problem(
+        q, batch, q.shape[1], capacity, q.shape[2], nheads_k, headdim, v_cache.shape[3],
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, seqlens_k=lengths,
+    )
+    return_lse = V.check_bool(return_lse, "return_lse")
+    out = xp.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=q.dtype)
+    lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
+    if p.is_empty:
+        pass
+    elif gpu:
+        from . import _gpu
+
+        _gpu.forward(p, q, keys, values, out, lse, block_table=block_table if paged else None, num_splits=int(num_splits))
     else:
-        keys, values = k_cache, v_cache
-    return attention(q, keys, values, seqlens_k=lengths, return_lse=return_lse,
-                     softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                     alibi_slopes=alibi_slopes)
+        _cpu.forward(p, q, keys, values, out, lse)
+    return (out, lse) if return_lse else out
 
 
 def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
@@ -176,15 +188,14 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
         raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
 
 
-def _append(xp, k_cache, v_cache, k, v, cache_seqlens, new, paged, page_of, slot_of, cache_batch_idx):
+def _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, page_size, cache_batch_idx):
     """Write the new tokens at positions cache_seqlens[b] + t (in place)."""
-    batch = k.shape[0]
+    batch, new = k.shape[:2]
     pos = cache_seqlens.astype(np.int64)[:, None] + xp.arange(new)[None, :]  # (batch, new)
-    if paged:
-        b_idx = xp.arange(batch)[:, None]
-        pages, slots = page_of[b_idx, pos], slot_of[pos]
-        k_cache[pages, slots] = k
-        v_cache[pages, slots] = v
+    if block_table is not None:
+        pages = xp.take_along_axis(block_table.astype(np.int64), pos // page_size, axis=1)
+        k_cache[pages, pos % page_size] = k
+        v_cache[pages, pos % page_size] = v
     else:
         rows = xp.arange(batch) if cache_batch_idx is None else cache_batch_idx.astype(np.int64)
         k_cache[rows[:, None], pos] = k

@@ -10,6 +10,13 @@
 // reads are free of bank conflicts.  V_j is loaded while S_j is computed and K_{j+1} while the
 // softmax of S_j runs.  Head dims below kD are zero-filled on load and never stored.
 // Not handled here: head dims that are not multiples of 8 (the caller pads), fp32/fp64 inputs.
+//
+// CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
+// each query block is cut into p.num_splits parts run by separate blocks (grid x = query blocks x
+// splits), each writing an fp32 partial output and its LSE that the _combine kernel merges; K/V
+// may be paged through p.block_table; and the p.pack_gqa query heads sharing one K/V head may be
+// folded into the row axis (row r = token r / g, head r % g) so each K/V tile is read once for
+// all of them.  Used with one warp and 16-row blocks, for the few query rows of decoding.
 #include "mma.cuh"
 #include "online_softmax.cuh"
 #include "params.cuh"
@@ -44,11 +51,14 @@
 #ifndef CUFLASH_ALIBI
 #define CUFLASH_ALIBI 0
 #endif
+#ifndef CUFLASH_SPLITKV
+#define CUFLASH_SPLITKV 0
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
 #endif
 
-template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi>
+template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
     constexpr int kMT = kBM / (16 * kWarps);  // 16-row MMA tiles per warp
@@ -68,25 +78,58 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     u16* sV = sK + kBN * kStride;                // (kBN, kStride)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int g = kSplitKV ? static_cast<int>(p.pack_gqa) : 1;  // query heads per row group
+    const long long heads = p.nheads_q / g;                     // heads as the grid sees them
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
-    if (bh >= p.batch * p.nheads_q) return;
-    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    if (bh >= p.batch * heads) return;
+    const int b = static_cast<int>(bh / heads), h = static_cast<int>(bh % heads) * g;  // h: first query head
     const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);  // GQA: query heads share K/V head hk
     const SeqInfo seq(p, b);
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * kBM;  // longest rows (causal) start first
-    if (m0 >= seq.sq) return;                             // varlen: this sequence is shorter
+    const int num_splits = kSplitKV ? static_cast<int>(p.num_splits) : 1;
+    const int split = blockIdx.x % num_splits, m_blocks = gridDim.x / num_splits;
+    const int m0 = (m_blocks - 1 - static_cast<int>(blockIdx.x) / num_splits) * kBM;  // longest rows (causal) first
+    const int rows = seq.sq * g;
+    if (m0 >= rows) return;  // varlen: this sequence is shorter
+    // Row r of the block is query token token(r) (of head h + (m0 + r) % g when packed).
+    auto token = [&](int r) { return kSplitKV ? (m0 + r) / g : m0 + r; };
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
     const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
-    const int rows_valid = min(kBM, seq.sq - m0);
+    const int rows_valid = min(kBM, rows - m0);
     const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+    // Offsets of block row r from gQ/gO (elements) and gLse when rows interleave tokens and heads.
+    auto q_offset = [&](int r, long long row_stride, long long head_stride) {
+        return kSplitKV ? (token(r) - m0) * row_stride + ((m0 + r) % g) * head_stride : r * row_stride;
+    };
 
     int n_lo, n_hi;
-    seq.key_range(m0, m0 + kBM, n_lo, n_hi);
-    const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    seq.key_range(token(0), token(kBM - 1) + 1, n_lo, n_hi);
+    int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    if (kSplitKV && nb_lo < nb_hi) {  // this block's share of the key blocks (possibly none)
+        const int per_split = (nb_hi - nb_lo + num_splits - 1) / num_splits;
+        nb_lo += split * per_split;
+        nb_hi = min(nb_hi, nb_lo + per_split);
+    }
+
+    // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or rows looked up page by page.
+    auto load_kv = [&](u16* smem, const void* base, const u16* g_seq, long long batch_stride, long long row_stride,
+                       long long head_stride, int n0, int chunks) {
+        if (kSplitKV && p.block_table) {
+            const int* table = p.block_table + b * p.block_table_batch_stride;
+            const int page_size = static_cast<int>(p.page_size);
+            const u16* g_head = static_cast<const u16*>(base) + hk * head_stride;
+            load_tile_rows<kBN, kD, kThreads>(
+                smem, [&](int r) { const int j = n0 + r; return g_head + table[j / page_size] * batch_stride + (j % page_size) * row_stride; },
+                g_head, seq.sk - n0, chunks, tid);
+        } else {
+            load_tile<kBN, kD, kThreads>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
+        }
+    };
+    auto load_k = [&](int n0) { load_kv(sK, p.k, gK, p.k_batch_stride, p.k_row_stride, p.k_head_stride, n0, qk_chunks); };
+    auto load_v = [&](int n0) { load_kv(sV, p.v, gV, p.v_batch_stride, p.v_row_stride, p.v_head_stride, n0, v_chunks); };
 
     const float scale = static_cast<float>(p.softmax_scale);
     const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
@@ -103,9 +146,13 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     RowState row[kMT][2];  // rows lane/4 and lane/4 + 8 of each MMA tile
 
     if (nb_lo < nb_hi) {
-        load_tile<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
+        if constexpr (kSplitKV)
+            load_tile_rows<kBM, kD, kThreads>(sQ, [&](int r) { return gQ + q_offset(r, p.q_row_stride, p.q_head_stride); },
+                                              static_cast<const u16*>(p.q), rows_valid, qk_chunks, tid);
+        else
+            load_tile<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
         int n0 = (nb_hi - 1) * kBN;  // start at the tail/diagonal tile
-        load_tile<kBN, kD, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_k(n0);
         cp_async_commit();
 
         u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKS : 1][4];
@@ -115,7 +162,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             n0 = nb * kBN;
             cp_async_wait<0>();
             __syncthreads();  // K_nb (and Q) have landed; every warp finished reading V of the last tile
-            load_tile<kBN, kD, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+            load_v(n0);
             cp_async_commit();
             if constexpr (kQInRegs) {
                 if (nb == nb_hi - 1) {
@@ -160,19 +207,18 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
             __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
             if (nb > nb_lo) {
-                int n_next = n0 - kBN;
-                load_tile<kBN, kD, kThreads>(sK, gK + n_next * p.k_row_stride, p.k_row_stride, seq.sk - n_next, qk_chunks, tid);
+                load_k(n0 - kBN);
                 cp_async_commit();
             }
 
             // Score pipeline, mask, online softmax; P is packed to 16 bits at once (half the registers of S).
             u32 pk[kMT][kBN / 16][4];
-            const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
+            const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int i = m0 + (warp * kMT + mt) * 16 + lane / 4 + half * 8;
+                    const int i = token((warp * kMT + mt) * 16 + lane / 4 + half * 8);  // query position
                     if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
 #pragma unroll
                         for (int nt = 0; nt < kNT; ++nt)
@@ -242,6 +288,29 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
     }
 
+    if constexpr (kSplitKV) {
+        if (num_splits > 1) {  // partial result of this split, fp32, for the _combine kernel
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    float lse;
+                    const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
+                    const int r = (warp * kMT + mt) * 16 + lane / 4 + half * 8;  // row within the block
+                    if (r >= rows_valid) continue;
+                    const long long acc_row = ((static_cast<long long>(split) * p.batch + b) * p.nheads_q + h + (m0 + r) % g) * p.seqlen_q + token(r);
+                    if (lane % 4 == 0) p.lse_accum[acc_row] = lse;
+                    float* acc = p.out_accum + acc_row * p.headdim_v + (lane % 4) * 2;
+#pragma unroll
+                    for (int ot = 0; ot < kOT; ++ot)
+                        if (ot * 8 < p.headdim_v)
+                            *reinterpret_cast<float2*>(acc + ot * 8) = make_float2(o[mt][ot][half * 2] * inv_l, o[mt][ot][half * 2 + 1] * inv_l);
+                }
+            }
+            return;
+        }
+    }
+
     // Epilogue: O /= l, LSE; stage this warp's rows of O in its own rows of sQ, then store 16-byte chunks.
     __syncthreads();  // all warps are done with sQ/sK/sV (also covers the empty-range path)
     u16* sO = sQ + warp * kMT * 16 * kStride;
@@ -253,7 +322,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
             const int i = (warp * kMT) * 16 + r;          // row within the block
-            if (lane % 4 == 0 && i < rows_valid) gLse[i] = lse;
+            if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;
 #pragma unroll
             for (int ot = 0; ot < kOT; ++ot) {
                 u32 packed = pack2<T>(o[mt][ot][half * 2] * inv_l, o[mt][ot][half * 2 + 1] * inv_l);
@@ -268,7 +337,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         const int r = c / kChunks, col = c % kChunks;
         const int i = warp * kMT * 16 + r;
         if (i < rows_valid && col < v_chunks)
-            *reinterpret_cast<uint4*>(gO + i * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sO + r * kStride + col * 8);
+            *reinterpret_cast<uint4*>(gO + q_offset(i, p.o_row_stride, p.o_head_stride) + col * 8) =
+                *reinterpret_cast<const uint4*>(sO + r * kStride + col * 8);
     }
 }
 
@@ -277,5 +347,48 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLOCKS)
 CUFLASH_KERNEL_NAME(const FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
-              CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+              CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0>(p);
 }
+
+#if CUFLASH_SPLITKV
+#define CUFLASH_CAT2(a, b) a##b
+#define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
+constexpr int kMaxSplits = 128;  // the host never asks for more
+
+// Merge the split partial results of one row: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
+// One warp per (batch, head, query) row, rows in out_accum order; empty rows give 0 and -inf.
+extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _combine)(const FlashParams p) {
+    __shared__ float weight[4][kMaxSplits];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long rows = p.batch * p.nheads_q * p.seqlen_q;
+    const long long row = static_cast<long long>(blockIdx.x) * 4 + warp;
+    if (row >= rows) return;
+    const int splits = static_cast<int>(p.num_splits);
+    const float kInf = __int_as_float(0x7f800000);
+    float m = -kInf;
+    for (int s = lane; s < splits; s += 32) m = fmaxf(m, p.lse_accum[s * rows + row]);
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float sum = 0.f;
+    if (m > -kInf)
+        for (int s = lane; s < splits; s += 32) sum += __expf(p.lse_accum[s * rows + row] - m);
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const float lse = sum > 0.f ? m + __logf(sum) : -kInf;
+    for (int s = lane; s < splits; s += 32) weight[warp][s] = sum > 0.f ? __expf(p.lse_accum[s * rows + row] - lse) : 0.f;
+    __syncwarp();
+
+    const int i = static_cast<int>(row % p.seqlen_q);
+    const long long bh = row / p.seqlen_q;
+    const int h = static_cast<int>(bh % p.nheads_q), b = static_cast<int>(bh / p.nheads_q);
+    u16* out = static_cast<u16*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    for (int c = 2 * lane; c < p.headdim_v; c += 64) {  // headdim_v is a multiple of 8
+        float2 acc = make_float2(0.f, 0.f);
+        for (int s = 0; s < splits; ++s) {
+            const float2 part = *reinterpret_cast<const float2*>(p.out_accum + (s * rows + row) * p.headdim_v + c);
+            acc.x += weight[warp][s] * part.x;
+            acc.y += weight[warp][s] * part.y;
+        }
+        *reinterpret_cast<u32*>(out + c) = pack2<CUFLASH_DTYPE>(acc.x, acc.y);
+    }
+    if (lane == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = lse;
+}
+#endif

@@ -21,6 +21,10 @@ struct FlashParams {
     void* dk;                      // (batch, seqlen_k, nheads_k, headdim_qk), written
     void* dv;                      // (batch, seqlen_k, nheads_k, headdim_v), written
     float* dsum;                   // D = rowsum(dout * out), fp32, laid out like lse
+    // Split-KV decode kernel only (null / 0 elsewhere):
+    const int* block_table;        // (batch, max_pages) page of each page_size keys; k/v batch stride = page stride
+    float* out_accum;              // (num_splits, batch, nheads_q, seqlen_q, headdim_v) fp32 partial outputs
+    float* lse_accum;              // (num_splits, batch, nheads_q, seqlen_q) their natural-log LSE
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;
@@ -39,6 +43,11 @@ struct FlashParams {
 
     long long window_left, window_right;  // inclusive, -1 = unbounded; causal already folded in (right = 0)
     long long top_left;            // 1: diagonal through (0, 0); 0: bottom-right (offset sk - sq)
+
+    // Split-KV decode kernel only:
+    long long block_table_batch_stride, page_size;  // paged K/V (block_table not null)
+    long long num_splits;          // key range cut into this many parts; > 1 writes out_accum/lse_accum
+    long long pack_gqa;            // g query heads of one K/V head folded into the row axis (1 = none)
 
     double softmax_scale;          // multiplies q.k
     double softcap;                // > 0: s = softcap * tanh(s / softcap)

@@ -32,3 +32,29 @@ __device__ __forceinline__ void load_tile(u16* smem, const u16* g, long long row
         }
     }
 }
+
+// load_tile for tiles whose rows are not evenly spaced: row r starts at row_ptr(r) (paged K/V,
+// or query rows that interleave tokens and heads).  row_ptr is called only for valid rows;
+// `fallback` is any readable address, given to the zero-filling copies of the others.
+template <int kRows, int kD, int kThreads, class RowPtr>
+__device__ __forceinline__ void load_tile_rows(u16* smem, RowPtr row_ptr, const u16* fallback, int rows_valid,
+                                               int chunks_valid, int tid) {
+    constexpr int kChunks = kD / 8, kStride = kD + 8;
+    if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
+        constexpr int kRowStep = kThreads / kChunks;  // one row pointer per row a thread copies
+        const int r0 = tid / kChunks, col = tid % kChunks;
+#pragma unroll
+        for (int i = 0; i < kRows / kRowStep; ++i) {
+            const int r = r0 + i * kRowStep;
+            const bool valid = col < chunks_valid && r < rows_valid;
+            cp_async_16(smem + r * kStride + col * 8, valid ? row_ptr(r) + col * 8 : fallback, valid);
+        }
+    } else {
+#pragma unroll
+        for (int c = tid; c < kRows * kChunks; c += kThreads) {
+            const int r = c / kChunks, col = c % kChunks;
+            const bool valid = r < rows_valid && col < chunks_valid;
+            cp_async_16(smem + r * kStride + col * 8, valid ? row_ptr(r) + col * 8 : fallback, valid);
+        }
+    }
+}

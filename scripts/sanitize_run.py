@@ -53,6 +53,15 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
                                         return_lse=True)
     cuflash.attention_varlen_backward(rand(out.shape, dtype), q, k, v, out, lse, cu_q, cu_k,
                                       max_seqlen_q=65, max_seqlen_k=130, causal=True)
+    # Decode variant: split key ranges, GQA packing, paged cache with a page size that splits tiles.
+    lengths = cp.asarray(np.array([0, 1, 37, 300], dtype=np.int32))
+    kc, vc = rand((4, 320, 2, 128), dtype), rand((4, 320, 2, 128), dtype)
+    for splits in (1, 3, 0):
+        cuflash.attention_with_kvcache(rand((4, 2, 8, 128), dtype), kc, vc, cache_seqlens=lengths, num_splits=splits, causal=True)
+    table = cp.asarray(rng.permutation(4 * 28).reshape(4, 28).astype(np.int32))
+    kp, vp = rand((4 * 28, 12, 2, 64), dtype), rand((4 * 28, 12, 2, 64), dtype)
+    cuflash.attention_with_kvcache(rand((4, 1, 4, 64), dtype), kp, vp, rand((4, 1, 2, 64), dtype), rand((4, 1, 2, 64), dtype),
+                                   cache_seqlens=lengths, block_table=table, num_splits=4)
 for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
     cuflash.softmax(rand((3, 1000), dtype))
 cp.cuda.Device().synchronize()

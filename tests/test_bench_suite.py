@@ -35,6 +35,18 @@ def test_paper_table_and_plot(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+@pytest.mark.skipif(_arrays.cupy_module() is None, reason="cuflash.bench imports CuPy")
+def test_paper_model_counts():
+    from cuflash import bench
+
+    flops, io = bench.paper_model("fp16")
+    assert flops == 3.5 * 4 * 64 * 16 * 1024 * 1024 * 64  # forward + backward (2.5x) of GPT-2 medium
+    # Forward model: standard attention writes and re-reads the 64*16*1024^2 score and probability
+    # matrices (fp16); cuflash streams K and V once per query block of 128 rows.
+    scores = 64 * 16 * 1024 * 1024 * 2
+    assert io.standard_hbm_bytes > 4 * scores > 3 * io.kernel_hbm_bytes
+
+
 @pytest.mark.skipif(_arrays.gpu_available(), reason="checks the message shown without a GPU")
 def test_bench_without_gpu_is_a_clear_error():
     result = CliRunner().invoke(main, ["bench", "--suite", "paper"])

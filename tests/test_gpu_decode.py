@@ -1,0 +1,151 @@
+"""The split-KV decode kernel (few query rows) against the float64 reference (exactness rule).
+
+Every call with at most DECODE_MAX_ROWS query rows runs it: through ``cuflash.attention`` and
+``cuflash.attention_with_kvcache`` (paged caches read in place through the block table).  The
+split count never changes the answer beyond rounding, GQA heads packed into rows keep their own
+masks, and empty rows stay 0 / -inf across splits.  Skipped without a CUDA GPU.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash.reference import assert_exact, attention_ref, naive_attention
+
+from .conftest import requires_gpu
+from .test_gpu_forward import _check, _cp, _rand
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+DTYPES = [np.float16, ml_dtypes.bfloat16]
+
+
+def _kvcache(q, kc, vc, lengths, *, block_table=None, **opts):
+    """attention_with_kvcache on the GPU; returns NumPy (out, lse)."""
+    cp = _cp()
+    extra = {} if block_table is None else dict(block_table=cp.asarray(block_table))
+    out, lse = cuflash.attention_with_kvcache(cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
+                                              cache_seqlens=cp.asarray(lengths), return_lse=True, **extra, **opts)
+    return out.get(), lse.get()
+
+
+def _check_sequences(out, lse, q, keys, values, lengths, **opts):
+    opts.pop("num_splits", None)
+    for b, n in enumerate(lengths):
+        args = (q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n])
+        ref, ref_lse = attention_ref(*args, **opts)
+        naive, naive_lse = naive_attention(*args, return_lse=True, **opts)
+        assert_exact(out[b:b + 1], ref, naive, f"out of sequence {b}")
+        assert_exact(lse[b:b + 1], ref_lse, naive_lse, f"lse of sequence {b}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [32, 64, 72, 128, 200, 256])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa4", "mqa6"])
+@pytest.mark.parametrize("seqlen_q", [1, 3, 16])
+def test_attention_few_rows(rng, dtype, headdim, heads, seqlen_q):
+    """Sq <= 16 runs the decode variant; GQA packs up to 16 rows, more spill into further blocks."""
+    hq, hkv = heads
+    q = _rand(rng, (2, seqlen_q, hq, headdim), dtype, 5.0)
+    k, v = _rand(rng, (2, 777, hkv, headdim), dtype), _rand(rng, (2, 777, hkv, headdim), dtype)
+    _check(q, k, v)
+    _check(q, k, v, causal=True)
+
+
+OPTIONS = [
+    dict(causal="top_left"),
+    dict(window_size=(5, 0)),
+    dict(window_size=(100, 3), causal=False),
+    dict(softcap=3.0),
+    dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625], dtype=np.float32)),
+    dict(softmax_scale=-0.3),
+    dict(softmax_scale=0.0),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}" for k in o))
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_options(rng, dtype, opts, seqlen_q):
+    q = _rand(rng, (2, seqlen_q, 4, 64), dtype, 3.0)
+    k, v = _rand(rng, (2, 300, 2, 64), dtype), _rand(rng, (2, 300, 2, 64), dtype)
+    opts = dict(opts)
+    if "alibi_slopes" in opts:
+        opts["alibi_slopes"] = _cp().asarray(opts["alibi_slopes"])
+        out = _cp().full((2, seqlen_q, 4, 64), np.nan, dtype=dtype)
+        res, lse = cuflash.attention(*(_cp().asarray(x) for x in (q, k, v)), out=out, return_lse=True, **opts)
+        host = dict(opts, alibi_slopes=opts["alibi_slopes"].get())
+        ref, ref_lse = attention_ref(q, k, v, **host)
+        naive, naive_lse = naive_attention(q, k, v, return_lse=True, **host)
+        assert_exact(res.get(), ref, naive, "out")
+        assert_exact(lse.get(), ref_lse, naive_lse, "lse")
+    else:
+        _check(q, k, v, **opts)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 128, 1000])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+def test_split_counts(rng, num_splits, heads):
+    """Any split count (clamped to the key tiles and 128) gives the reference answer."""
+    hq, hkv = heads
+    lengths = np.array([0, 1, 63, 64, 65, 1000, 2500], dtype=np.int32)
+    batch, capacity, d = len(lengths), 2500, 128
+    kc = _rand(rng, (batch, capacity, hkv, d), ml_dtypes.bfloat16)
+    vc = _rand(rng, (batch, capacity, hkv, d), ml_dtypes.bfloat16)
+    for b, n in enumerate(lengths):
+        kc[b, n:], vc[b, n:] = np.nan, np.nan  # never read
+    q = _rand(rng, (batch, 1, hq, d), ml_dtypes.bfloat16, 3.0)
+    out, lse = _kvcache(q, kc, vc, lengths, num_splits=num_splits)
+    _check_sequences(out, lse, q, kc, vc, lengths)
+    assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)  # no keys: 0 and -inf, whatever the split
+
+
+def test_long_cache_automatic_split_and_repeatable(rng):
+    """One sequence, GQA 32/8, 40k keys: the automatic split spreads it over the GPU."""
+    d, hq, hkv, n = 128, 32, 8, 40_000
+    kc = _rand(rng, (1, n, hkv, d), ml_dtypes.bfloat16)
+    vc = _rand(rng, (1, n, hkv, d), ml_dtypes.bfloat16)
+    q = _rand(rng, (1, 1, hq, d), ml_dtypes.bfloat16, 3.0)
+    out, lse = _kvcache(q, kc, vc, np.array([n], np.int32))
+    _check_sequences(out, lse, q, kc, vc, [n])
+    again, _ = _kvcache(q, kc, vc, np.array([n], np.int32))
+    assert np.array_equal(out.view(np.uint16), again.view(np.uint16))
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+def test_paged_in_kernel(rng, page_size, num_splits, seqlen_q):
+    """Pages scattered through a pool; unused table entries are -1, unused slots NaN."""
+    dtype, hq, hkv, d = ml_dtypes.bfloat16, 8, 2, 128
+    lengths = np.array([0, 1, page_size, 3 * page_size + 5, 700], dtype=np.int32)
+    batch = len(lengths)
+    max_pages = int(-(-lengths.max() // page_size)) + 1
+    num_pages = batch * max_pages + 3
+    table = rng.permutation(num_pages)[: batch * max_pages].reshape(batch, max_pages).astype(np.int32)
+    k_pool = np.full((num_pages, page_size, hkv, d), np.nan, dtype=dtype)
+    v_pool = np.full((num_pages, page_size, hkv, d), np.nan, dtype=dtype)
+    keys = _rand(rng, (batch, max_pages * page_size, hkv, d), dtype)
+    values = _rand(rng, (batch, max_pages * page_size, hkv, d), dtype)
+    for b, n in enumerate(lengths):
+        for pos in range(n):
+            page, slot = table[b, pos // page_size], pos % page_size
+            k_pool[page, slot], v_pool[page, slot] = keys[b, pos], values[b, pos]
+        table[b, -(-n // page_size):] = -1
+    q = _rand(rng, (batch, seqlen_q, hq, d), dtype, 3.0)
+    out, lse = _kvcache(q, k_pool, v_pool, lengths, block_table=table, num_splits=num_splits, causal=True)
+    _check_sequences(out, lse, q, keys, values, lengths, causal=True)
+
+
+def test_prefill_rows_beyond_the_decode_block(rng):
+    """Many query rows into a paged cache still run (the decode variant, several row blocks)."""
+    dtype, page_size, n = np.float16, 16, 200
+    table = np.arange(13, dtype=np.int32)[None, ::-1].copy()
+    pool = _rand(rng, (13, page_size, 2, 64), dtype)
+    vpool = _rand(rng, (13, page_size, 2, 64), dtype)
+    keys = pool[table[0]].reshape(1, -1, 2, 64)
+    values = vpool[table[0]].reshape(1, -1, 2, 64)
+    q = _rand(rng, (1, 50, 4, 64), dtype, 3.0)
+    out, lse = _kvcache(q, pool, vpool, np.array([n], np.int32), block_table=table, causal=True)
+    _check_sequences(out, lse, q, keys, values, [n], causal=True)
