@@ -129,7 +129,7 @@ def _grid_yz(bh: int):
 
 
 def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None, lse_strides,
-                          block_table=None, num_splits=0):
+                          block_table=None, num_splits=0, record=None):
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table])
@@ -150,53 +150,61 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
                            d8=d8, dv8=dv8, scale=scale)
         if block_table is not None:  # k/v are (num_pages, page_size, Hk, D): the batch stride is the page stride
             prm.block_table_batch_stride, prm.page_size = pointers["block_table"].shape[1], kx.shape[1]
-        block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
         fn = _kernels.get_function(variant, device)
-        if not decode:
-            grid = ((p.seqlen_q + block_m - 1) // block_m, *_grid_yz(p.batch * p.nheads_q))
-            fn(grid, (variant.threads,), (_pointer(prm),), shared_mem=variant.smem_bytes)
+        if decode:
+            launches, accum = _decode_launches(p, prm, variant, fn, device, num_splits)
         else:
-            _launch_decode(p, prm, variant, fn, device, block_table, num_splits)
+            block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
+            grid = ((p.seqlen_q + block_m - 1) // block_m, *_grid_yz(p.batch * p.nheads_q))
+            launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
+        execute(prm, launches, accum)
         if not direct:
             out[...] = ox[..., : out.shape[-1]]
+        if record is not None:
+            record.append(dict(device=device, template=bytes(prm), launches=launches, accum=accum))
 
 
-def _launch_decode(p, prm, variant, fn, device, block_table, num_splits):
-    """The split-KV variant: GQA heads packed into rows, the key range cut across blocks, then
-    the _combine kernel (Flash-Decoding)."""
+def execute(prm, launches, accum):
+    """Run the recorded launches: allocate the split partial results (if any), then launch in order."""
     cp = _cp()
+    if accum is not None:  # freed on return: CuPy's pool reuses memory in stream order, after these launches
+        out_accum, lse_accum = cp.empty(accum[0], dtype=cp.float32), cp.empty(accum[1], dtype=cp.float32)
+        prm.out_accum, prm.lse_accum = out_accum.data.ptr, lse_accum.data.ptr
+    arg = _pointer(prm)
+    for fn, grid, block, smem in launches:
+        fn(grid, block, (arg,), shared_mem=smem)
+
+
+def _decode_launches(p, prm, variant, fn, device, num_splits):
+    """The split-KV variant: GQA heads packed into rows, the key range cut across blocks, then
+    the _combine kernel (Flash-Decoding).  Returns (launches, partial-result shapes or None)."""
     pack = p.group_size if p.alibi_slopes is None else 1  # ALiBi slopes differ per head: no packing
-    rows = p.seqlen_q * pack
-    block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
-    block_n = dict(variant.defines)["CUFLASH_BLOCK_N"]
-    m_blocks = (rows + block_m - 1) // block_m
+    defines = dict(variant.defines)
+    block_m, block_n = defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"]
+    m_blocks = (p.seqlen_q * pack + block_m - 1) // block_m
     blocks = m_blocks * p.batch * (p.nheads_q // pack)
     key_blocks = max(1, (p.seqlen_k + block_n - 1) // block_n)
     if num_splits == 0:
         num_splits = _auto_splits(blocks, key_blocks, variant, device)
     num_splits = max(1, min(num_splits, key_blocks, MAX_SPLITS))
     prm.pack_gqa, prm.num_splits = pack, num_splits
-    if num_splits > 1:  # freed on return: CuPy's pool reuses memory in stream order, after these launches
-        out_accum = cp.empty((num_splits, p.batch, p.nheads_q, p.seqlen_q, prm.headdim_v), dtype=cp.float32)
-        lse_accum = cp.empty((num_splits, p.batch, p.nheads_q, p.seqlen_q), dtype=cp.float32)
-        prm.out_accum, prm.lse_accum = out_accum.data.ptr, lse_accum.data.ptr
     grid = (m_blocks * num_splits, *_grid_yz(p.batch * (p.nheads_q // pack)))
-    fn(grid, (variant.threads,), (_pointer(prm),), shared_mem=variant.smem_bytes)
-    if num_splits > 1:
-        combine = _kernels.get_function(variant, device, "_combine")
-        rows_total = p.batch * p.nheads_q * p.seqlen_q
-        combine(((rows_total + 3) // 4,), (128,), (_pointer(prm),))
+    launches = [(fn, grid, (variant.threads,), variant.smem_bytes)]
+    if num_splits == 1:
+        return launches, None
+    rows = p.batch * p.nheads_q * p.seqlen_q
+    launches.append((_kernels.get_function(variant, device, "_combine"), ((rows + 3) // 4,), (128,), 0))
+    return launches, ((num_splits, p.batch, p.nheads_q, p.seqlen_q, prm.headdim_v), (num_splits, p.batch, p.nheads_q, p.seqlen_q))
 
 
 def _auto_splits(blocks: int, key_blocks: int, variant, device: int) -> int:
-    """Enough splits for about one full wave of blocks on this GPU, each split keeping at
-    least two key tiles (so the combine stays a small fraction of the work)."""
+    """As many splits as fit in one wave of resident blocks on this GPU (never a second,
+    nearly empty wave), each split keeping at least two key tiles (so the combine stays a
+    small fraction of the work)."""
     sms, smem_per_sm = _sm_resources(device)
-    per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + 1024)))
+    per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + 2048)))  # + static and reserved smem
     wave = sms * per_sm
-    if blocks >= 0.8 * wave:
-        return 1
-    return max(1, min(-(-wave // blocks), key_blocks // 2, MAX_SPLITS))
+    return max(1, min(wave // blocks, key_blocks // 2, MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,18 +217,19 @@ def _pointer(prm):
     return _cp().cuda.function.CPointer(ctypes.addressof(prm))
 
 
-def forward(p, q, k, v, out, lse, *, block_table=None, num_splits=0):
+def forward(p, q, k, v, out, lse, *, block_table=None, num_splits=0, record=None):
     """Padded batch: q (B, Sq, H, D), out (B, Sq, H, Dv) views; lse (B, H, Sq) contiguous.
 
     With ``block_table`` (B, max_pages), k and v are paged caches (num_pages, page_size, Hk, D)
-    and ``p.seqlens_k`` gives each sequence's length.
+    and ``p.seqlens_k`` gives each sequence's length.  ``record`` (a list) receives the
+    parameters and launches, for cuflash._fastpath to replay.
     """
     if p.seqlen_k == 0 or p.nheads_k == 0:
         out[...] = 0
         lse[...] = -np.inf
         return
     _launch_attention_fwd(p, q, k, v, out, lse, packed=False, lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q),
-                          block_table=block_table, num_splits=num_splits)
+                          block_table=block_table, num_splits=num_splits, record=record)
 
 
 def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):

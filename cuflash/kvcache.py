@@ -85,6 +85,18 @@ def attention_with_kvcache(
     the last query is the newest token).  Same interface as FlashAttention's
     ``flash_attn_with_kvcache`` (Dao et al.); split-KV decoding follows Flash-Decoding (2023).
     """
+    fast_key = None
+    if k is None and v is None and cache_batch_idx is None and alibi_slopes is None and _arrays.is_gpu(q):
+        from . import _fastpath  # warm decode steps replay an earlier launch
+
+        inputs = (q, k_cache, v_cache, cache_seqlens, block_table)
+        fast_key = _fastpath.signature("kvcache", inputs,
+                                       (num_splits, return_lse, softmax_scale, causal, window_size, softcap))
+        plan = _fastpath.PLANS.get(fast_key) if fast_key is not None else None
+        result = plan.run(inputs) if plan is not None else None
+        if result is not None:
+            return result if return_lse else result[0]
+
     q, k_cache, v_cache = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     V.check_qkv(q, k_cache, v_cache)
     if (k is None) != (v is None):
@@ -130,7 +142,8 @@ def attention_with_kvcache(
             )
     _check_ranges(host_lengths, new, capacity, row_len, host_table, capacity_rows, host_rows)
 
-    lengths = cache_seqlens.astype(np.int64) + new  # keys each sequence attends to
+    # Keys each sequence attends to (the caller's int32 array itself when nothing is appended).
+    lengths = cache_seqlens if not new and cache_seqlens.dtype == np.int32 else cache_seqlens.astype(np.int64) + new
     if new:
         _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, row_len, cache_batch_idx)
 
@@ -160,7 +173,14 @@ def attention_with_kvcache(
     elif gpu:
         from . import _gpu
 
-        _gpu.forward(p, q, keys, values, out, lse, block_table=block_table if paged else None, num_splits=int(num_splits))
+        record = []
+        _gpu.forward(p, q, keys, values, out, lse, block_table=block_table if paged else None,
+                     num_splits=int(num_splits), record=record)
+        if fast_key is not None and record:
+            from . import _fastpath
+
+            _fastpath.remember(fast_key, record[0], ("q", "k", "v", "seqlens_k", "block_table"),
+                               (q, k_cache, v_cache, cache_seqlens, block_table), out, lse.shape)
     else:
         _cpu.forward(p, q, keys, values, out, lse)
     return (out, lse) if return_lse else out

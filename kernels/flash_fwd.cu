@@ -114,22 +114,33 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         nb_hi = min(nb_hi, nb_lo + per_split);
     }
 
-    // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or rows looked up page by page.
+    // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or (paged) rows whose (page, slot)
+    // page_rows() looked up once per tile into shared memory, for the K and the V copies alike.
+    const bool paged = kSplitKV && p.block_table != nullptr;
+    __shared__ int2 s_page_slot[kSplitKV ? 2 : 1][kSplitKV ? kBN : 1];  // double-buffered by tile parity
+    auto page_rows = [&](int nb) {
+        const int* table = p.block_table + b * p.block_table_batch_stride;
+        const int page_size = static_cast<int>(p.page_size);
+        for (int r = tid; r < kBN; r += kThreads) {
+            const int j = nb * kBN + r;
+            if (j < seq.sk) s_page_slot[nb & 1][r] = make_int2(table[j / page_size], j % page_size);
+        }
+    };
     auto load_kv = [&](u16* smem, const void* base, const u16* g_seq, long long batch_stride, long long row_stride,
-                       long long head_stride, int n0, int chunks) {
-        if (kSplitKV && p.block_table) {
-            const int* table = p.block_table + b * p.block_table_batch_stride;
-            const int page_size = static_cast<int>(p.page_size);
+                       long long head_stride, int nb, int chunks) {
+        const int n0 = nb * kBN;
+        if (paged) {
             const u16* g_head = static_cast<const u16*>(base) + hk * head_stride;
+            const int2* rows = s_page_slot[nb & 1];
             load_tile_rows<kBN, kD, kThreads>(
-                smem, [&](int r) { const int j = n0 + r; return g_head + table[j / page_size] * batch_stride + (j % page_size) * row_stride; },
+                smem, [&](int r) { return g_head + rows[r].x * batch_stride + rows[r].y * row_stride; },
                 g_head, seq.sk - n0, chunks, tid);
         } else {
             load_tile<kBN, kD, kThreads>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
         }
     };
-    auto load_k = [&](int n0) { load_kv(sK, p.k, gK, p.k_batch_stride, p.k_row_stride, p.k_head_stride, n0, qk_chunks); };
-    auto load_v = [&](int n0) { load_kv(sV, p.v, gV, p.v_batch_stride, p.v_row_stride, p.v_head_stride, n0, v_chunks); };
+    auto load_k = [&](int nb) { load_kv(sK, p.k, gK, p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks); };
+    auto load_v = [&](int nb) { load_kv(sV, p.v, gV, p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks); };
 
     const float scale = static_cast<float>(p.softmax_scale);
     const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
@@ -151,19 +162,23 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                                               static_cast<const u16*>(p.q), rows_valid, qk_chunks, tid);
         else
             load_tile<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
-        int n0 = (nb_hi - 1) * kBN;  // start at the tail/diagonal tile
-        load_k(n0);
+        if (paged) {
+            page_rows(nb_hi - 1);
+            __syncthreads();
+        }
+        load_k(nb_hi - 1);  // start at the tail/diagonal tile
         cp_async_commit();
 
         u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKS : 1][4];
         const u16* sQw = sQ + warp * kMT * 16 * kStride;  // this warp's rows
 
         for (int nb = nb_hi - 1; nb >= nb_lo; --nb) {
-            n0 = nb * kBN;
+            const int n0 = nb * kBN;
             cp_async_wait<0>();
             __syncthreads();  // K_nb (and Q) have landed; every warp finished reading V of the last tile
-            load_v(n0);
+            load_v(nb);
             cp_async_commit();
+            if (paged && nb > nb_lo) page_rows(nb - 1);  // published by the barrier before load_k(nb - 1)
             if constexpr (kQInRegs) {
                 if (nb == nb_hi - 1) {
 #pragma unroll
@@ -207,12 +222,13 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
             __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
             if (nb > nb_lo) {
-                load_k(n0 - kBN);
+                load_k(nb - 1);
                 cp_async_commit();
             }
 
             // Score pipeline, mask, online softmax; P is packed to 16 bits at once (half the registers of S).
             u32 pk[kMT][kBN / 16][4];
+            float alpha[kMT][2];  // O rescale factor per row; 1 where the row max did not move
             const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
@@ -242,7 +258,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
                     if constexpr (kPlain) tile_max *= scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
                     float m_use;
-                    const float alpha = row[mt][half].update_max(tile_max, m_use);
+                    alpha[mt][half] = row[mt][half].update_max(tile_max, m_use);
                     float part_sum[2] = {0.f, 0.f};
 #pragma unroll
                     for (int nt = 0; nt < kNT; ++nt) {
@@ -260,12 +276,20 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                         pk[mt][nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
                     }
                     row[mt][half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
-#pragma unroll
-                    for (int ot = 0; ot < kOT; ++ot) {
-                        o[mt][ot][half * 2] *= alpha;
-                        o[mt][ot][half * 2 + 1] *= alpha;
-                    }
                 }
+            }
+            // Rescale O only when some row of the warp has a new max: after the first few tiles
+            // the max rarely moves, and multiplying by exactly 1 changes nothing (FlashAttention-4).
+            bool moved = false;
+#pragma unroll
+            for (int mt = 0; mt < kMT; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+            if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int ot = 0; ot < kOT; ++ot)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) o[mt][ot][e] *= alpha[mt][e / 2];
             }
 
             if (nb > nb_lo) cp_async_wait<1>(); else cp_async_wait<0>();

@@ -17,7 +17,32 @@ import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
 from cuflash.bench import attention_flops, check_against_plain, time_gpu  # noqa: E402
-from cuflash import _kernels  # noqa: E402
+from cuflash import _fastpath, _kernels  # noqa: E402
+
+
+def tune_decode(configs):
+    """Decode tiles (BMxBNxWARPS): TB/s of KV read for one query token, MHA and GQA caches."""
+    original = _kernels.decode_tile
+    for hq, hkv, batch, n in ((32, 32, 1, 131072), (32, 8, 8, 32768), (32, 8, 64, 4096)):
+        k, v = (cp.random.standard_normal((batch, n, hkv, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
+        q = cp.random.standard_normal((batch, 1, hq, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+        for cfg in configs.split(","):
+            bm, bn, w = map(int, cfg.split("x"))
+            _kernels.decode_tile = lambda headdim, t=_kernels.TileConfig(bm, bn, w): t
+            _kernels.fwd_variant.cache_clear()
+            _fastpath.PLANS.clear()
+            try:
+                out = cuflash.attention(q, k, v)
+                check_against_plain(q, k, v, False, out)
+                ms = time_gpu(lambda: cuflash.attention(q, k, v, out=out))
+                print(f"decode {hq}/{hkv} b{batch} kv{n} {cfg:8} {(k.nbytes + v.nbytes) / ms / 1e9:6.2f} TB/s", flush=True)
+            except Exception as exc:
+                print(f"decode {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
+            finally:
+                _kernels.decode_tile = original
+                _kernels.fwd_variant.cache_clear()
+                _fastpath.PLANS.clear()
+        del k, v
 
 
 def main():
@@ -25,7 +50,10 @@ def main():
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--configs", default="128x64x4x1x1,128x64x8x1x1,64x64x4x3x1,64x64x4x4x1,64x64x4x3x0,128x64x8x2x1,64x128x4x2x1")
     ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--decode", help="decode tiles to time instead, e.g. 16x64x1,16x128x1")
     args = ap.parse_args()
+    if args.decode:
+        return tune_decode(args.decode)
     original = _kernels.fwd_tile
     for d in map(int, args.headdims.split(",")):
         for causal in (False, True):
@@ -38,6 +66,7 @@ def main():
                     continue
                 _kernels.fwd_tile = lambda headdim, smem_limit=0, t=tile: t
                 _kernels.fwd_variant.cache_clear()  # variants are memoised per tile table
+                _fastpath.PLANS.clear()  # and warm-call plans hold their functions
                 try:
                     out = cuflash.attention(q, k, v, causal=causal)
                     check_against_plain(q, k, v, causal, out)
@@ -50,6 +79,7 @@ def main():
                 finally:
                     _kernels.fwd_tile = original
                     _kernels.fwd_variant.cache_clear()
+                    _fastpath.PLANS.clear()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,89 @@
+"""Warm calls replay an earlier launch (cuflash._fastpath): same answers, same errors.
+
+Each test makes a plan with a first call, then checks that later calls with the same signature
+(new data, new pointers) give the reference answer and that anything the signature does not fix
+(misaligned pointers, an out that overlaps an input) still takes the full path.  Skipped without
+a CUDA GPU.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _fastpath
+
+from .conftest import requires_gpu
+from .test_gpu_forward import _check, _cp, _rand
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+CASES = {
+    "plain": dict(shape=(2, 130, 4, 64), kv_heads=4, opts={}),
+    "causal-gqa": dict(shape=(2, 70, 8, 128), kv_heads=2, opts=dict(causal=True)),
+    "decode-split": dict(shape=(1, 1, 32, 128), kv_heads=8, sk=5000, opts={}),
+    "window-softcap": dict(shape=(1, 65, 2, 96), kv_heads=1, opts=dict(window_size=(9, 3), softcap=4.0)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_replay_matches_reference_on_new_data(rng, name):
+    c = CASES[name]
+    b, sq, h, d = c["shape"]
+    sk = c.get("sk", sq + 17)
+    for _ in range(3):  # first call records, the others replay with new arrays
+        q = _rand(rng, (b, sq, h, d), ml_dtypes.bfloat16, 3.0)
+        k, v = _rand(rng, (b, sk, c["kv_heads"], d), ml_dtypes.bfloat16), _rand(rng, (b, sk, c["kv_heads"], d), ml_dtypes.bfloat16)
+        _check(q, k, v, **c["opts"])  # out= and return_lse=True
+        cp = _cp()
+        qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
+        fresh = cuflash.attention(qd, kd, vd, **c["opts"])  # out allocated by cuflash
+        again = cuflash.attention(qd, kd, vd, **c["opts"])
+        assert np.array_equal(fresh.get().view(np.uint16), again.get().view(np.uint16))
+    assert any(key[0][0] == (b, sq, h, d) for key in _fastpath.PLANS), "no plan was recorded"
+
+
+def test_seqlens_k_and_bhsd_layout(rng):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (3, 4, 40, 64), np.float16, 3.0))  # bhsd
+    k, v = (cp.asarray(_rand(rng, (3, 4, 90, 64), np.float16)) for _ in range(2))
+    for lengths in ([90, 1, 45], [0, 90, 7], [3, 3, 3]):
+        sk = cp.asarray(np.array(lengths, dtype=np.int32))
+        out, lse = cuflash.attention(q, k, v, seqlens_k=sk, layout="bhsd", return_lse=True)
+        for b, n in enumerate(lengths):
+            ref, ref_lse = cuflash.attention(q[b:b + 1, :, :, :].get(), k[b:b + 1, :, :n].get(), v[b:b + 1, :, :n].get(),
+                                             layout="bhsd", return_lse=True)
+            np.testing.assert_allclose(out[b:b + 1].get().astype(np.float32), ref.astype(np.float32), atol=2e-3)
+            np.testing.assert_allclose(lse[b:b + 1].get(), ref_lse, atol=1e-4)
+
+
+def test_misaligned_pointer_with_a_known_signature_is_copied(rng):
+    """q[..., 1:65] has the strides of q[..., 0:64] but a pointer 2 bytes off: full path, right answer."""
+    cp = _cp()
+    big = cp.asarray(_rand(rng, (1, 50, 2, 72), np.float16, 3.0))
+    k, v = (cp.asarray(_rand(rng, (1, 60, 2, 64), np.float16)) for _ in range(2))
+    aligned = cuflash.attention(big[..., 0:64], k, v)  # records a plan for these strides
+    shifted = cuflash.attention(big[..., 1:65], k, v)
+    ref = cuflash.attention(big[..., 1:65].get(), k.get(), v.get())
+    np.testing.assert_allclose(shifted.get().astype(np.float32), ref.astype(np.float32), atol=2e-3)
+    assert aligned.shape == shifted.shape
+
+
+def test_overlapping_out_still_raises_after_warm_calls(rng):
+    cp = _cp()
+    qkv = cp.asarray(_rand(rng, (1, 33, 3, 2, 64), np.float16))
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out = cp.empty((1, 33, 3, 2, 64), np.float16)[:, :, 0]  # the strides of the q, k, v views
+    for _ in range(2):
+        cuflash.attention(q, k, v, out=out)
+    with pytest.raises(ValueError, match="out overlaps v"):
+        cuflash.attention(q, k, v, out=qkv[:, :, 2])  # same signature as the plan, but it is v
+
+
+def test_option_types_are_part_of_the_signature(rng):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (1, 9, 2, 64), np.float16))
+    cuflash.attention(q, q, q, causal=True, return_lse=True)
+    cuflash.attention(q, q, q, causal=True, return_lse=True)
+    with pytest.raises(TypeError, match="return_lse"):
+        cuflash.attention(q, q, q, causal=True, return_lse=1)
