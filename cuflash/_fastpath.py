@@ -7,8 +7,9 @@ reuses a plan made for ``causal=True``).  The first call with a signature takes 
 :class:`Plan` when every input was read in place (no padded, rewritten or realigned copy).  A
 later call with the same signature checks only what the signature does not fix (pointer
 alignment, the current device, ``out`` overlapping an input), writes the new pointers into a
-copy of the recorded parameters and launches: a few microseconds instead of a hundred.  Anything
-else (ALiBi slopes, NumPy index arrays, ``CUFLASH_DEBUG=1``) always takes the full path.
+copy of the recorded parameters and launches: a few microseconds instead of a hundred.  Calls
+that do not return the LSE let the kernel write it to one scratch buffer per plan.  Anything else
+(ALiBi slopes, NumPy index arrays, ``CUFLASH_DEBUG=1``) always takes the full path.
 """
 
 from __future__ import annotations
@@ -24,31 +25,31 @@ PLANS: dict = {}
 _MAX_PLANS = 256
 
 
-def _typed(x):
-    if type(x) in (tuple, list):
-        return tuple(map(_typed, x))
-    return type(x), x
-
-
-def _layout(a):
-    return None if a is None else (a.shape, a.strides, a.dtype, a.data.device_id)
-
-
 def signature(kind: str, arrays: tuple, options: tuple):
-    """A hashable key for a call of ``kind`` with these arrays (CuPy arrays or None) and options,
-    or None when the call cannot take the fast path."""
+    """A key for a call of ``kind`` with these arrays (CuPy arrays or None) and options, or None
+    when the call cannot take the fast path.  Options enter with their types (and the types of a
+    tuple's items), so that a value the full path would reject never matches one it accepted."""
     nd = _arrays.cupy_module().ndarray
+    layouts = []
     for a in arrays:
-        if a is not None and type(a) is not nd:
+        if a is None:
+            layouts.append(None)
+        elif type(a) is nd:
+            layouts.append((a.shape, a.strides, a.dtype, a.data.device_id))
+        else:
             return None
     if os.environ.get("CUFLASH_DEBUG", "0") not in ("", "0"):
         return None
-    key = (kind, tuple(map(_layout, arrays)), tuple(map(_typed, options)))
+    item_types = tuple(tuple(map(type, o)) for o in options if type(o) is tuple)
+    return kind, tuple(layouts), options, tuple(map(type, options)), item_types
+
+
+def lookup(key):
+    """The plan for ``key``, or None (also for keys holding an unhashable option, e.g. a list)."""
     try:
-        hash(key)
+        return PLANS.get(key) if key is not None else None
     except TypeError:
         return None
-    return key
 
 
 def _span(a) -> int:
@@ -62,16 +63,18 @@ class Plan:
     ``fields`` names the FlashParams pointer of each input, q, k, v first.
     """
 
-    def __init__(self, record, fields, inputs, out_shape, lse_shape, dtype):
+    def __init__(self, record, fields, inputs, out, out_given, lse_shape):
         self.device = record["device"]
         self.template = record["template"]
         self.launches = record["launches"]
         self.accum = record["accum"]
         self.fields = fields
-        self.out_shape, self.lse_shape, self.dtype = out_shape, lse_shape, dtype
+        self.out_shape, self.lse_shape, self.dtype = out.shape, lse_shape, out.dtype
         self.spans = tuple(_span(a) for a in inputs[:3])
+        self.out_span = _span(out) if out_given else None
+        self.scratch_lse = None  # written, never read, by calls that do not return the LSE
 
-    def run(self, inputs, out=None):
+    def run(self, inputs, out=None, need_lse=True):
         """(out, lse), or None when this call must take the full path after all."""
         cp = _arrays.cupy_module()
         q, k, v = inputs[:3]
@@ -82,10 +85,15 @@ class Plan:
             out = cp.empty(self.out_shape, dtype=self.dtype)
         else:
             op = out.data.ptr
-            end = op + _span(out)
+            end = op + self.out_span
             if op % 16 or any(op < p + n and p < end for p, n in zip((qp, kp, vp), self.spans)):
                 return None  # the full path explains the problem
-        lse = cp.empty(self.lse_shape, dtype=np.float32)
+        if need_lse:
+            lse = cp.empty(self.lse_shape, dtype=np.float32)
+        else:
+            if self.scratch_lse is None:
+                self.scratch_lse = cp.empty(self.lse_shape, dtype=np.float32)
+            lse = self.scratch_lse
         prm = FlashParams.from_buffer_copy(self.template)
         for field, a in zip(self.fields, inputs):
             setattr(prm, field, None if a is None else a.data.ptr)
@@ -94,7 +102,7 @@ class Plan:
         return out, lse
 
 
-def remember(key, record, fields, inputs, out, lse_shape):
+def remember(key, record, fields, inputs, out, out_given, lse_shape):
     """Keep a plan for ``key`` if the recorded launch read every input and wrote ``out`` in place."""
     prm = FlashParams.from_buffer_copy(record["template"])
     used = tuple(getattr(prm, f) for f in (*fields, "out"))
@@ -103,4 +111,7 @@ def remember(key, record, fields, inputs, out, lse_shape):
         return
     if len(PLANS) >= _MAX_PLANS:
         PLANS.clear()
-    PLANS[key] = Plan(record, fields, inputs, out.shape, lse_shape, out.dtype)
+    try:
+        PLANS[key] = Plan(record, fields, inputs, out, out_given, lse_shape)
+    except TypeError:  # an unhashable option
+        pass

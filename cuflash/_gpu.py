@@ -213,8 +213,13 @@ def _sm_resources(device_id: int):
     return attrs["MultiProcessorCount"], attrs["MaxSharedMemoryPerMultiprocessor"]
 
 
+@functools.lru_cache(maxsize=None)
+def _cpointer():
+    return _cp().cuda.function.CPointer
+
+
 def _pointer(prm):
-    return _cp().cuda.function.CPointer(ctypes.addressof(prm))
+    return _cpointer()(ctypes.addressof(prm))
 
 
 def forward(p, q, k, v, out, lse, *, block_table=None, num_splits=0, record=None):

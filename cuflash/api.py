@@ -147,8 +147,8 @@ def attention(
         if alibi_slopes is None:
             fast_key = _fastpath.signature("attention", (q, k, v, seqlens_k, out),
                                            (softmax_scale, causal, window_size, softcap, return_lse, layout))
-        plan = _fastpath.PLANS.get(fast_key) if fast_key is not None else None
-        result = plan.run((q, k, v, seqlens_k), out) if plan is not None else None
+        plan = _fastpath.lookup(fast_key)
+        result = plan.run((q, k, v, seqlens_k), out, need_lse=bool(return_lse)) if plan is not None else None
         if result is not None:
             return result if return_lse else result[0]
 
@@ -163,6 +163,7 @@ def attention(
         out_shape = (p.batch, p.nheads_q, p.seqlen_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")
     out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, (("q", q), ("k", k), ("v", v)))
+    out_given = out is not None
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
     lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
@@ -181,7 +182,8 @@ def attention(
             record = []
             _gpu.forward(p, qb, kb, vb, ob, lse, record=record)
             if record:
-                _fastpath.remember(fast_key, record[0], ("q", "k", "v", "seqlens_k"), (q, k, v, seqlens_k), out, lse.shape)
+                _fastpath.remember(fast_key, record[0], ("q", "k", "v", "seqlens_k"), (q, k, v, seqlens_k), out,
+                                   out_given, lse.shape)
     return (out, lse) if return_lse else out
 
 
@@ -378,6 +380,7 @@ def attention_varlen(
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")
     out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, (("q", q), ("k", k), ("v", v)))
+    out_given = out is not None
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
     lse = xp.empty((p.nheads_q, q.shape[0]), dtype=lse_dtype(q.dtype))

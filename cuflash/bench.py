@@ -7,7 +7,7 @@ Every cuflash configuration is checked against plain attention on a slice before
 Peers: plain CuPy attention (matmul, softmax, matmul) always; torch SDPA (flash and cuDNN
 backends) and JAX's cuDNN attention when importable.  cuflash never imports them.
 
-Usage: cuflash bench [--suite standard|paper|decode|host] [--backward] [--json FILE] [--plot FILE.png] ...
+Usage: cuflash bench [--suite standard|paper|decode|varlen|host] [--backward] [--json FILE] [--plot FILE.png] ...
 (or python scripts/bench.py with the same options).  Needs a GPU with CuPy.
 """
 
@@ -32,23 +32,30 @@ from ._io_model import attention_flops
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
 
-def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0):
-    """Median milliseconds of fn() measured with CUDA events on the current stream."""
+def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0, batch_ms=1.0):
+    """Median milliseconds per fn() call, measured with CUDA events on the current stream.
+
+    Calls shorter than ``batch_ms`` are timed in back-to-back batches between one pair of events
+    (as a program calling them in a loop runs them): the host work of a call then overlaps the
+    kernels queued before it, and is only counted where it is longer than they are.
+    """
     for _ in range(warmup):
         fn()
     cp.cuda.Device().synchronize()
-    times = []
+    times, inner = [], 1
     start_wall = time.perf_counter()
     for _ in range(reps):
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
+        times.append(cp.cuda.get_elapsed_time(a, b) / inner)
+        inner = min(50, max(1, int(batch_ms / max(times[-1], 1e-3))))
         if time.perf_counter() - start_wall > max_seconds and len(times) >= 3:
             break
-    return float(np.median(times))
+    return float(np.median(times[1:] if len(times) > 1 else times))
 
 
 def _torch_sdpa():
@@ -195,11 +202,17 @@ def environment():
     return env
 
 
+def _systems(rows, fixed, names=()):
+    """Column names of the timed systems, in order of first appearance (JAX runs on a subset only)."""
+    names = list(names)
+    for r in rows:
+        names += [k for k in r if k not in fixed and not k.endswith("_error") and k not in names]
+    return names
+
+
 def to_markdown(rows, env):
     fixed = ("dtype", "headdim", "seqlen", "batch", "nheads", "causal", "cuflash")
-    names = ["cuflash"]
-    for r in rows:  # peers in order of first appearance (JAX runs on a subset only)
-        names += [k for k in r if k not in fixed and not k.endswith("_error") and k not in names]
+    names = _systems(rows, fixed, ["cuflash"])
     lines = [
         f"GPU {env['gpu']} (sm_{env['cc']}), {env['date']}, cuflash {env['cuflash']}, CuPy {env['cupy']}, "
         f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax") if m in env),
@@ -377,9 +390,7 @@ def decode_suite(configs=None, peers=None, page_size=None):
 
 def decode_markdown(rows, env):
     fixed = ("heads", "batch", "kv_len", "kv_mb")
-    names = []
-    for r in rows:
-        names += [k for k in r if k not in fixed and not k.endswith("_error") and k not in names]
+    names = _systems(rows, fixed)
     lines = [
         f"Decode, q length 1, bf16, head dim 128, TB/s of KV cache read (GPU {env['gpu']}, {env['date']})",
         "",
@@ -387,10 +398,42 @@ def decode_markdown(rows, env):
         "|---|---|---|---|" + "---|" * len(names) + "---|",
     ]
     for r in rows:
-        vals = [f"{r[n] / 1e3:.2f}" if r.get(n) else "–" for n in names]
+        vals = [f"{r[n]:.2f}" if r.get(n) else "–" for n in names]
         ratio = f"{r['cuflash'] / r['torch-cudnn']:.2f}" if r.get("torch-cudnn") else "–"
         hq, hkv = DECODE_HEADS[r["heads"]]
         lines.append(f"| {hq}/{hkv} | {r['batch']} | {r['kv_len']} | {r['kv_mb']:.0f} | " + " | ".join(vals) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def varlen_suite(headdims=(64, 128), seqlens=(512, 2048, 8192), tokens=16384, hidden=2048):
+    """attention_varlen on packed equal-length sequences against the padded batch of the same
+    tokens (bf16, causal and not): TF/s of both and their ratio (issue target: within 10 %)."""
+    rows = []
+    for d in headdims:
+        for s in seqlens:
+            batch, heads = tokens // s, hidden // d
+            rng = cp.random.default_rng(0)
+            q, k, v = (rng.standard_normal((batch, s, heads, d), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+                       for _ in range(3))
+            packed = [x.reshape(batch * s, heads, d) for x in (q, k, v)]
+            cu = cp.arange(0, batch * s + 1, s, dtype=cp.int32)
+            for causal in (False, True):
+                flops = attention_flops(batch, heads, s, s, d, causal)
+                padded = flops / time_gpu(lambda: cuflash.attention(q, k, v, causal=causal)) / 1e9
+                varlen = flops / time_gpu(lambda: cuflash.attention_varlen(
+                    *packed, cu, cu, max_seqlen_q=s, max_seqlen_k=s, causal=causal)) / 1e9
+                row = dict(headdim=d, seqlen=s, batch=batch, causal=causal, padded=padded, varlen=varlen)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
+def varlen_markdown(rows, env):
+    lines = [f"Varlen prefill vs padded batch, bf16, 16k tokens, TF/s (GPU {env['gpu']}, {env['date']})", "",
+             "| hdim | seqlen | causal | padded | varlen | varlen / padded |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['headdim']} | {r['seqlen']} | {r['causal']} | {r['padded']:.0f} | {r['varlen']:.0f} | "
+                     f"{r['varlen'] / r['padded']:.2f} |")
     return "\n".join(lines)
 
 
@@ -446,7 +489,7 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
     ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
-    ap.add_argument("--suite", choices=("standard", "paper", "decode", "host"), default="standard")
+    ap.add_argument("--suite", choices=("standard", "paper", "decode", "varlen", "host"), default="standard")
     ap.add_argument("--page-size", type=int, default=256, help="decode suite: also time a paged cache (0 = no)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
@@ -463,13 +506,17 @@ def main(argv=None):
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=1))
         return
-    if args.suite == "decode":
+    if args.suite in ("decode", "varlen"):
         env = environment()
-        rows = decode_suite(peers={} if args.no_peers else None, page_size=args.page_size)
-        md = decode_markdown(rows, env)
+        if args.suite == "decode":
+            rows = decode_suite(peers={} if args.no_peers else None, page_size=args.page_size)
+            md = decode_markdown(rows, env)
+        else:
+            rows = varlen_suite()
+            md = varlen_markdown(rows, env)
         print(md)
         if args.json:
-            Path(args.json).write_text(json.dumps({"env": env, "decode": rows}, indent=1))
+            Path(args.json).write_text(json.dumps({"env": env, args.suite: rows}, indent=1))
         if args.markdown:
             Path(args.markdown).write_text(md + "\n")
         return

@@ -313,11 +313,11 @@ def check(quick):
 
 
 @main.command()
-@click.option("--suite", type=click.Choice(["standard", "paper", "decode", "host"]), default="standard",
+@click.option("--suite", type=click.Choice(["standard", "paper", "decode", "varlen", "host"]), default="standard",
               show_default=True,
               help="standard: the FlashAttention-2/3 sweep; paper: GPT-2 medium, standard vs cuflash; "
-                   "decode: one token against a KV cache, TB/s; host: CPU microseconds per call and cold "
-                   "compile seconds.")
+                   "decode: one token against a KV cache, TB/s; varlen: packed vs padded prefill; host: CPU "
+                   "microseconds per call and cold compile seconds.")
 @click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard suite).")
 @click.option("--dtypes", default="bf16,fp16", show_default=True)
 @click.option("--headdims", default="64,128,256", show_default=True)

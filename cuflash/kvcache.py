@@ -92,8 +92,8 @@ def attention_with_kvcache(
         inputs = (q, k_cache, v_cache, cache_seqlens, block_table)
         fast_key = _fastpath.signature("kvcache", inputs,
                                        (num_splits, return_lse, softmax_scale, causal, window_size, softcap))
-        plan = _fastpath.PLANS.get(fast_key) if fast_key is not None else None
-        result = plan.run(inputs) if plan is not None else None
+        plan = _fastpath.lookup(fast_key)
+        result = plan.run(inputs, need_lse=bool(return_lse)) if plan is not None else None
         if result is not None:
             return result if return_lse else result[0]
 
@@ -180,7 +180,7 @@ def attention_with_kvcache(
             from . import _fastpath
 
             _fastpath.remember(fast_key, record[0], ("q", "k", "v", "seqlens_k", "block_table"),
-                               (q, k_cache, v_cache, cache_seqlens, block_table), out, lse.shape)
+                               (q, k_cache, v_cache, cache_seqlens, block_table), out, False, lse.shape)
     else:
         _cpu.forward(p, q, keys, values, out, lse)
     return (out, lse) if return_lse else out

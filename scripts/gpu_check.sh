@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, compute-sanitizer (memcheck + racecheck), benchmark.
+# GPU checks in one device call: tests, compute-sanitizer (memcheck + racecheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [tests|sanitize|bench|host]...   (default: all four)
+#   scripts/gpu_check.sh [tests|sanitize|host|bench|backward|decode|varlen|paper]...
+#   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
+# Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
+# BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds.
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
 # --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
 # device call's carry list.
@@ -12,34 +15,46 @@ OUT=${OUT:-gpu_check_out}
 mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-stages=${*:-tests sanitize bench host}
+stages=${*:-tests sanitize host bench}
 summary=()
+start=$(date +%s)
+elapsed() { echo "$(( $(date +%s) - start ))s"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+# bench_stage NAME TIMEOUT ARGS...: one scripts/bench.py run, its table in $OUT/NAME.md, its log appended to bench.log.
+bench_stage() {
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" $PY scripts/bench.py "$@" --markdown "$OUT/$name.md" >>"$OUT/bench.log" 2>&1
+  local rc=$?; summary+=("$name rc=$rc ($(elapsed))")
+  cat "$OUT/$name.md" 2>/dev/null || tail -n 5 "$OUT/bench.log"
+}
 
 for stage in $stages; do
   case $stage in
     tests)
-      timeout ${TEST_TIMEOUT:-360} $PY -m pytest -q -m gpu -p no:cacheprovider --maxfail=40 --timeout=300 \
-        ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
-      rc=$?; summary+=("tests rc=$rc: $(tail -n 1 "$OUT/tests.log")")
+      workers=${PYTEST_WORKERS:-6}
+      timeout ${TEST_TIMEOUT:-330} $PY -m pytest -q -m gpu -p no:cacheprovider --maxfail=40 --timeout=300 -rfE \
+        ${workers:+-n $workers} ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
+      rc=$?; summary+=("tests rc=$rc ($(elapsed)): $(tail -n 1 "$OUT/tests.log")")
       tail -n 30 "$OUT/tests.log" ;;
     sanitize)
       for tool in memcheck racecheck; do
-        timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool $tool --error-exitcode 3 $PY scripts/sanitize_run.py \
+        timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 3 $PY scripts/sanitize_run.py \
           >"$OUT/sanitize_$tool.log" 2>&1
-        rc=$?; summary+=("$tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
+        rc=$?; summary+=("$tool rc=$rc ($(elapsed)): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
         tail -n 5 "$OUT/sanitize_$tool.log"
       done ;;
-    bench)
-      timeout ${BENCH_TIMEOUT:-300} $PY scripts/bench.py ${BENCH_ARGS:-} --json "$OUT/bench.json" \
-        --markdown "$OUT/bench.md" >"$OUT/bench.log" 2>&1
-      rc=$?; summary+=("bench rc=$rc")
-      cat "$OUT/bench.md" 2>/dev/null || tail -n 20 "$OUT/bench.log" ;;
     host)
-      timeout ${HOST_TIMEOUT:-120} $PY scripts/bench.py --suite host >"$OUT/host.log" 2>&1
+      timeout ${HOST_TIMEOUT:-60} $PY scripts/bench.py --suite host >"$OUT/host.log" 2>&1
       rc=$?; summary+=("host rc=$rc: $(head -n 1 "$OUT/host.log")")
       cat "$OUT/host.log" ;;
+    bench) bench_stage bench ${BENCH_TIMEOUT:-240} ${BENCH_ARGS:-} --plot "$OUT/bench.png" ;;
+    backward) bench_stage backward ${BENCH_TIMEOUT:-150} --backward --headdims 64,128 ${BENCH_ARGS:-} ;;
+    decode) bench_stage decode ${DECODE_TIMEOUT:-150} --suite decode ;;
+    varlen) bench_stage varlen ${VARLEN_TIMEOUT:-90} --suite varlen ;;
+    paper) bench_stage paper ${PAPER_TIMEOUT:-60} --suite paper ;;
+    *) summary+=("unknown stage $stage") ;;
   esac
 done
 printf '%s\n' "== summary ==" "${summary[@]}"

@@ -15,6 +15,7 @@ from cuflash.reference import assert_exact, attention_ref, naive_attention
 
 from .conftest import requires_gpu
 from .test_gpu_forward import _check, _cp, _rand
+from .test_kvcache import _check_per_sequence
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -28,16 +29,6 @@ def _kvcache(q, kc, vc, lengths, *, block_table=None, **opts):
     out, lse = cuflash.attention_with_kvcache(cp.asarray(q), cp.asarray(kc), cp.asarray(vc),
                                               cache_seqlens=cp.asarray(lengths), return_lse=True, **extra, **opts)
     return out.get(), lse.get()
-
-
-def _check_sequences(out, lse, q, keys, values, lengths, **opts):
-    opts.pop("num_splits", None)
-    for b, n in enumerate(lengths):
-        args = (q[b:b + 1], keys[b:b + 1, :n], values[b:b + 1, :n])
-        ref, ref_lse = attention_ref(*args, **opts)
-        naive, naive_lse = naive_attention(*args, return_lse=True, **opts)
-        assert_exact(out[b:b + 1], ref, naive, f"out of sequence {b}")
-        assert_exact(lse[b:b + 1], ref_lse, naive_lse, f"lse of sequence {b}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
@@ -97,7 +88,7 @@ def test_split_counts(rng, num_splits, heads):
         kc[b, n:], vc[b, n:] = np.nan, np.nan  # never read
     q = _rand(rng, (batch, 1, hq, d), ml_dtypes.bfloat16, 3.0)
     out, lse = _kvcache(q, kc, vc, lengths, num_splits=num_splits)
-    _check_sequences(out, lse, q, kc, vc, lengths)
+    _check_per_sequence(out, lse, q, kc, vc, lengths)
     assert np.all(out[0] == 0) and np.all(lse[0] == -np.inf)  # no keys: 0 and -inf, whatever the split
 
 
@@ -108,7 +99,7 @@ def test_long_cache_automatic_split_and_repeatable(rng):
     vc = _rand(rng, (1, n, hkv, d), ml_dtypes.bfloat16)
     q = _rand(rng, (1, 1, hq, d), ml_dtypes.bfloat16, 3.0)
     out, lse = _kvcache(q, kc, vc, np.array([n], np.int32))
-    _check_sequences(out, lse, q, kc, vc, [n])
+    _check_per_sequence(out, lse, q, kc, vc, [n])
     again, _ = _kvcache(q, kc, vc, np.array([n], np.int32))
     assert np.array_equal(out.view(np.uint16), again.view(np.uint16))
 
@@ -135,7 +126,7 @@ def test_paged_in_kernel(rng, page_size, num_splits, seqlen_q):
         table[b, -(-n // page_size):] = -1
     q = _rand(rng, (batch, seqlen_q, hq, d), dtype, 3.0)
     out, lse = _kvcache(q, k_pool, v_pool, lengths, block_table=table, num_splits=num_splits, causal=True)
-    _check_sequences(out, lse, q, keys, values, lengths, causal=True)
+    _check_per_sequence(out, lse, q, keys, values, lengths, causal=True)
 
 
 def test_prefill_rows_beyond_the_decode_block(rng):
@@ -148,4 +139,4 @@ def test_prefill_rows_beyond_the_decode_block(rng):
     values = vpool[table[0]].reshape(1, -1, 2, 64)
     q = _rand(rng, (1, 50, 4, 64), dtype, 3.0)
     out, lse = _kvcache(q, pool, vpool, np.array([n], np.int32), block_table=table, causal=True)
-    _check_sequences(out, lse, q, keys, values, [n], causal=True)
+    _check_per_sequence(out, lse, q, keys, values, [n], causal=True)
