@@ -14,6 +14,7 @@ Usage: cuflash bench [--suite standard|paper|decode|varlen|host] [--backward] [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import platform
@@ -32,7 +33,17 @@ from ._io_model import attention_flops
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
 
 
-def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0, batch_ms=1.0):
+def _plain_progress(items, label):
+    """Without click's progress bar: each finished row is printed as JSON instead."""
+    return contextlib.nullcontext(items)
+
+
+def _echo(row, progress):
+    if progress is _plain_progress:
+        print(json.dumps(row), flush=True)
+
+
+def time_gpu(fn, *, warmup=3, reps=20, max_seconds=2.0, batch_ms=5.0):
     """Median milliseconds per fn() call, measured with CUDA events on the current stream.
 
     Calls shorter than ``batch_ms`` are timed in back-to-back batches between one pair of events
@@ -144,8 +155,10 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
     for g in grads:
         if not bool(cp.isfinite(g.astype(cp.float32)).all()):
             raise RuntimeError("non-finite gradient")
-    row["cuflash"] = flops / time_gpu(lambda: cuflash.attention_backward(
-        dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
+    for name, deterministic in (("cuflash", False), ("cuflash-deterministic", True)):
+        row[name] = flops / time_gpu(lambda: cuflash.attention_backward(
+            dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2],
+            deterministic=deterministic)) / 1e9
     for name, make in peers.items():
         try:
             row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
@@ -354,38 +367,44 @@ def _torch_decode_peers():
     return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
 
 
-def decode_suite(configs=None, peers=None, page_size=None):
+def decode_suite(configs=None, peers=None, page_size=None, progress=_plain_progress):
     """TB/s of KV cache read by attention_with_kvcache (q length 1) and by the peers."""
     rows = []
     peers = _torch_decode_peers() if peers is None else peers
-    for name, batch, n in configs or decode_configs():
-        hq, hkv = DECODE_HEADS[name]
-        rng = cp.random.default_rng(0)  # generated on the GPU: caches reach gigabytes
-        k, v = (rng.standard_normal((batch, n, hkv, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
-        q = rng.standard_normal((batch, 1, hq, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)
-        lengths = cp.full(batch, n, dtype=cp.int32)
-        kv_bytes = k.nbytes + v.nbytes
-        row = dict(heads=name, batch=batch, kv_len=n, kv_mb=kv_bytes / 1e6)
-        out = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths)
-        check_against_plain(q, k, v, False, out)  # head 0 of q uses K/V head 0 in both layouts
-        row["cuflash"] = kv_bytes / time_gpu(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths)) / 1e9
-        if page_size:
-            pages = batch * n // page_size
-            table = cp.asarray(np.random.default_rng(0).permutation(pages).reshape(batch, -1).astype(np.int32))
-            kp, vp = (x.reshape(pages, page_size, hkv, 128) for x in (k, v))
-            row[f"cuflash-paged{page_size}"] = kv_bytes / time_gpu(lambda: cuflash.attention_with_kvcache(
-                q, kp, vp, cache_seqlens=lengths, block_table=table)) / 1e9
-        for peer, make in peers.items():
-            try:
-                row[peer] = kv_bytes / time_gpu(make(q, k, v), reps=10) / 1e9
-            except Exception as exc:
-                row[peer] = None
-                row[f"{peer}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del k, v
-        cp.get_default_memory_pool().free_all_blocks()
+    with progress(configs or decode_configs(), "cuflash bench --suite decode") as configs:
+        for name, batch, n in configs:
+            rows.append(_decode_row(name, batch, n, peers, page_size))
+            _echo(rows[-1], progress)
     return rows
+
+
+def _decode_row(name, batch, n, peers, page_size):
+    """One decode configuration: cuflash (contiguous and paged) and the peers, TB/s of KV read."""
+    hq, hkv = DECODE_HEADS[name]
+    rng = cp.random.default_rng(0)  # generated on the GPU: caches reach gigabytes
+    k, v = (rng.standard_normal((batch, n, hkv, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
+    q = rng.standard_normal((batch, 1, hq, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+    lengths = cp.full(batch, n, dtype=cp.int32)
+    kv_bytes = k.nbytes + v.nbytes
+    row = dict(heads=name, batch=batch, kv_len=n, kv_mb=kv_bytes / 1e6)
+    out = cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths)
+    check_against_plain(q, k, v, False, out)  # head 0 of q uses K/V head 0 in both layouts
+    row["cuflash"] = kv_bytes / time_gpu(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths)) / 1e9
+    if page_size:
+        pages = batch * n // page_size
+        table = cp.asarray(np.random.default_rng(0).permutation(pages).reshape(batch, -1).astype(np.int32))
+        kp, vp = (x.reshape(pages, page_size, hkv, 128) for x in (k, v))
+        row[f"cuflash-paged{page_size}"] = kv_bytes / time_gpu(lambda: cuflash.attention_with_kvcache(
+            q, kp, vp, cache_seqlens=lengths, block_table=table)) / 1e9
+    for peer, make in peers.items():
+        try:
+            row[peer] = kv_bytes / time_gpu(make(q, k, v), reps=10) / 1e9
+        except Exception as exc:
+            row[peer] = None
+            row[f"{peer}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+    del k, v
+    cp.get_default_memory_pool().free_all_blocks()
+    return row
 
 
 def decode_markdown(rows, env):
@@ -405,12 +424,12 @@ def decode_markdown(rows, env):
     return "\n".join(lines)
 
 
-def varlen_suite(headdims=(64, 128), seqlens=(512, 2048, 8192), tokens=16384, hidden=2048):
+def varlen_suite(headdims=(64, 128), seqlens=(512, 2048, 8192), tokens=16384, hidden=2048, progress=_plain_progress):
     """attention_varlen on packed equal-length sequences against the padded batch of the same
     tokens (bf16, causal and not): TF/s of both and their ratio (issue target: within 10 %)."""
     rows = []
-    for d in headdims:
-        for s in seqlens:
+    with progress([(d, s) for d in headdims for s in seqlens], "cuflash bench --suite varlen") as configs:
+        for d, s in configs:
             batch, heads = tokens // s, hidden // d
             rng = cp.random.default_rng(0)
             q, k, v = (rng.standard_normal((batch, s, heads, d), dtype=cp.float32).astype(ml_dtypes.bfloat16)
@@ -422,9 +441,8 @@ def varlen_suite(headdims=(64, 128), seqlens=(512, 2048, 8192), tokens=16384, hi
                 padded = flops / time_gpu(lambda: cuflash.attention(q, k, v, causal=causal)) / 1e9
                 varlen = flops / time_gpu(lambda: cuflash.attention_varlen(
                     *packed, cu, cu, max_seqlen_q=s, max_seqlen_k=s, causal=causal)) / 1e9
-                row = dict(headdim=d, seqlen=s, batch=batch, causal=causal, padded=padded, varlen=varlen)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                rows.append(dict(headdim=d, seqlen=s, batch=batch, causal=causal, padded=padded, varlen=varlen))
+                _echo(rows[-1], progress)
     return rows
 
 
@@ -480,7 +498,9 @@ def host_suite(calls=2000):
             "overhead_us": full - bare, "compile_s": compile_s}
 
 
-def main(argv=None):
+def main(argv=None, progress=_plain_progress):
+    """The command line of scripts/bench.py; ``progress(items, label)`` wraps each sweep (the CLI
+    passes click's progress bar, which replaces the JSON line printed per row)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--headdims", default="64,128,256")
@@ -509,10 +529,10 @@ def main(argv=None):
     if args.suite in ("decode", "varlen"):
         env = environment()
         if args.suite == "decode":
-            rows = decode_suite(peers={} if args.no_peers else None, page_size=args.page_size)
+            rows = decode_suite(peers={} if args.no_peers else None, page_size=args.page_size, progress=progress)
             md = decode_markdown(rows, env)
         else:
-            rows = varlen_suite()
+            rows = varlen_suite(progress=progress)
             md = varlen_markdown(rows, env)
         print(md)
         if args.json:
@@ -536,17 +556,18 @@ def main(argv=None):
     if args.backward:
         base_peers, jax_peers = ({} if args.no_peers else _torch_bwd_peers()), {}
     rows = []
-    for dtype_name in args.dtypes.split(","):
-        for headdim in map(int, args.headdims.split(",")):
-            for causal in (c == "true" for c in args.causal.split(",")):
-                for seqlen in map(int, args.seqlens.split(",")):
-                    peers = dict(base_peers)
-                    if str(headdim) in args.jax_headdims.split(",") and dtype_name == "bf16":
-                        peers.update(jax_peers)
-                    bench = bench_backward if args.backward else bench_config
-                    row = bench(dtype_name, headdim, seqlen, causal, peers)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+    configs = [(dtype_name, headdim, causal, seqlen) for dtype_name in args.dtypes.split(",")
+               for headdim in map(int, args.headdims.split(","))
+               for causal in (c == "true" for c in args.causal.split(","))
+               for seqlen in map(int, args.seqlens.split(","))]
+    with progress(configs, "cuflash bench") as configs:
+        for dtype_name, headdim, causal, seqlen in configs:
+            peers = dict(base_peers)
+            if str(headdim) in args.jax_headdims.split(",") and dtype_name == "bf16":
+                peers.update(jax_peers)
+            bench = bench_backward if args.backward else bench_config
+            rows.append(bench(dtype_name, headdim, seqlen, causal, peers))
+            _echo(rows[-1], progress)
     env = environment()
     md = ("Backward (TF/s = 2.5 x forward FLOPs / time)\n" if args.backward else "") + to_markdown(rows, env)
     print(md)

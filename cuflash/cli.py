@@ -339,4 +339,4 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     argv += ["--backward"] * backward + ["--no-peers"] * no_peers
     argv += ["--json", json_path] if json_path else []
     argv += ["--plot", plot_path] if plot_path else []
-    bench_module.main(argv)
+    bench_module.main(argv, progress=lambda items, label: click.progressbar(items, label=label))

@@ -52,3 +52,25 @@ def test_bench_without_gpu_is_a_clear_error():
     result = CliRunner().invoke(main, ["bench", "--suite", "paper"])
     assert result.exit_code == 1
     assert "no GPU visible" in result.output
+
+
+@pytest.mark.skipif(_arrays.cupy_module() is None, reason="cuflash.bench imports CuPy")
+def test_sweep_driver_with_and_without_progress_bar(monkeypatch, capsys):
+    """The sweep loop, its JSON lines, the progress bar and the table (the timing is faked)."""
+    import click
+
+    from cuflash import bench
+
+    def fake(dtype_name, headdim, seqlen, causal, peers):
+        return dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=1, nheads=1, causal=causal, cuflash=100.0)
+
+    monkeypatch.setattr(bench, "bench_config", fake)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "X", "cc": "90", "date": "d", "cuflash": "0",
+                                                      "cupy": "0", "nvrtc": "0"})
+    argv = ["--no-peers", "--dtypes", "bf16", "--headdims", "64,128", "--seqlens", "512", "--causal", "true"]
+    bench.main(argv)
+    out = capsys.readouterr().out
+    assert out.count('"cuflash": 100.0') == 2 and "| bf16 | 128 | True | 512 | 100 |" in out
+    bench.main(argv, progress=lambda items, label: click.progressbar(items, label=label))
+    out = capsys.readouterr().out
+    assert '"cuflash": 100.0' not in out and "| bf16 | 64 | True | 512 | 100 |" in out
