@@ -244,11 +244,8 @@ def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
     _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]))
 
 
-def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides,
-                          deterministic):
-    """dsum pre-pass, then the dkdv kernel, which also sums dQ with atomics into an fp32 buffer
-    that _dq_convert rounds (or, when ``deterministic``, the dq kernel instead of atomics);
-    grads = (dq, dk, dv) views, written in full."""
+def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides):
+    """dsum pre-pass, then the dq and dkdv kernels; grads = (dq, dk, dv) views, written in full."""
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
@@ -269,29 +266,22 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
                         alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
                         cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
-        if not deterministic:  # fp32 dQ (times 1/scale) summed by the dkdv kernel's atomics
-            dq_accum = cp.zeros(gx[0].shape, dtype=cp.float32)
-            pointers["dq_accum"] = dq_accum
         strided = dict(q=qx, k=kx, v=vx, o=ox, do=dox, dq=gx[0], dk=gx[1], dv=gx[2])
-        if not deterministic:
-            strided["dqacc"] = dq_accum
         prm = _fill_params(p, pointers, strided, packed=packed, lse_strides=lse_strides, d8=d8, dv8=dv8, scale=scale)
 
-        # Row-wise kernels (D = rowsum(dO * O), the dQ conversion) see packed rows as one long sequence.
-        rowwise = FlashParams.from_buffer_copy(prm)
+        # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
+        pre = FlashParams.from_buffer_copy(prm)
         if packed:
-            rowwise.batch, rowwise.seqlen_q = 1, q.shape[0]
-        rows = rowwise.batch * rowwise.seqlen_q * rowwise.nheads_q
-        _kernels.get_function(variant, device, "_dsum")(((rows + 7) // 8,), (256,), (_pointer(rowwise),))
+            pre.batch, pre.seqlen_q = 1, q.shape[0]
+        rows = pre.batch * pre.seqlen_q * pre.nheads_q
+        fn = _kernels.get_function(variant, device, "_dsum")
+        fn(((rows + 7) // 8,), (256,), (_pointer(pre),))
 
         tile = 16 * dict(variant.defines)["CUFLASH_WARPS"]
-        passes = (("_dkdv", p.seqlen_k, p.nheads_k),) + ((("_dq", p.seqlen_q, p.nheads_q),) if deterministic else ())
-        for suffix, rows_per_head, heads in passes:
+        for suffix, rows_per_head, heads in (("_dq", p.seqlen_q, p.nheads_q), ("_dkdv", p.seqlen_k, p.nheads_k)):
             grid = ((rows_per_head + tile - 1) // tile, *_grid_yz(p.batch * heads))
             fn = _kernels.get_function(variant, device, suffix)
             fn(grid, (variant.threads,), (_pointer(prm),), shared_mem=variant.smem_bytes)
-        if not deterministic:
-            _kernels.get_function(variant, device, "_dq_convert")(((rows + 7) // 8,), (256,), (_pointer(rowwise),))
 
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:
@@ -301,9 +291,9 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic):
-    """Padded batch: bshd views; lse (B, H, Sq)."""
+    """Padded batch: bshd views; lse (B, H, Sq).  Always deterministic (no atomics)."""
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=False,
-                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q), deterministic=deterministic)
+                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q))
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic):
@@ -311,7 +301,7 @@ def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deter
     if p.seqlen_q == 0 or k.shape[0] == 0:
         return
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
-                          lse_strides=(0, q.shape[0]), deterministic=deterministic)
+                          lse_strides=(0, q.shape[0]))
 
 
 def softmax(x, axis):

@@ -145,16 +145,15 @@ def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
 
 
 def bwd_smem_bytes(headdim: int, warps: int) -> int:
-    # Six (16 warps, headdim) tiles padded by 8 elements (K, V and two each of Q, dO), LSE and D
-    # of two query tiles, and the (rows, rows + 8) dS tile of the atomic-dQ path.
+    # Four (16 warps, headdim) tiles padded by 8 elements, plus LSE and D of one query tile.
     rows = 16 * warps
-    return 6 * rows * (headdim + 8) * 2 + 4 * rows * 4 + rows * (rows + 8) * 2
+    return 4 * rows * (headdim + 8) * 2 + 2 * rows * 4
 
 
 @functools.lru_cache(maxsize=None)
 def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
-    """The backward kernels (``<name>_dsum``, ``_dq``, ``_dkdv``, ``_dq_convert``) for one problem kind."""
+    """The backward kernels (``<name>_dsum``, ``<name>_dq``, ``<name>_dkdv``) for one problem kind."""
     d = headdim_bucket(headdim)
     warps = bwd_warps(d, smem_limit)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi

@@ -9,7 +9,7 @@ import ctypes
 
 _POINTERS = (
     "q", "k", "v", "out", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k",
-    "dout", "dq", "dk", "dv", "dsum", "dq_accum",
+    "dout", "dq", "dk", "dv", "dsum",
     "block_table", "out_accum", "lse_accum",
 )
 _INTEGERS = (
@@ -22,7 +22,6 @@ _INTEGERS = (
     "dq_batch_stride", "dq_row_stride", "dq_head_stride",
     "dk_batch_stride", "dk_row_stride", "dk_head_stride",
     "dv_batch_stride", "dv_row_stride", "dv_head_stride",
-    "dqacc_batch_stride", "dqacc_row_stride", "dqacc_head_stride",
     "batch", "nheads_q", "nheads_k",
     "seqlen_q", "seqlen_k",
     "headdim_qk", "headdim_v",

@@ -223,11 +223,9 @@ def attention_backward(
 {options}
     layout : {"bshd", "bhsd"}, default "bshd"
     deterministic : bool, default False
-        False: on the GPU, dQ is summed over key blocks with fp32 atomics (FlashAttention-2's
-        single-pass backward, 5 matrix products per tile), so its last bits may differ from run
-        to run.  True: dQ comes from its own kernel without atomics (7 products per tile, slower:
-        BENCHMARKS.md) and every gradient is bitwise repeatable.  The CPU path is always
-        repeatable.
+        Ask for bitwise-repeatable gradients.  Both paths already are: the CPU path by
+        construction, the GPU kernels because they accumulate dQ and dK/dV in separate kernels
+        without atomics.  Kept for FlashAttention compatibility.
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
         with the inputs or each other.
@@ -425,7 +423,7 @@ def attention_varlen_backward(
         As in :func:`attention_varlen`.
 {options}
     deterministic : bool, default False
-        Bitwise-repeatable gradients, as in :func:`attention_backward`.
+        Bitwise-repeatable gradients.
 
     Returns
     -------

@@ -9,11 +9,7 @@
 //           query head of the GQA group and each query tile: Sᵀ = K Qᵀ, Pᵀ, dPᵀ = V dOᵀ,
 //           dSᵀ = Pᵀ ∘ (dPᵀ - D), dV += Pᵀ dO, dK += dSᵀ Q.
 // S and dP are recomputed in both _dq and _dkdv (7 matrix products instead of FA2's 5) in
-// exchange for no atomics and no fp32 dQ buffer: the `deterministic=True` path.  The default
-// path is FA2's: _dkdv also forms dQ += dS K for its keys (dS goes through shared memory, since
-// the sum over keys spans the warps) and adds it to an fp32 buffer with atomics, _dq_convert
-// scales and rounds it, and _dq is not launched (5 products; the order of the additions, hence
-// the last bits of dQ, varies from run to run).  An LSE of -inf (a row that sees no key) is read
+// exchange for no atomics and no fp32 dQ buffer.  An LSE of -inf (a row that sees no key) is read
 // as +inf, so P = 2^(s - inf) = 0 and the row contributes nothing.  The softcap derivative
 // 1 - tanh² multiplies dS; the softmax scale is applied once, when dQ and dK are written.
 // Tiles: kT = 16 kWarps query rows (dq) or key rows (dkdv), kT-wide inner tiles, shared-memory
@@ -160,58 +156,16 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                                     p.dq_row_stride, rows_valid - warp * 16, qk_chunks, lane);
 }
 
-// dQ += dS K for one query tile inside _dkdv: every warp holds dSᵀ for its 16 keys (A fragments
-// `dsa`); they meet in shared memory, then warp w multiplies queries 16w.. of dS (read transposed)
-// by the block's K tile and adds its (16 x headdim) fp32 part to `acc` (row r at acc + r * row_stride)
-// with atomics, 16 columns at a time so that few registers stay live next to the dK, dV sums.
-template <class T, int kD, int kT, int kStride, int kSdsStride>
-__device__ __forceinline__ void add_dq_partial(float* acc, long long row_stride, int rows_valid, int cols_valid,
-                                               const u32 (&dsa)[kT / 16][4], u16* sdS, const u16* sK, int warp, int lane) {
-    u16* own = sdS + warp * 16 * kSdsStride;  // this warp's 16 keys (rows) x kT queries
-#pragma unroll
-    for (int nt = 0; nt < kT / 8; ++nt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-            *reinterpret_cast<u32*>(own + (lane / 4 + 8 * half) * kSdsStride + nt * 8 + (lane % 4) * 2) = dsa[nt / 2][2 * (nt % 2) + half];
-    __syncthreads();  // all keys' dS rows are in place
-    u32 a[kT / 16][4];  // dS for queries 16 warp.. (rows) x keys (k), from the transposed store
-#pragma unroll
-    for (int kk = 0; kk < kT / 16; ++kk)
-        ldmatrix_x4_trans(a[kk], sdS + (kk * 16 + ((lane / 8) / 2) * 8 + lane % 8) * kSdsStride + warp * 16 + ((lane / 8) % 2) * 8);
-#pragma unroll
-    for (int dp = 0; dp < kD / 16; ++dp) {
-        if (dp * 16 >= cols_valid) break;
-        float c[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-        for (int kk = 0; kk < kT / 16; ++kk) {
-            u32 bk[4];  // K's B fragments for columns 16dp..+7 (bk[0..1]) and +8..15 (bk[2..3])
-            ldmatrix_x4_trans(bk, sK + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
-            mma_16x8x16<T>(c[0], a[kk], bk[0], bk[1]);
-            mma_16x8x16<T>(c[1], a[kk], bk[2], bk[3]);
-        }
-#pragma unroll
-        for (int j = 0; j < 2; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = lane / 4 + 8 * (e / 2), col = dp * 16 + j * 8 + (lane % 4) * 2 + e % 2;
-                if (r < rows_valid && col < cols_valid) atomicAdd(acc + r * row_stride + col, c[j][e]);
-            }
-    }
-}
-
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sK = reinterpret_cast<u16*>(smem_raw);  // (kT, kStride), reused to stage dK
     u16* sV = sK + kT * kStride;                 // (kT, kStride), reused to stage dV
-    // Query-side tiles are double-buffered: tile t + 1 loads while tile t is computed.
-    u16* sQ = sV + kT * kStride;                 // 2 x (kT, kStride)
-    u16* sdO = sQ + 2 * kT * kStride;            // 2 x (kT, kStride)
-    float* sLse = reinterpret_cast<float*>(sdO + 2 * kT * kStride);  // 2 x (kT) LSE of the query tile, as stored
-    float* sDsum = sLse + 2 * kT;                                    // 2 x (kT) D of the query tile
-    constexpr int kSdsStride = kT + 8;
-    u16* sdS = reinterpret_cast<u16*>(sDsum + 2 * kT);               // (kT keys, kSdsStride) dSᵀ, atomic-dQ path
+    u16* sQ = sV + kT * kStride;                 // (kT, kStride)
+    u16* sdO = sQ + kT * kStride;                // (kT, kStride)
+    float* sLse2 = reinterpret_cast<float*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units
+    float* sDsum = sLse2 + kT;                                    // (kT) D of the query tile
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
@@ -242,72 +196,48 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
         cp_async_commit();
         int i_lo, i_hi;
         seq.query_range(n0, n0 + kT, i_lo, i_hi);
-        // Tiles t = 0 .. tiles-1 walk the query tiles of each query head sharing this K/V head
-        // (dK, dV sum over the GQA group).
-        const int m_first = i_lo / kT * kT;
-        const int per_head = i_lo < i_hi ? (i_hi - m_first + kT - 1) / kT : 0;
-        const int tiles = group * per_head;
-        auto head_of = [&](int t) { return hk * group + t / per_head; };
-        auto row_of = [&](int t) { return m_first + (t % per_head) * kT; };
-        // Copies of tile t (Q, dO rows; LSE, D) into buffer t % 2; rows past the sequence are zeros,
-        // and with zero Q and dO rows they contribute nothing (their P multiplies zeros).
-        auto load_query_tile = [&](int t) {
-            const int h = head_of(t), m0 = row_of(t), buf = t % 2, rows_valid = min(kT, seq.sq - m0);
-            const long long row = seq.q_start + m0;
-            load_tile<kT, kD, kThreads>(sQ + buf * kT * kStride, static_cast<const u16*>(p.q) + b * p.q_batch_stride +
-                                        row * p.q_row_stride + h * p.q_head_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
-            load_tile<kT, kD, kThreads>(sdO + buf * kT * kStride, static_cast<const u16*>(p.dout) + b * p.do_batch_stride +
-                                        row * p.do_row_stride + h * p.do_head_stride, p.do_row_stride, rows_valid, v_chunks, tid);
-            const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + row;
-            for (int r = tid; r < kT; r += kThreads) {
-                const bool ok = r < rows_valid;
-                cp_async_4(sLse + buf * kT + r, ok ? p.lse + stat + r : p.lse, ok);
-                cp_async_4(sDsum + buf * kT + r, ok ? p.dsum + stat + r : p.dsum, ok);
-            }
-        };
-        if (tiles > 0) load_query_tile(0);
-        cp_async_commit();
-        for (int t = 0; t < tiles; ++t) {
-            __syncthreads();  // every warp is done with tile t - 1, whose buffers tile t + 1 takes
-            if (t + 1 < tiles) load_query_tile(t + 1);
-            cp_async_commit();
-            cp_async_wait<1>();
-            __syncthreads();  // K, V (first time) and tile t are in shared memory
-            const int h = head_of(t), m0 = row_of(t), buf = t % 2, rows_valid = min(kT, seq.sq - m0);
-            const u16* sQt = sQ + buf * kT * kStride;
-            const u16* sdOt = sdO + buf * kT * kStride;
-            const float* sLset = sLse + buf * kT;
-            const float* sDsumt = sDsum + buf * kT;
+        for (int g = 0; g < group; ++g) {  // dK, dV sum over the query heads sharing this K/V head
+            const int h = hk * group + g;
             const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
-
-            float st[kT / 8][4], dpt[kT / 8][4];  // this warp's 16 keys x kT queries
-            zero(st);
-            zero(dpt);
-            warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQt, lane);    // Sᵀ = K Qᵀ
-            warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdOt, lane);  // dPᵀ = V dOᵀ
-            const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
-#pragma unroll
-            for (int nt = 0; nt < kT / 8; ++nt)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
-                    const int i = m0 + c;
-                    float dcap;
-                    float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse_log2(sLset[c]), dcap);
-                    if (masked && !seq.visible(i, j)) pr = 0.f;
-                    st[nt][e] = pr;
-                    dpt[nt][e] = pr * (dpt[nt][e] - sDsumt[c]) * dcap;  // dSᵀ, without the softmax scale
+            const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
+            const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
+            const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+            for (int m0 = i_lo / kT * kT; m0 < i_hi; m0 += kT) {
+                const int rows_valid = min(kT, seq.sq - m0);
+                __syncthreads();  // every warp is done with the previous query tile
+                load_tile<kT, kD, kThreads>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
+                load_tile<kT, kD, kThreads>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
+                cp_async_commit();
+                for (int r = tid; r < kT; r += kThreads) {
+                    sLse2[r] = r < rows_valid ? lse_log2(p.lse[stat + m0 + r]) : __int_as_float(0x7f800000);
+                    sDsum[r] = r < rows_valid ? p.dsum[stat + m0 + r] : 0.f;
                 }
-            u32 pa[kT / 16][4], dsa[kT / 16][4];
-            c_to_a<T, kT>(pa, st);
-            c_to_a<T, kT>(dsa, dpt);
-            warp_gemm_rb<T, kT, kD, kStride>(dv, pa, sdOt, lane);  // dV += Pᵀ dO
-            warp_gemm_rb<T, kT, kD, kStride>(dk, dsa, sQt, lane);  // dK += dSᵀ Q
-            if (p.dq_accum) {
-                float* acc = p.dq_accum + b * p.dqacc_batch_stride + (seq.q_start + m0 + warp * 16) * p.dqacc_row_stride +
-                             h * p.dqacc_head_stride;
-                add_dq_partial<T, kD, kT, kStride, kSdsStride>(acc, p.dqacc_row_stride, rows_valid - warp * 16,
-                                                                static_cast<int>(p.headdim_qk), dsa, sdS, sK, warp, lane);
+                cp_async_wait<0>();
+                __syncthreads();  // K, V (first time), Q, dO, LSE and D of this tile are in shared memory
+
+                float st[kT / 8][4], dpt[kT / 8][4];  // this warp's 16 keys x kT queries
+                zero(st);
+                zero(dpt);
+                warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
+                warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
+#pragma unroll
+                for (int nt = 0; nt < kT / 8; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
+                        const int i = m0 + c;
+                        float dcap;
+                        float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
+                        if (masked && !seq.visible(i, j)) pr = 0.f;
+                        st[nt][e] = pr;
+                        dpt[nt][e] = pr * (dpt[nt][e] - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
+                    }
+                u32 pa[kT / 16][4], dsa[kT / 16][4];
+                c_to_a<T, kT>(pa, st);
+                c_to_a<T, kT>(dsa, dpt);
+                warp_gemm_rb<T, kT, kD, kStride>(dv, pa, sdO, lane);  // dV += Pᵀ dO
+                warp_gemm_rb<T, kT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
             }
         }
     }
@@ -322,24 +252,6 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
 
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dsum)(const FlashParams p) {
     flash_bwd_dsum<CUFLASH_DTYPE>(p);
-}
-
-// dq = softmax_scale * dq_accum in the element type; one warp per (batch, row, head), rows as in _dsum.
-template <class T>
-__device__ __forceinline__ void flash_bwd_dq_convert(const FlashParams& p) {
-    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (w >= p.batch * p.seqlen_q * p.nheads_q) return;
-    const long long h = w % p.nheads_q, i = (w / p.nheads_q) % p.seqlen_q, b = w / (p.nheads_q * p.seqlen_q);
-    const float* acc = p.dq_accum + b * p.dqacc_batch_stride + i * p.dqacc_row_stride + h * p.dqacc_head_stride;
-    u16* dq = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + i * p.dq_row_stride + h * p.dq_head_stride;
-    const float scale = static_cast<float>(p.softmax_scale);
-    for (int c = 2 * lane; c < p.headdim_qk; c += 64)  // headdim_qk is a multiple of 8
-        *reinterpret_cast<u32*>(dq + c) = pack2<T>(acc[c] * scale, acc[c + 1] * scale);
-}
-
-extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const FlashParams p) {
-    flash_bwd_dq_convert<CUFLASH_DTYPE>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {

@@ -21,7 +21,6 @@ struct FlashParams {
     void* dk;                      // (batch, seqlen_k, nheads_k, headdim_qk), written
     void* dv;                      // (batch, seqlen_k, nheads_k, headdim_v), written
     float* dsum;                   // D = rowsum(dout * out), fp32, laid out like lse
-    float* dq_accum;               // fp32 dQ / softmax_scale summed with atomics (null: the _dq kernel writes dq)
     // Split-KV decode kernel only (null / 0 elsewhere):
     const int* block_table;        // (batch, max_pages) page of each page_size keys; k/v batch stride = page stride
     float* out_accum;              // (num_splits, batch, nheads_q, seqlen_q, headdim_v) fp32 partial outputs
@@ -37,7 +36,6 @@ struct FlashParams {
     long long dq_batch_stride, dq_row_stride, dq_head_stride;
     long long dk_batch_stride, dk_row_stride, dk_head_stride;
     long long dv_batch_stride, dv_row_stride, dv_head_stride;
-    long long dqacc_batch_stride, dqacc_row_stride, dqacc_head_stride;
 
     long long batch, nheads_q, nheads_k;
     long long seqlen_q, seqlen_k;  // padded sizes (varlen: the longest sequence)
