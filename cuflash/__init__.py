@@ -14,6 +14,7 @@ from .api import (
     softmax,
 )
 from .kvcache import attention_with_kvcache
+from . import reference  # noqa: E402  (the float64 oracle, documented as cuflash.reference)
 
 __version__ = "0.1.0"
 

@@ -366,8 +366,10 @@ def _softmax(x, axis, block):
         t = xm[..., j0:j1].astype(acc)
         m_new = np.maximum(m, t.max(axis=-1, keepdims=True))
         shift = np.where(m_new == -np.inf, acc.type(0), m_new)  # all -inf so far: no NaN
-        l = l * np.exp(m - shift) + np.exp(t - shift).sum(axis=-1, keepdims=True)
+        with np.errstate(over="ignore"):  # as below: overflow to -inf means exp(...) = 0 exactly
+            l = l * np.exp(m - shift) + np.exp(t - shift).sum(axis=-1, keepdims=True)
         m = m_new
     shift = np.where(m == -np.inf, acc.type(0), m)
-    y = np.exp(xm.astype(acc) - shift) / np.where(l > 0, l, acc.type(1))
+    with np.errstate(over="ignore"):  # x - max overflows to -inf only where exp gives the exact 0
+        y = np.exp(xm.astype(acc) - shift) / np.where(l > 0, l, acc.type(1))
     return np.ascontiguousarray(np.moveaxis(y.astype(x.dtype), -1, axis))

@@ -268,7 +268,9 @@ def why_fast(m: IOModel) -> str:
         f"Why it is fast: standard attention writes the {format_bytes(m.score_bytes)} score matrix "
         f"to HBM and reads it back, twice (S, then P): {format_bytes(m.standard_hbm_bytes)} moved; "
         f"the tiled algorithm keeps each {m.block_m}x{m.block_n} score tile on chip and re-reads only "
-        f"K and V, once per query block: {format_bytes(m.tiled_hbm_bytes)}, {m.hbm_ratio:.1f}x less."
+        f"K and V, once per query block: {format_bytes(m.tiled_hbm_bytes)}, "
+        + (f"{m.hbm_ratio:.1f}x less." if m.hbm_ratio >= 1 else
+           f"{1 / m.hbm_ratio:.1f}x more: at this size the score matrix is small next to K and V re-read per block.")
     )
 
 
