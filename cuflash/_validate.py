@@ -69,26 +69,26 @@ def is_float_dtype(dtype) -> bool:
     return np.dtype(dtype).name in FLOAT_DTYPES
 
 
-def check_qkv(q, k, v, *, packed: bool = False):
-    """Check array kinds, dtypes and ranks of q, k, v; return the shared dtype."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v")):
+    """Check array kinds, dtypes and ranks of q, k, v (called ``names`` in messages); return the dtype."""
+    arrays = tuple(zip(names, (q, k, v)))
+    for name, x in arrays:
         _arrays.check_array(x, name)
     if not (_arrays.same_kind(q, k) and _arrays.same_kind(q, v)):
         raise TypeError(
-            f"q, k, v must all be NumPy arrays or all be GPU arrays; got {type(q).__name__}, "
+            f"{', '.join(names)} must all be NumPy arrays or all be GPU arrays; got {type(q).__name__}, "
             f"{type(k).__name__}, {type(v).__name__}"
         )
-    names = {dtype_name(x) for x in (q, k, v)}
-    if len(names) != 1:
+    if len({dtype_name(x) for x in (q, k, v)}) != 1:
         raise TypeError(
-            f"q, k, v must share one dtype; got q {dtype_name(q)}, k {dtype_name(k)}, v {dtype_name(v)}"
+            f"{', '.join(names)} must share one dtype; got " + ", ".join(f"{n} {dtype_name(x)}" for n, x in arrays)
         )
     dt = dtype_name(q)
     if dt not in FLOAT_DTYPES:
-        raise TypeError(f"q has dtype {dt}; expected one of {', '.join(FLOAT_DTYPES)}")
+        raise TypeError(f"{names[0]} has dtype {dt}; expected one of {', '.join(FLOAT_DTYPES)}")
     rank = 3 if packed else 4
     what = "(total_tokens, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in arrays:
         if x.ndim != rank:
             raise ValueError(f"{name} must have {rank} dimensions {what}; got shape {tuple(x.shape)}")
     return q.dtype
@@ -157,8 +157,10 @@ def check_index_array(x, name: str, *, like, length: int | None = None, ndim: in
     if not _arrays.is_array(x):
         raise TypeError(f"{name} must be an integer array; got {type(x).__name__}")
     kind = np.dtype(x.dtype)
-    if kind not in (np.dtype(np.int32), np.dtype(np.int64)):
+    if kind.kind != "i" or kind.itemsize not in (4, 8):
         raise TypeError(f"{name} must have dtype int32 or int64; got {kind.name}")
+    if not kind.isnative:  # e.g. big-endian '>i8' from a file: same values, native order
+        x = x.astype(kind.newbyteorder("="))
     if x.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimension(s); got shape {tuple(x.shape)}")
     if length is not None and x.shape[0] != length:

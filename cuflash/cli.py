@@ -312,6 +312,17 @@ def check(quick):
 # cuflash bench
 
 
+def _check_sweep(dtypes, headdims, seqlens):
+    """The comma lists of the standard sweep: known dtypes, head dims 1..256, positive lengths."""
+    for d in dtypes.split(","):
+        if d not in ("bf16", "fp16"):
+            raise click.BadParameter(f"{d!r} is not one of bf16, fp16", param_hint="--dtypes")
+    for name, text, low, high in (("--headdims", headdims, 1, 256), ("--seqlens", seqlens, 1, 1 << 24)):
+        for item in text.split(","):
+            if not item.strip().isdigit() or not low <= int(item) <= high:
+                raise click.BadParameter(f"{item!r} is not an integer in [{low}, {high}]", param_hint=name)
+
+
 @main.command()
 @click.option("--suite", type=click.Choice(["standard", "paper", "decode", "varlen", "host"]), default="standard",
               show_default=True,
@@ -329,6 +340,10 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     """Measure TF/s on this GPU, with the peers present on the machine in the same run."""
     from . import _arrays
 
+    _check_sweep(dtypes, headdims, seqlens)
+    for path in (json_path, plot_path):  # fail now, not after the sweep
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise click.BadParameter(f"the folder of {path} does not exist", param_hint="--json/--plot")
     if not _arrays.gpu_available():
         raise click.ClickException("cuflash bench measures GPU kernels; no GPU visible to CuPy (see `cuflash info`)")
     if plot_path and importlib.util.find_spec("matplotlib") is None:

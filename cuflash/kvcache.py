@@ -98,7 +98,7 @@ def attention_with_kvcache(
             return result if return_lse else result[0]
 
     q, k_cache, v_cache = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
-    V.check_qkv(q, k_cache, v_cache)
+    V.check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens to append) or both omitted")
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
@@ -109,12 +109,16 @@ def attention_with_kvcache(
     if paged and cache_batch_idx is not None:
         raise ValueError("block_table and cache_batch_idx cannot be combined")
     capacity_rows, row_len, nheads_k = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if paged and row_len == 0:
+        raise ValueError(f"k_cache has page size 0 (shape {tuple(k_cache.shape)}); pages must hold at least one token")
     if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
         raise ValueError(f"v_cache must match k_cache's first three axes {tuple(k_cache.shape[:3])}; got {tuple(v_cache.shape[:3])}")
     if k_cache.shape[3] != headdim:
         raise ValueError(f"k_cache has head dim {k_cache.shape[3]}; it must equal q's head dim {headdim}")
 
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not -(2**63) <= int(cache_seqlens) < 2**63:
+            raise ValueError(f"cache_seqlens must be >= 0 and within the cache capacity; got {int(cache_seqlens)}")
         cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
     cache_seqlens, host_lengths = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
     host_table = host_rows = None
@@ -144,12 +148,23 @@ def attention_with_kvcache(
 
     # Keys each sequence attends to (the caller's int32 array itself when nothing is appended).
     lengths = cache_seqlens if not new and cache_seqlens.dtype == np.int32 else cache_seqlens.astype(np.int64) + new
+    # Every check comes before the cache is written: a refused call changes nothing.
+    p = V.finish_problem(
+        q, batch, q.shape[1], capacity, q.shape[2], nheads_k, headdim, v_cache.shape[3],
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, seqlens_k=lengths,
+    )
+    return_lse = V.check_bool(return_lse, "return_lse")
     if new:
+        _check_append_targets(q, k, v, k_cache, v_cache, host_lengths, new, row_len, host_table, host_rows)
         _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, row_len, cache_batch_idx)
 
     gpu = _arrays.is_gpu(q)
     keys, values = k_cache, v_cache
-    if paged and not gpu:  # the CPU path reads a contiguous copy; the GPU kernel follows the pages itself
+    if paged and not gpu and capacity_rows == 0:  # no pages: every length is 0 (checked above)
+        keys = xp.zeros((batch, capacity) + tuple(k_cache.shape[2:]), dtype=k_cache.dtype)
+        values = xp.zeros((batch, capacity) + tuple(v_cache.shape[2:]), dtype=v_cache.dtype)
+    elif paged and not gpu:  # the CPU path reads a contiguous copy; the GPU kernel follows the pages itself
         positions = xp.arange(capacity)
         # Positions past a sequence's length read page 0 (never used), so block_table entries
         # past the used pages may hold anything.
@@ -160,12 +175,6 @@ def attention_with_kvcache(
         rows = cache_batch_idx.astype(np.int64)
         keys, values = k_cache[rows], v_cache[rows]
 
-    p = V.finish_problem(
-        q, batch, q.shape[1], capacity, q.shape[2], nheads_k, headdim, v_cache.shape[3],
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, seqlens_k=lengths,
-    )
-    return_lse = V.check_bool(return_lse, "return_lse")
     out = xp.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=q.dtype)
     lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
     if p.is_empty:
@@ -206,6 +215,33 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
             raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache (0..{num_rows - 1})")
     if rows is not None and (rows.min() < 0 or rows.max() >= num_rows):
         raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
+
+
+def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, table, rows):
+    """Appending writes the caches in place: they must be writable and distinct, q must not live in
+    them (it is read after the write), and (where the index values are on the host) no two new
+    tokens may land on one slot."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if isinstance(cache, np.ndarray) and not cache.flags.writeable:
+            raise ValueError(f"{name} is read-only (or a broadcast view); new tokens are written into it in place")
+    xp = _arrays.module_of(q)
+    if xp.may_share_memory(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache share memory; new tokens for both would overwrite each other")
+    if q.size and any(xp.may_share_memory(q, c) for c in (k_cache, v_cache) if c.size):
+        raise ValueError("q shares memory with the cache, which this call writes before it reads q")
+    if lengths is None or not lengths.size:
+        return
+    pos = lengths.astype(np.int64)[:, None] + np.arange(new)[None, :]  # (batch, new) positions written
+    if table is not None:
+        slots = np.take_along_axis(table.astype(np.int64), pos // page_size, axis=1) * page_size + pos % page_size
+    elif rows is not None:
+        slots = rows.astype(np.int64)[:, None] * page_size + pos  # page_size is the capacity here
+    else:
+        return  # one cache row per sequence: distinct by construction
+    if np.unique(slots).size != slots.size:
+        what = "block_table maps two sequences' new tokens to the same page slot" if table is not None else \
+            "cache_batch_idx sends two sequences to the same cache row"
+        raise ValueError(f"{what}; each new token needs its own slot")
 
 
 def _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, page_size, cache_batch_idx):

@@ -141,3 +141,17 @@ def test_python_dash_m_cuflash_io_in_a_real_process():
     assert proc.returncode == 0, proc.stderr
     assert "2 GiB" in proc.stdout
     assert "Why it is fast" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dtypes", "xyz"], "--dtypes"), (["--headdims", "0"], "--headdims"), (["--headdims", "abc"], "--headdims"),
+    (["--seqlens", "-5"], "--seqlens"), (["--plot", "/nonexistent-folder/x.png"], "does not exist"),
+])
+def test_bench_rejects_bad_sweep_options_before_running(args, message):
+    result = CliRunner().invoke(cli.main, ["bench", *args])
+    assert result.exit_code == 2 and message in result.output
+
+
+def test_io_says_when_tiling_moves_more():
+    result = CliRunner().invoke(cli.main, ["io", "--headdim", "3000000", "--sram-kib", "1"])
+    assert result.exit_code == 0 and "Why tiling does not pay at this size" in result.output

@@ -156,3 +156,65 @@ def test_numpy_index_arrays_are_checked_with_gpu_data_too(xp):
         cuflash.attention(q, kc, kc, seqlens_k=np.array([3, 17]))
     with pytest.raises(ValueError, match="cu_seqlens_q must be non-decreasing"):
         cuflash.attention_varlen(q[:, 0], kc[0], kc[0], np.array([0, 2, 1]), np.array([0, 8, 16]))
+
+
+def _small(dtype=np.float32, hq=2):
+    q = np.ones((2, 1, hq, 8), dtype)
+    kc, vc = np.zeros((2, 8, 2, 8), dtype), np.zeros((2, 8, 2, 8), dtype)
+    k = np.ones((2, 1, 2, 8), dtype)
+    return q, kc, vc, k
+
+
+@pytest.mark.parametrize("bad", [dict(causal="yes"), dict(return_lse=1), dict(softcap=-1.0), dict(window_size=(1,)),
+                                 dict(alibi_slopes=np.ones(5, np.float32)), dict(hq=3)],
+                         ids=["causal", "return_lse", "softcap", "window", "alibi", "heads"])
+def test_refused_call_leaves_the_cache_untouched(bad):
+    bad = dict(bad)
+    q, kc, vc, k = _small(hq=bad.pop("hq", 2))
+    with pytest.raises((TypeError, ValueError)):
+        cuflash.attention_with_kvcache(q, kc, vc, k, 2 * k, cache_seqlens=2, **bad)
+    assert not kc.any() and not vc.any()
+
+
+def test_append_targets_are_checked_before_writing():
+    q, kc, vc, k = _small()
+    ro = vc.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="v_cache is read-only"):
+        cuflash.attention_with_kvcache(q, kc, ro, k, k, cache_seqlens=2)
+    assert not kc.any()
+    with pytest.raises(ValueError, match="k_cache and v_cache share memory"):
+        cuflash.attention_with_kvcache(q, kc, kc, k, k, cache_seqlens=2)
+    with pytest.raises(ValueError, match="q shares memory with the cache"):
+        cuflash.attention_with_kvcache(kc[:, 3:4], kc, vc, k, k, cache_seqlens=2)
+    with pytest.raises(ValueError, match="same cache row"):
+        cuflash.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=2, cache_batch_idx=np.array([1, 1]))
+    pool_k, pool_v = np.zeros((4, 4, 2, 8), np.float32), np.zeros((4, 4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="same page slot"):
+        cuflash.attention_with_kvcache(q, pool_k, pool_v, k, k, cache_seqlens=np.array([2, 2]),
+                                       block_table=np.array([[0, 1], [0, 2]]))
+    assert not (kc.any() or vc.any() or pool_k.any() or pool_v.any())
+    # The same page shared read-only (no new tokens written to it) stays allowed: prefix sharing.
+    out = cuflash.attention_with_kvcache(q, pool_k, pool_v, cache_seqlens=np.array([2, 2]),
+                                         block_table=np.array([[0, 1], [0, 2]]))
+    assert out.shape == (2, 1, 2, 8)
+
+
+def test_cache_edge_shapes_and_lengths():
+    q, _, _, _ = _small()
+    empty_pool = np.zeros((0, 4, 2, 8), np.float32)
+    out, lse = cuflash.attention_with_kvcache(q, empty_pool, empty_pool.copy(), cache_seqlens=0,
+                                              block_table=np.zeros((2, 1), np.int64), return_lse=True)
+    assert not out.any() and np.all(lse == -np.inf)
+    with pytest.raises(ValueError, match="page size 0"):
+        cuflash.attention_with_kvcache(q, np.zeros((3, 0, 2, 8), np.float32), np.zeros((3, 0, 2, 8), np.float32),
+                                       cache_seqlens=0, block_table=np.zeros((2, 1), np.int64))
+    _, kc, vc, _ = _small()
+    for huge in (2**63, 2**70):
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=huge)
+    big_endian = np.array([3, 4], dtype=">i8")
+    out = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=big_endian)
+    assert out.shape == (2, 1, 2, 8)
+    with pytest.raises(TypeError, match="k_cache float16"):
+        cuflash.attention_with_kvcache(q, kc.astype(np.float16), vc, cache_seqlens=1)
