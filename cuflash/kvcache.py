@@ -76,8 +76,10 @@ def attention_with_kvcache(
     ValueError
         Shapes that do not match; ``k`` without ``v``; ``block_table`` together with
         ``cache_batch_idx``; cache lengths (plus new tokens) beyond the capacity; page or batch
-        indices out of range (checked for NumPy index arrays, and for GPU ones with
-        ``CUFLASH_DEBUG=1``).
+        indices out of range, or two new tokens sent to one cache slot (checked for NumPy index
+        arrays, and for GPU ones with ``CUFLASH_DEBUG=1``); when appending, a read-only cache,
+        k_cache and v_cache sharing memory, or q inside the cache.  Every check runs before
+        the cache is written, so a refused call changes nothing.
 
     Notes
     -----
