@@ -341,6 +341,13 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     from . import _arrays
 
     _check_sweep(dtypes, headdims, seqlens)
+    if suite != "standard":
+        ctx = click.get_current_context()
+        given = [f"--{name.replace('_', '-')}" for name in ("backward", "dtypes", "headdims", "seqlens", "plot_path")
+                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
+        if given:
+            options = ", ".join(given).replace("--plot-path", "--plot")
+            raise click.UsageError(f"{options}: only for the standard sweep; --suite {suite} runs fixed configurations")
     for path in (json_path, plot_path):  # fail now, not after the sweep
         if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
             raise click.BadParameter(f"the folder of {path} does not exist", param_hint="--json/--plot")

@@ -155,3 +155,10 @@ def test_bench_rejects_bad_sweep_options_before_running(args, message):
 def test_io_says_when_tiling_moves_more():
     result = CliRunner().invoke(cli.main, ["io", "--headdim", "3000000", "--sram-kib", "1"])
     assert result.exit_code == 0 and "Why tiling does not pay at this size" in result.output
+
+
+def test_bench_refuses_sweep_options_on_fixed_suites():
+    result = CliRunner().invoke(cli.main, ["bench", "--suite", "decode", "--headdims", "64"])
+    assert result.exit_code == 2 and "--headdims" in result.output and "--suite decode" in result.output
+    result = CliRunner().invoke(cli.main, ["bench", "--suite", "paper", "--backward"])
+    assert result.exit_code == 2 and "--backward" in result.output
