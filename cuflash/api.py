@@ -112,7 +112,8 @@ def attention(
     Returns
     -------
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
-        q's dtype and layout; accumulated in float32 (float64 for float64 inputs).
+        q's dtype and layout; accumulated in float32 (float64 on the CPU path for float32 and
+        float64 inputs).
     lse : array of shape (batch, nheads, seqlen_q), float32 (float64 for float64 inputs)
         Only when ``return_lse``; -inf on rows that see no key.
 
