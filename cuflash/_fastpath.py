@@ -14,11 +14,9 @@ that do not return the LSE let the kernel write it to one scratch buffer per pla
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from . import _arrays, _gpu
+from . import _arrays, _gpu, _validate
 from ._params import FlashParams
 
 PLANS: dict = {}
@@ -38,7 +36,7 @@ def signature(kind: str, arrays: tuple, options: tuple):
             layouts.append((a.shape, a.strides, a.dtype, a.data.device_id))
         else:
             return None
-    if os.environ.get("CUFLASH_DEBUG", "0") not in ("", "0"):
+    if _validate.debug_checks_enabled():
         return None
     item_types = tuple(tuple(map(type, o)) for o in options if type(o) is tuple)
     return kind, tuple(layouts), options, tuple(map(type, options)), item_types

@@ -80,12 +80,20 @@ def _torch_sdpa():
     return (torch, SDPBackend, sdpa_kernel, sdpa) if torch.cuda.is_available() else None
 
 
-def _torch_peers():
-    if _torch_sdpa() is None:
+def _torch_backends(make):
+    """``{"torch-flash": make(FLASH_ATTENTION, ...), "torch-cudnn": make(CUDNN_ATTENTION, ...)}``,
+    with ``make(backend, torch, sdpa_kernel, sdpa)``; ``{}`` without torch and CUDA."""
+    found = _torch_sdpa()
+    if found is None:
         return {}
-    torch, SDPBackend, sdpa_kernel, sdpa = _torch_sdpa()
+    torch, SDPBackend, sdpa_kernel, sdpa = found
+    return {name: make(backend, torch, sdpa_kernel, sdpa)
+            for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION))}
 
-    def make(backend):
+
+def _torch_peers():
+    """torch SDPA forward pinned to one backend."""
+    def make(backend, torch, sdpa_kernel, sdpa):
         def run(q, k, v, causal):
             tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)) for x in (q, k, v))  # (B, H, S, D) views
 
@@ -95,7 +103,7 @@ def _torch_peers():
             return call
         return run
 
-    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+    return _torch_backends(make)
 
 
 def _jax_peer():
@@ -127,11 +135,7 @@ def check_against_plain(q, k, v, causal, out):
 
 def _torch_bwd_peers():
     """torch SDPA backward through autograd, pinned to one backend (timed: backward only)."""
-    if _torch_sdpa() is None:
-        return {}
-    torch, SDPBackend, sdpa_kernel, sdpa = _torch_sdpa()
-
-    def make(backend):
+    def make(backend, torch, sdpa_kernel, sdpa):
         def run(q, k, v, causal):
             tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)).detach().requires_grad_() for x in (q, k, v))
             with sdpa_kernel([backend]):
@@ -140,7 +144,7 @@ def _torch_bwd_peers():
             return lambda: torch.autograd.grad(o, (tq, tk, tv), do, retain_graph=True)
         return run
 
-    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+    return _torch_backends(make)
 
 
 def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048):
@@ -347,11 +351,8 @@ def decode_configs(kv_lens=(4096, 16384, 65536, 131072), batches=(1, 8, 64), max
 
 
 def _torch_decode_peers():
-    if _torch_sdpa() is None:
-        return {}
-    torch, SDPBackend, sdpa_kernel, sdpa = _torch_sdpa()
-
-    def make(backend):
+    """torch SDPA with one query token, pinned to one backend (GQA through enable_gqa)."""
+    def make(backend, torch, sdpa_kernel, sdpa):
         def run(q, k, v):
             tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)) for x in (q, k, v))
             gqa = tq.shape[1] != tk.shape[1]
@@ -362,7 +363,7 @@ def _torch_decode_peers():
             return call
         return run
 
-    return {"torch-flash": make(SDPBackend.FLASH_ATTENTION), "torch-cudnn": make(SDPBackend.CUDNN_ATTENTION)}
+    return _torch_backends(make)
 
 
 def decode_suite(configs=None, peers=None, page_size=None, progress=_plain_progress):

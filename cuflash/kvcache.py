@@ -172,7 +172,8 @@ def attention_with_kvcache(
         # past the used pages may hold anything.
         used = positions[None, :] < lengths[:, None]
         page_of = xp.where(used, block_table.astype(np.int64)[:, positions // row_len], 0)
-        keys, values = k_cache[page_of, positions % row_len], v_cache[page_of, positions % row_len]
+        slot_of = positions % row_len
+        keys, values = k_cache[page_of, slot_of], v_cache[page_of, slot_of]
     elif cache_batch_idx is not None:
         rows = cache_batch_idx.astype(np.int64)
         keys, values = k_cache[rows], v_cache[rows]

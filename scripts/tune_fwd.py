@@ -6,6 +6,7 @@ Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPS
 """
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -20,28 +21,39 @@ from cuflash.bench import attention_flops, check_against_plain, time_gpu  # noqa
 from cuflash import _fastpath, _kernels  # noqa: E402
 
 
+@contextlib.contextmanager
+def tile_table(name, tile):
+    """Make ``_kernels.<name>`` (fwd_tile or decode_tile) return ``tile`` inside the block.
+
+    Variants are memoised per tile table and warm-call plans hold their compiled functions, so
+    both are cleared on the way in and on the way out."""
+    original = getattr(_kernels, name)
+    setattr(_kernels, name, lambda headdim, smem_limit=0: tile)
+    _kernels.fwd_variant.cache_clear()
+    _fastpath.PLANS.clear()
+    try:
+        yield
+    finally:
+        setattr(_kernels, name, original)
+        _kernels.fwd_variant.cache_clear()
+        _fastpath.PLANS.clear()
+
+
 def tune_decode(configs):
     """Decode tiles (BMxBNxWARPS): TB/s of KV read for one query token, MHA and GQA caches."""
-    original = _kernels.decode_tile
     for hq, hkv, batch, n in ((32, 32, 1, 131072), (32, 8, 8, 32768), (32, 8, 64, 4096)):
         k, v = (cp.random.standard_normal((batch, n, hkv, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
         q = cp.random.standard_normal((batch, 1, hq, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)
         for cfg in configs.split(","):
             bm, bn, w = map(int, cfg.split("x"))
-            _kernels.decode_tile = lambda headdim, t=_kernels.TileConfig(bm, bn, w): t
-            _kernels.fwd_variant.cache_clear()
-            _fastpath.PLANS.clear()
-            try:
-                out = cuflash.attention(q, k, v)
-                check_against_plain(q, k, v, False, out)
-                ms = time_gpu(lambda: cuflash.attention(q, k, v, out=out))
-                print(f"decode {hq}/{hkv} b{batch} kv{n} {cfg:8} {(k.nbytes + v.nbytes) / ms / 1e9:6.2f} TB/s", flush=True)
-            except Exception as exc:
-                print(f"decode {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
-            finally:
-                _kernels.decode_tile = original
-                _kernels.fwd_variant.cache_clear()
-                _fastpath.PLANS.clear()
+            with tile_table("decode_tile", _kernels.TileConfig(bm, bn, w)):
+                try:
+                    out = cuflash.attention(q, k, v)
+                    check_against_plain(q, k, v, False, out)
+                    ms = time_gpu(lambda: cuflash.attention(q, k, v, out=out))
+                    print(f"decode {hq}/{hkv} b{batch} kv{n} {cfg:8} {(k.nbytes + v.nbytes) / ms / 1e9:6.2f} TB/s", flush=True)
+                except Exception as exc:
+                    print(f"decode {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
         del k, v
 
 
@@ -54,7 +66,6 @@ def main():
     args = ap.parse_args()
     if args.decode:
         return tune_decode(args.decode)
-    original = _kernels.fwd_tile
     for d in map(int, args.headdims.split(",")):
         for causal in (False, True):
             b, h, s = 16384 // args.seqlen, 2048 // d, args.seqlen
@@ -64,22 +75,16 @@ def main():
                 tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr))
                 if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
                     continue
-                _kernels.fwd_tile = lambda headdim, smem_limit=0, t=tile: t
-                _kernels.fwd_variant.cache_clear()  # variants are memoised per tile table
-                _fastpath.PLANS.clear()  # and warm-call plans hold their functions
-                try:
-                    out = cuflash.attention(q, k, v, causal=causal)
-                    check_against_plain(q, k, v, causal, out)
-                    ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
-                    fn = _kernels.get_function(_kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False), 0)
-                    tf = attention_flops(b, h, s, s, d, causal) / ms / 1e9
-                    print(f"d{d} causal={causal!s:5} {cfg:10} {tf:6.0f} TF/s  regs {fn.num_regs} spill {fn.local_size_bytes}", flush=True)
-                except Exception as exc:
-                    print(f"d{d} causal={causal} {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
-                finally:
-                    _kernels.fwd_tile = original
-                    _kernels.fwd_variant.cache_clear()
-                    _fastpath.PLANS.clear()
+                with tile_table("fwd_tile", tile):
+                    try:
+                        out = cuflash.attention(q, k, v, causal=causal)
+                        check_against_plain(q, k, v, causal, out)
+                        ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
+                        fn = _kernels.get_function(_kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False), 0)
+                        tf = attention_flops(b, h, s, s, d, causal) / ms / 1e9
+                        print(f"d{d} causal={causal!s:5} {cfg:10} {tf:6.0f} TF/s  regs {fn.num_regs} spill {fn.local_size_bytes}", flush=True)
+                    except Exception as exc:
+                        print(f"d{d} causal={causal} {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
 
 
 if __name__ == "__main__":
