@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 
 import numpy as np
 
@@ -140,8 +141,10 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         direct = out.shape[-1] == dv8 and _aligned(out)
         ox = out if direct else cp.empty(out.shape[:-1] + (dv8,), dtype=out.dtype)
         decode = not packed and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
-        variant = _kernels.fwd_variant(dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None,
-                                       splitkv=decode, smem_limit=_smem_limit(device))
+        features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
+        variant = _hopper_variant(device, dtype, max(d8, dv8), features) if not decode else None
+        if variant is None:
+            variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
                         cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
         if block_table is not None:
@@ -162,6 +165,21 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             out[...] = ox[..., : out.shape[-1]]
         if record is not None:
             record.append(dict(device=device, template=bytes(prm), launches=launches, accum=accum))
+
+
+def _hopper_variant(device: int, dtype: str, headdim: int, features: dict):
+    """The wgmma forward kernel where it applies: a compute-capability-9.0 GPU, an NVRTC that
+    builds sm_90a, a head-dim bucket it covers, and CUFLASH_DISABLE_SM90 unset (a switch for
+    comparing it with the sm_80 kernel).  None otherwise."""
+    if not _is_hopper(device) or os.environ.get("CUFLASH_DISABLE_SM90", "") not in ("", "0"):
+        return None
+    return _kernels.sm90_fwd_variant(dtype, headdim, **features)
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hopper(device_id: int) -> bool:
+    cp = _cp()
+    return cp.cuda.Device(device_id).compute_capability == "90" and cp.cuda.nvrtc.getVersion() >= (12, 9)
 
 
 def execute(prm, launches, accum):

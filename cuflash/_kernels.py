@@ -63,10 +63,13 @@ class Variant:
     defines: tuple  # ((macro, value), ...)
     threads: int
     smem_bytes: int = 0
+    arch: str = ""  # "90a": needs Hopper's arch-specific instructions (wgmma); "" = any sm_80+
 
     def options(self) -> tuple:
         defs = [f"-D{k}={v}" for k, v in self.defines]
-        return ("--std=c++17", f"-DCUFLASH_PARAMS_SIZE={PARAMS_SIZE}", f"-DCUFLASH_KERNEL_NAME={self.name}", *defs)
+        # CuPy appends its own -arch=sm_90 on Hopper; NVRTC >= 12.9 then builds sm_90a (docs: cupy.md).
+        arch = (f"-arch=sm_{self.arch}",) if self.arch else ()
+        return ("--std=c++17", f"-DCUFLASH_PARAMS_SIZE={PARAMS_SIZE}", f"-DCUFLASH_KERNEL_NAME={self.name}", *defs, *arch)
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,28 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
 
+# Hopper forward (flash_fwd_sm90.cu): head-dim bucket -> (keys per tile, warpgroups of 64 query rows).
+SM90_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) -> Variant | None:
+    """The wgmma forward kernel for ``headdim``'s bucket, or None where only flash_fwd.cu serves
+    (buckets without a 64-column panel layout)."""
+    d = headdim_bucket(headdim)
+    if d not in SM90_TILES:
+        return None
+    block_n, wgs = SM90_TILES[d]
+    name = f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{64 * wgs}_bn{block_n}" + "_softcap" * softcap + "_alibi" * alibi
+    defines = (
+        ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
+        ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+        ("CUFLASH_BLOCK_M", 64 * wgs),
+    )
+    smem = (64 * wgs + 4 * block_n) * d * 2 + 1024  # Q, two K/V stages, 1 KB for the 1024-byte alignment
+    return Variant("flash_fwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
+
+
 def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
     """Warps of the backward kernels; each owns 16 query rows (dq) or key rows (dkdv)."""
     for warps in (4, 2):
@@ -179,6 +204,9 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
+                    sm90 = sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi)
+                    if sm90 is not None:
+                        out.append(sm90)
     out += [softmax_variant(dt) for dt in DTYPE_TAGS]
     return out
 
@@ -208,7 +236,8 @@ def get_function(variant: Variant, device_id: int, suffix: str = ""):
 
 
 def compile_for_arch(variant: Variant, arch: str) -> bytes:
-    """Compile ``variant`` to a cubin for ``arch`` (e.g. "80", "90") with NVRTC; no GPU needed.
+    """Compile ``variant`` to a cubin for ``arch`` (e.g. "80", "90"; Hopper-only variants always
+    build for "90a") with NVRTC; no GPU needed.
 
     Raises ``RuntimeError`` with the compiler log on failure.
     """
@@ -216,7 +245,9 @@ def compile_for_arch(variant: Variant, arch: str) -> bytes:
 
     prog = nvrtc.createProgram(read_source(variant.filename), f"{variant.name}.cu", [], [])
     try:
-        opts = [*variant.options(), f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space"]
+        arch = variant.arch or arch
+        opts = [o for o in variant.options() if not o.startswith("-arch=")]
+        opts += [f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space"]
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as exc:

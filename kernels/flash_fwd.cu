@@ -18,9 +18,8 @@
 // folded into the row axis (row r = token r / g, head r % g) so each K/V tile is read once for
 // all of them.  Used with one warp and 16-row blocks, for the few query rows of decoding.
 #include "mma.cuh"
-#include "online_softmax.cuh"
 #include "params.cuh"
-#include "seqinfo.cuh"
+#include "softmax_tile.cuh"
 #include "tile_io.cuh"
 
 // Compile-time configuration; the loader overrides these with -D options per variant.
@@ -66,10 +65,6 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kKS = kD / 16;              // 16-wide steps over the head dim
     constexpr int kOT = kD / 8;               // 8-wide column tiles of O
     constexpr int kStride = kD + 8;           // padded shared-memory row, in elements
-    // Without softcap and ALiBi the max is taken over raw q.k and the scale folded into the
-    // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
-    // negative scale and zeroes q for a zero scale, both exact).
-    constexpr bool kPlain = !kSoftcap && !kAlibi;
     static_assert(kBM % (16 * kWarps) == 0 && kBN % 16 == 0 && kD % 32 == 0, "bad tile shape");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -142,10 +137,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     auto load_k = [&](int nb) { load_kv(sK, p.k, gK, p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks); };
     auto load_v = [&](int nb) { load_kv(sV, p.v, gV, p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks); };
 
-    const float scale = static_cast<float>(p.softmax_scale);
-    const float scale_log2 = static_cast<float>(p.softmax_scale * 1.4426950408889634);
-    const float softcap = static_cast<float>(p.softcap);
-    const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+    const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
+                                  static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
 
     float o[kMT][kOT][4];  // O accumulator, C-fragment layout, fp32
 #pragma unroll
@@ -232,51 +225,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int i = token((warp * kMT + mt) * 16 + lane / 4 + half * 8);  // query position
-                    if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
-#pragma unroll
-                        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                s[mt][nt][half * 2 + e] = final_score_log2<kSoftcap, kAlibi>(
-                                    s[mt][nt][half * 2 + e], scale, scale_log2, softcap, slope, i, n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
-                    }
-                    if (masked) {  // only tiles on the band edges or the key tail
-#pragma unroll
-                        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                            for (int e = 0; e < 2; ++e)
-                                if (!seq.visible(i, n0 + nt * 8 + (lane % 4) * 2 + e)) s[mt][nt][half * 2 + e] = -__int_as_float(0x7f800000);
-                    }
-                    float part_max[2] = {-__int_as_float(0x7f800000), -__int_as_float(0x7f800000)};
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 2; ++e) part_max[e] = fmaxf(part_max[e], s[mt][nt][half * 2 + e]);  // two chains
-                    float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
-                    if constexpr (kPlain) tile_max *= scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
-                    float m_use;
-                    alpha[mt][half] = row[mt][half].update_max(tile_max, m_use);
-                    float part_sum[2] = {0.f, 0.f};
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt) {
-                        float p0, p1;
-                        if constexpr (kPlain) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
-                            p0 = exp2f(fmaf(s[mt][nt][half * 2], scale_log2, -m_use));
-                            p1 = exp2f(fmaf(s[mt][nt][half * 2 + 1], scale_log2, -m_use));
-                        } else {
-                            p0 = exp2f(s[mt][nt][half * 2] - m_use);
-                            p1 = exp2f(s[mt][nt][half * 2 + 1] - m_use);
-                        }
-                        part_sum[nt % 2] += p0 + p1;
-                        // The C fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15:
-                        // rows lane/4 (+8 for half 1), keys +0..7 (nt even) or +8..15 (nt odd).
-                        pk[mt][nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
-                    }
-                    row[mt][half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
-                }
+                const int r = (warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
+                const int qpos[2] = {token(r), token(r + 8)};
+                softmax_tile<T, kNT, kSoftcap, kAlibi>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0, masked, seq, score_args, lane);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
             // the max rarely moves, and multiplying by exactly 1 changes nothing (FlashAttention-4).

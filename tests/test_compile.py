@@ -1,10 +1,14 @@
-"""Every kernel variant the dispatcher can request compiles with NVRTC for sm_80 and sm_90.
+"""Every kernel variant the dispatcher can request compiles with NVRTC for sm_80 and sm_90
+(the Hopper-only wgmma variants for sm_90a).
 
 Needs CuPy's NVRTC binding and the NVRTC library (the ``cuda12``/``cuda13`` extras), not a GPU.
 """
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,10 +30,10 @@ def _nvrtc_or_skip():
 
 
 VARIANTS = _kernels.all_variants()
+BUILDS = [(v, arch) for v in VARIANTS for arch in ((v.arch,) if v.arch else ARCHS)]
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize(("variant", "arch"), BUILDS, ids=lambda x: getattr(x, "name", x))
 def test_variant_compiles(variant, arch):
     _nvrtc_or_skip()
     cubin = _kernels.compile_for_arch(variant, arch)
@@ -76,3 +80,17 @@ def test_sources_are_found_and_includes_inlined():
     assert '#include "' not in src
     assert src.count("struct FlashParams {") == 1
     assert (_kernels.kernel_dir() / "flash_fwd.cu").is_file()
+
+
+def test_hopper_variants_cover_the_panel_buckets():
+    names = [v.name for v in VARIANTS if v.arch == "90a"]
+    assert len(names) == 2 * 3 * 4  # dtypes x head dims 64/128/256 x (softcap, alibi)
+    assert _kernels.sm90_fwd_variant("bfloat16", 96, softcap=False, alibi=False) is None
+    v = _kernels.sm90_fwd_variant("float16", 111, softcap=False, alibi=True)
+    assert v.name.startswith("cuflash_fwd_sm90_fp16_d128_") and "-arch=sm_90a" in v.options()
+
+
+def test_generated_wgmma_header_is_current():
+    script = Path(__file__).resolve().parent.parent / "scripts" / "gen_wgmma.py"
+    result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,71 @@
+// One online-softmax step on a 16-row tile of raw scores q.k in the C-fragment layout of mma.cuh
+// (which wgmma's accumulators share, see wgmma.cuh): score pipeline, mask, running max and sum,
+// and P packed to 16 bits as the A operand of O += P V.  Shared by the mma.sync (flash_fwd.cu) and
+// wgmma (flash_fwd_sm90.cu) forward kernels.
+#pragma once
+#include "mma.cuh"
+#include "online_softmax.cuh"
+#include "seqinfo.cuh"
+
+struct ScoreArgs {
+    float scale, scale_log2, softcap, slope;  // softmax_scale, times log2(e), softcap, ALiBi slope of the head
+};
+
+// s: the (16 x 8 kNT) scores of rows lane/4 (e = 0, 1) and lane/4 + 8 (e = 2, 3), keys n0 + 8 nt +
+// 2 (lane % 4) + e % 2; qpos: the query positions of those two rows.  masked: the tile touches a
+// band edge or the key tail.  Writes pk (A fragments of P) and alpha (the O rescale per row).
+template <class T, int kNT, bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
+                                             float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
+                                             const SeqInfo& seq, const ScoreArgs& a, int lane) {
+    // Without softcap and ALiBi the max is taken over raw q.k and the scale folded into the
+    // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
+    // negative scale and zeroes q for a zero scale, both exact).
+    constexpr bool kPlain = !kSoftcap && !kAlibi;
+    const float kNegInf = -__int_as_float(0x7f800000);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int i = qpos[half];
+        if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    s[nt][half * 2 + e] = final_score_log2<kSoftcap, kAlibi>(
+                        s[nt][half * 2 + e], a.scale, a.scale_log2, a.softcap, a.slope, i, n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
+        }
+        if (masked) {
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (!seq.visible(i, n0 + nt * 8 + (lane % 4) * 2 + e)) s[nt][half * 2 + e] = kNegInf;
+        }
+        float part_max[2] = {kNegInf, kNegInf};
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) part_max[e] = fmaxf(part_max[e], s[nt][half * 2 + e]);  // two chains
+        float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
+        if constexpr (kPlain) tile_max *= a.scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
+        float m_use;
+        alpha[half] = row[half].update_max(tile_max, m_use);
+        float part_sum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+            float p0, p1;
+            if constexpr (kPlain) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
+                p0 = exp2f(fmaf(s[nt][half * 2], a.scale_log2, -m_use));
+                p1 = exp2f(fmaf(s[nt][half * 2 + 1], a.scale_log2, -m_use));
+            } else {
+                p0 = exp2f(s[nt][half * 2] - m_use);
+                p1 = exp2f(s[nt][half * 2 + 1] - m_use);
+            }
+            part_sum[nt % 2] += p0 + p1;
+            // The C fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15:
+            // rows lane/4 (+8 for half 1), keys +0..7 (nt even) or +8..15 (nt odd).
+            pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
+        }
+        row[half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
+    }
+}

@@ -1,0 +1,109 @@
+"""The Hopper (wgmma) forward kernel and the sm_80 kernel it replaces there.
+
+On a compute-capability-9.0 GPU, cuflash.attention runs kernels/flash_fwd_sm90.cu for head-dim
+buckets 64, 128 and 256, so test_gpu_forward.py's sweep tests it; this file checks that the
+dispatch really picks it, tests its tiling edges (many key tiles, both stages, tails, causal and
+window bands crossing tiles), and keeps the sm_80 kernel tested on Hopper through the
+CUFLASH_DISABLE_SM90 switch.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from cuflash import _arrays, _fastpath, _gpu, _kernels
+
+from .conftest import HAS_GPU, requires_gpu
+from .test_gpu_forward import _check, _rand
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+DTYPES = [np.float16, ml_dtypes.bfloat16]
+
+
+def _on_hopper() -> bool:
+    return HAS_GPU and _gpu._is_hopper(_arrays.cupy_module().cuda.Device().id)
+
+
+requires_hopper = pytest.mark.skipif(
+    "not _on_hopper()", reason="the wgmma kernel needs a compute-capability-9.0 GPU and NVRTC >= 12.9"
+)
+
+
+@pytest.fixture(params=["sm90", "sm80"])
+def kernel(request, monkeypatch):
+    """Run the test once on the default (Hopper) kernel and once with it switched off."""
+    if request.param == "sm80":
+        monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
+    _fastpath.PLANS.clear()  # warm-call plans remember the kernel of their first call
+    yield request.param
+    _fastpath.PLANS.clear()
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 256])
+def test_dispatch_picks_the_wgmma_kernel(headdim, monkeypatch):
+    device = _arrays.cupy_module().cuda.Device().id
+    v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), dict(softcap=False, alibi=False))
+    assert v is not None and v.name.startswith("cuflash_fwd_sm90_")
+    monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
+    assert _gpu._hopper_variant(device, "bfloat16", 128, dict(softcap=False, alibi=False)) is None
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 256])
+@pytest.mark.parametrize("seqlens", [(17, 17), (127, 129), (257, 1000), (1000, 300), (600, 2049)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_kernels_many_tiles(rng, kernel, dtype, headdim, seqlens, causal):
+    sq, sk = seqlens
+    q = _rand(rng, (1, sq, 2, headdim), dtype, 5.0)
+    k = _rand(rng, (1, sk, 2, headdim), dtype)
+    v = _rand(rng, (1, sk, 2, headdim), dtype)
+    _check(q, k, v, causal=causal)
+
+
+OPTIONS = [
+    dict(window_size=(70, 0)),
+    dict(window_size=(200, 130), causal="top_left"),
+    dict(softcap=5.0, causal=True),
+    dict(alibi_slopes=True, causal=True),
+    dict(seqlens_k=True),
+    dict(softmax_scale=-0.3),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_both_kernels_options(rng, kernel, dtype, headdim, opts):
+    b, sq, sk, h, hk = 2, 333, 517, 4, 2  # GQA, tails in both lengths
+    opts = dict(opts)
+    if opts.get("alibi_slopes"):
+        opts["alibi_slopes"] = rng.uniform(0.01, 0.5, (b, h)).astype(np.float32)
+    if opts.get("seqlens_k"):
+        opts["seqlens_k"] = np.array([sk, 129], dtype=np.int32)
+    q = _rand(rng, (b, sq, h, headdim), dtype, 3.0)
+    k, v = _rand(rng, (b, sk, hk, headdim), dtype), _rand(rng, (b, sk, hk, headdim), dtype)
+    _check(q, k, v, **opts)
+
+
+@requires_hopper
+@pytest.mark.parametrize("dims", [(64, 40), (128, 64), (40, 128), (256, 128)])
+def test_wgmma_value_headdim_differs(rng, dims):
+    d, dv = dims
+    q, k = _rand(rng, (2, 200, 2, d), ml_dtypes.bfloat16, 4.0), _rand(rng, (2, 300, 2, d), ml_dtypes.bfloat16)
+    v = _rand(rng, (2, 300, 2, dv), ml_dtypes.bfloat16)
+    _check(q, k, v, causal=True)
+
+
+@requires_hopper
+def test_wgmma_repeated_calls_are_bitwise_identical(rng):
+    cp = _arrays.cupy_module()
+    q, k, v = (cp.asarray(_rand(rng, (2, 1500, 4, 128), ml_dtypes.bfloat16)) for _ in range(3))
+    import cuflash
+
+    first = cuflash.attention(q, k, v, causal=True)
+    for _ in range(3):
+        assert bool((cuflash.attention(q, k, v, causal=True) == first).all())
