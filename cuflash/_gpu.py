@@ -167,13 +167,13 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             record.append(dict(device=device, template=bytes(prm), launches=launches, accum=accum))
 
 
-def _hopper_variant(device: int, dtype: str, headdim: int, features: dict):
-    """The wgmma forward kernel where it applies: a compute-capability-9.0 GPU, an NVRTC that
-    builds sm_90a, a head-dim bucket it covers, and CUFLASH_DISABLE_SM90 unset (a switch for
-    comparing it with the sm_80 kernel).  None otherwise."""
+def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, family=_kernels.sm90_fwd_variant):
+    """The wgmma kernel of ``family`` (forward or backward) where it applies: a
+    compute-capability-9.0 GPU, an NVRTC that builds sm_90a, a head-dim bucket it covers, and
+    CUFLASH_DISABLE_SM90 unset (a switch for comparing with the sm_80 kernels).  None otherwise."""
     if not _is_hopper(device) or os.environ.get("CUFLASH_DISABLE_SM90", "") not in ("", "0"):
         return None
-    return _kernels.sm90_fwd_variant(dtype, headdim, **features)
+    return family(dtype, headdim, **features)
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,9 +278,9 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         for g_out, dim in zip(grads, (d8, d8, dv8)):
             direct = g_out.shape[-1] == dim and _aligned(g_out)
             gx.append(g_out if direct else cp.empty(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
-        variant = _kernels.bwd_variant(
-            dtype, max(d8, dv8), softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, smem_limit=_smem_limit(device)
-        )
+        features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
+        variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, smem_limit=_smem_limit(device))
+        main = _hopper_variant(device, dtype, max(d8, dv8), features, _kernels.sm90_bwd_variant) or variant
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
                         alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
                         cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
@@ -295,11 +295,11 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         fn = _kernels.get_function(variant, device, "_dsum")
         fn(((rows + 7) // 8,), (256,), (_pointer(pre),))
 
-        tile = 16 * dict(variant.defines)["CUFLASH_WARPS"]
+        tile = main.threads // 2  # rows per block: 16 per warp (flash_bwd.cu), 64 per warpgroup (Hopper)
         for suffix, rows_per_head, heads in (("_dq", p.seqlen_q, p.nheads_q), ("_dkdv", p.seqlen_k, p.nheads_k)):
             grid = ((rows_per_head + tile - 1) // tile, *_grid_yz(p.batch * heads))
-            fn = _kernels.get_function(variant, device, suffix)
-            fn(grid, (variant.threads,), (_pointer(prm),), shared_mem=variant.smem_bytes)
+            fn = _kernels.get_function(main, device, suffix)
+            fn(grid, (main.threads,), (_pointer(prm),), shared_mem=main.smem_bytes)
 
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:

@@ -139,8 +139,9 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
 
-# Hopper forward (flash_fwd_sm90.cu): head-dim bucket -> (keys per tile, warpgroups of 64 query rows).
-SM90_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+# Hopper forward (flash_fwd_sm90.cu): head-dim bucket -> (keys per tile, warpgroups of 64 query
+# rows, blocks per SM the registers must allow).  Measured: docs/perf-notes.md, h1.
+SM90_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,15 +151,40 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) ->
     d = headdim_bucket(headdim)
     if d not in SM90_TILES:
         return None
-    block_n, wgs = SM90_TILES[d]
-    name = f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{64 * wgs}_bn{block_n}" + "_softcap" * softcap + "_alibi" * alibi
+    block_n, wgs, min_blocks = SM90_TILES[d]
+    name = f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{64 * wgs}_bn{block_n}_mb{min_blocks}"
+    name += "_softcap" * softcap + "_alibi" * alibi
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
-        ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
-        ("CUFLASH_BLOCK_M", 64 * wgs),
+        ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
+        ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_BLOCK_M", 64 * wgs),
     )
     smem = (64 * wgs + 4 * block_n) * d * 2 + 1024  # Q, two K/V stages, 1 KB for the 1024-byte alignment
     return Variant("flash_fwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
+
+
+# Hopper backward (flash_bwd_sm90.cu): head-dim bucket -> (rows of the inner-loop tiles, warpgroups
+# of 64 rows).  dK and dV of head dim 256 do not fit in registers: flash_bwd.cu serves it.
+SM90_BWD_TILES = {64: (64, 2), 128: (64, 2)}
+
+
+@functools.lru_cache(maxsize=None)
+def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) -> Variant | None:
+    """The wgmma backward kernels (``<name>_dq``, ``<name>_dkdv``; the D pre-pass is
+    :func:`bwd_variant`'s) for ``headdim``'s bucket, or None where only flash_bwd.cu serves."""
+    d = headdim_bucket(headdim)
+    if d not in SM90_BWD_TILES:
+        return None
+    inner, wgs = SM90_BWD_TILES[d]
+    name = f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}" + "_softcap" * softcap + "_alibi" * alibi
+    defines = (
+        ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
+        ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+    )
+    # The larger of the two kernels: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv), two
+    # stages of two inner tiles, LSE and D of the _dkdv stages, 1 KB for the 1024-byte alignment.
+    smem = (2 * 64 * wgs + 4 * inner) * d * 2 + 4 * inner * 4 + 1024
+    return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 
 def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
@@ -204,9 +230,10 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
-                    sm90 = sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi)
-                    if sm90 is not None:
-                        out.append(sm90)
+                    for hopper in (sm90_fwd_variant, sm90_bwd_variant):
+                        v = hopper(dtype, d, softcap=softcap, alibi=alibi)
+                        if v is not None:
+                            out.append(v)
     out += [softmax_variant(dt) for dt in DTYPE_TAGS]
     return out
 

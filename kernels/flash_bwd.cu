@@ -16,7 +16,7 @@
 // rows padded by 16 bytes.  Not handled here: head dims that are not multiples of 8 (the caller pads).
 #include "mma.cuh"
 #include "params.cuh"
-#include "seqinfo.cuh"
+#include "score_grad.cuh"
 #include "tile_io.cuh"
 #include "warp_gemm.cuh"
 
@@ -40,28 +40,6 @@
 #endif
 #define CUFLASH_CAT2(a, b) a##b
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
-
-constexpr float kLog2e = 1.4426950408889634f;
-
-// The row's LSE in log2 units, with -inf (no visible key) turned into +inf so that P = 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-    return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse * kLog2e;
-}
-
-// P for one score, and d(final score)/d(scale·q·k) (the softcap derivative) in dcap.
-template <bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ float prob(float qk, float scale, float softcap, float slope, int i, int j,
-                                      int offset, float lse2, float& dcap) {
-    float s = qk * scale;
-    dcap = 1.f;
-    if constexpr (kSoftcap) {
-        const float t = tanhf(s / softcap);
-        s = softcap * t;
-        dcap = 1.f - t * t;
-    }
-    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
-    return exp2f(s * kLog2e - lse2);
-}
 
 template <class T>
 __device__ __forceinline__ void flash_bwd_dsum(const FlashParams& p) {

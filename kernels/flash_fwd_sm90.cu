@@ -3,18 +3,16 @@
 //
 // Shah et al., "FlashAttention-3", 2024, §3 (wgmma; P kept in registers as the A operand of P V).
 // Grid and problem setup as flash_fwd.cu.  Block: kWG warpgroups of 4 warps; warpgroup w owns query
-// rows [64 w, 64 w + 64) of the block.  Shared memory, every tile in 128-byte-swizzled panels of 64
-// columns (row r of a panel is 128 bytes; its 16-byte chunk c sits at chunk c ^ (r % 8)), the layout
-// wgmma reads without bank conflicts: Q (kBM x kD) and two stages of K and V (kBN x kD each).
+// rows [64 w, 64 w + 64) of the block.  Shared memory, in the swizzled layout of swizzled_tile.cuh:
+// Q (kBM x kD) and two stages of K and V (kBN x kD each).
 // Per key tile: one barrier, then the cp.async copies of the next K/V tile are issued and run
 // under S = Q K^T (wgmma, fp32), the score pipeline and online softmax of softmax_tile.cuh, and
 // O += P V (wgmma, P from registers, V read transposed).  Head dims 64, 128, 256 (others and every
 // other GPU use flash_fwd.cu); the caller pads head dims that are not multiples of 8.
 #include "params.cuh"
 #include "softmax_tile.cuh"
-#include "tile_io.cuh"
+#include "swizzled_tile.cuh"
 #include "warp_gemm.cuh"
-#include "wgmma.cuh"
 
 #ifndef CUFLASH_DTYPE
 #define CUFLASH_DTYPE bf16_t
@@ -40,32 +38,6 @@
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd_sm90
 #endif
-
-// Byte offset of 16-byte chunk c (8 elements) of row r in a swizzled tile of kRows rows.
-template <int kRows>
-__device__ __forceinline__ int swizzled_chunk(int r, int c) {
-    return (c / 8) * kRows * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16);
-}
-
-// Copy a (kRows x kD) tile into a swizzled shared tile; rows >= rows_valid and chunks >= chunks_valid
-// become zeros.  Thread t copies chunk t % kChunks of rows t / kChunks + i kRowStep; kRowStep is a
-// multiple of 8, so the swizzle of a thread's chunk is the same for all its rows.
-template <int kRows, int kD, int kThreads>
-__device__ __forceinline__ void load_tile_swizzled(unsigned char* smem, const u16* g, long long row_stride,
-                                                   int rows_valid, int chunks_valid, int tid) {
-    constexpr int kChunks = kD / 8, kRowStep = kThreads / kChunks;
-    static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0, "bad tile split");
-    const int r0 = tid / kChunks, c = tid % kChunks;
-    const bool col_ok = c < chunks_valid;
-    const u16* src = g + r0 * row_stride + c * 8;
-    unsigned char* dst = smem + swizzled_chunk<kRows>(r0, c);
-#pragma unroll
-    for (int i = 0; i < kRows / kRowStep; ++i) {
-        const bool valid = col_ok && r0 + i * kRowStep < rows_valid;
-        cp_async_16(dst + i * kRowStep * 128, valid ? src : g, valid);
-        src += kRowStep * row_stride;
-    }
-}
 
 template <class T, int kD, int kBN, int kWG, bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
@@ -121,7 +93,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     if (nb_lo < nb_hi) {
         load_tile_swizzled<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
         load_kv(nb_hi - 1, 0);  // start at the tail/diagonal tile
-        const u32 q_base = smem_addr(sQ) + wg * 64 * 128, k_base = smem_addr(sK), v_base = smem_addr(sV);
+        const u32 q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
 
         for (int nb = nb_hi - 1, stage = 0; nb >= nb_lo; --nb, stage ^= 1) {
             const int n0 = nb * kBN;
@@ -130,16 +102,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
             __syncthreads();  // K/V of this tile (and Q) landed; every warp is done with the other stage
             if (nb > nb_lo) load_kv(nb - 1, stage ^ 1);
 
-            // S = Q K^T: 16-wide steps over the head dim; step ks is 32 bytes into panel ks / 4.
+            // S = Q K^T, in 16-wide steps over the head dim.
             float s[kNT][4];
             float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
             wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < kD / 16; ++ks) {
-                const u32 col = (ks / 4), off = (ks % 4) * 32;
-                wgmma_ss<T, kBN>(s_flat, make_desc(q_base + col * kBM * 128 + off, 16, 1024),
-                                 make_desc(k_base + stage * kTileKV + col * kBN * 128 + off, 16, 1024), ks > 0);
-            }
+            for (int ks = 0; ks < kD / 16; ++ks)
+                wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks), desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(s_flat);
@@ -155,12 +124,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
                     for (int e = 0; e < 4; ++e) o[ot][e] *= alpha[e / 2];
             }
 
-            // O += P V: 16 keys per step; V rows are 128 bytes, its panels kBN * 128 bytes apart.
+            // O += P V, 16 keys per step.
             float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBN / 16; ++kk)
-                wgmma_rs<T, kD>(o_flat, pk[kk], make_desc(v_base + stage * kTileKV + kk * 16 * 128, kBN * 128, 1024));
+                wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_base + stage * kTileKV, kk));
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(o_flat);
@@ -191,7 +160,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     }
 }
 
-// One block per SM (CUFLASH_MIN_BLOCKS = 1) leaves each thread up to 255 registers.
+// CUFLASH_MIN_BLOCKS = 1 leaves each thread up to 255 registers; 2 halves that for two blocks per SM.
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS)
 CUFLASH_KERNEL_NAME(const FlashParams p) {
     flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0,

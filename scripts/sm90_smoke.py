@@ -1,5 +1,6 @@
-"""Quick look at the Hopper forward kernel: error against float64 per head dim (with where the
-wrong entries sit, for layout bugs), then TF/s of it and of the sm_80 kernel at seqlen 4k/16k."""
+"""Quick look at the Hopper kernels: forward error against float64 per head dim (with where the
+wrong entries sit, for layout bugs), then TF/s of them and of the sm_80 kernels at seqlen 4k/16k.
+Usage: python scripts/sm90_smoke.py [fwd] [bwd]"""
 import os
 import sys
 from pathlib import Path
@@ -25,26 +26,31 @@ for d in (64, 128, 256):
               + (f", rows {np.unique(bad[:, 1])[:8]}, cols {np.unique(bad[:, 3])[:16]}" if len(bad) else ""))
 
 
-def tflops(d, s, causal, disable):
+def tflops(d, s, causal, disable, backward=False):
     os.environ["CUFLASH_DISABLE_SM90"] = "1" if disable else ""
     _fastpath.PLANS.clear()
     b, h = 16384 // s, 2048 // d
     q, k, v = (cp.asarray(rng.standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    run = ((lambda: cuflash.attention_backward(out, q, k, v, out, lse, causal=causal)) if backward
+           else (lambda: cuflash.attention(q, k, v, causal=causal)))
     for _ in range(3):
-        cuflash.attention(q, k, v, causal=causal)
+        run()
     start, stop = cp.cuda.Event(), cp.cuda.Event()
     n = 20
     start.record()
     for _ in range(n):
-        cuflash.attention(q, k, v, causal=causal)
+        run()
     stop.record()
     stop.synchronize()
     ms = cp.cuda.get_elapsed_time(start, stop) / n
-    return 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
+    return 4 * b * h * s * s * d / (2 if causal else 1) * (2.5 if backward else 1) / ms / 1e9
 
 
-print("d causal seqlen: sm90 / sm80 TF/s")
-for d in (64, 128, 256):
-    for causal in (False, True):
-        for s in (4096, 16384):
-            print(f"d{d} {causal} {s}: {tflops(d, s, causal, False):.0f} / {tflops(d, s, causal, True):.0f}")
+for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")] or ["fwd"]:
+    print(f"{kind}: d causal seqlen: sm90 / sm80 TF/s")
+    for d in (64, 128, 256) if kind == "fwd" else (64, 128):
+        for causal in (False, True):
+            for s in (4096, 16384):
+                sm90, sm80 = (tflops(d, s, causal, disable, kind == "bwd") for disable in (False, True))
+                print(f"{kind} d{d} {causal} {s}: {sm90:.0f} / {sm80:.0f}", flush=True)

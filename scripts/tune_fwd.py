@@ -3,6 +3,8 @@
 Tuning writes data: the winner goes into cuflash._kernels.fwd_tile.  Each configuration is
 checked against plain attention before it is timed.
 Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPSxMINBLOCKSxQINREGS,...]
+       python scripts/tune_fwd.py --sm90 BNxWARPGROUPSxMINBLOCKS,... (the Hopper kernel's SM90_TILES)
+       python scripts/tune_fwd.py --decode BMxBNxWARPS,...
 """
 
 import argparse
@@ -57,34 +59,63 @@ def tune_decode(configs):
         del k, v
 
 
+@contextlib.contextmanager
+def sm90_tile(headdim, tile):
+    """Make the Hopper kernel use ``tile`` (block_n, warpgroups, min_blocks) for ``headdim``."""
+    original = _kernels.SM90_TILES[headdim]
+    _kernels.SM90_TILES[headdim] = tile
+    _kernels.sm90_fwd_variant.cache_clear()
+    _fastpath.PLANS.clear()
+    try:
+        yield
+    finally:
+        _kernels.SM90_TILES[headdim] = original
+        _kernels.sm90_fwd_variant.cache_clear()
+        _fastpath.PLANS.clear()
+
+
+def run_config(d, seqlen, causal, cfg, tile_context, variant):
+    """Check one configuration against plain attention, time it, print TF/s and registers."""
+    b, h, s = 16384 // seqlen, 2048 // d, seqlen
+    q, k, v = (cp.asarray(np.random.default_rng(i).standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for i in range(3))
+    with tile_context:
+        try:
+            out = cuflash.attention(q, k, v, causal=causal)
+            check_against_plain(q, k, v, causal, out)
+            ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
+            fn = _kernels.get_function(variant(), 0)
+            tf = attention_flops(b, h, s, s, d, causal) / ms / 1e9
+            print(f"d{d} s{s} causal={causal!s:5} {cfg:10} {tf:6.0f} TF/s  regs {fn.num_regs} spill {fn.local_size_bytes}", flush=True)
+        except Exception as exc:
+            print(f"d{d} s{s} causal={causal} {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--configs", default="128x64x4x1x1,128x64x8x1x1,64x64x4x3x1,64x64x4x4x1,64x64x4x3x0,128x64x8x2x1,64x128x4x2x1")
-    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--seqlen", default="4096", help="one length; --sm90 takes a comma list")
+    ap.add_argument("--sm90", help="Hopper kernel tiles to time instead, e.g. 128x2x1,64x3x1")
     ap.add_argument("--decode", help="decode tiles to time instead, e.g. 16x64x1,16x128x1")
     args = ap.parse_args()
     if args.decode:
         return tune_decode(args.decode)
     for d in map(int, args.headdims.split(",")):
         for causal in (False, True):
-            b, h, s = 16384 // args.seqlen, 2048 // d, args.seqlen
-            q, k, v = (cp.asarray(np.random.default_rng(i).standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for i in range(3))
+            if args.sm90:
+                for cfg in args.sm90.split(","):
+                    tile = tuple(map(int, cfg.split("x")))
+                    for seqlen in map(int, str(args.seqlen).split(",")):
+                        run_config(d, seqlen, causal, cfg, sm90_tile(d, tile),
+                                   lambda: _kernels.sm90_fwd_variant("bfloat16", d, softcap=False, alibi=False))
+                continue
             for cfg in args.configs.split(","):
                 bm, bn, w, mb, qr = map(int, cfg.split("x"))
                 tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr))
                 if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
                     continue
-                with tile_table("fwd_tile", tile):
-                    try:
-                        out = cuflash.attention(q, k, v, causal=causal)
-                        check_against_plain(q, k, v, causal, out)
-                        ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
-                        fn = _kernels.get_function(_kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False), 0)
-                        tf = attention_flops(b, h, s, s, d, causal) / ms / 1e9
-                        print(f"d{d} causal={causal!s:5} {cfg:10} {tf:6.0f} TF/s  regs {fn.num_regs} spill {fn.local_size_bytes}", flush=True)
-                    except Exception as exc:
-                        print(f"d{d} causal={causal} {cfg}: {type(exc).__name__} {str(exc)[:100]}", flush=True)
+                run_config(d, int(args.seqlen), causal, cfg, tile_table("fwd_tile", tile),
+                           lambda: _kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False))
 
 
 if __name__ == "__main__":

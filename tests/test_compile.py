@@ -84,7 +84,7 @@ def test_sources_are_found_and_includes_inlined():
 
 def test_hopper_variants_cover_the_panel_buckets():
     names = [v.name for v in VARIANTS if v.arch == "90a"]
-    assert len(names) == 2 * 3 * 4  # dtypes x head dims 64/128/256 x (softcap, alibi)
+    assert len(names) == 2 * (3 + 2) * 4  # dtypes x (forward 64/128/256, backward 64/128) x (softcap, alibi)
     assert _kernels.sm90_fwd_variant("bfloat16", 96, softcap=False, alibi=False) is None
     v = _kernels.sm90_fwd_variant("float16", 111, softcap=False, alibi=True)
     assert v.name.startswith("cuflash_fwd_sm90_fp16_d128_") and "-arch=sm_90a" in v.options()

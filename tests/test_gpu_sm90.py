@@ -1,10 +1,11 @@
-"""The Hopper (wgmma) forward kernel and the sm_80 kernel it replaces there.
+"""The Hopper (wgmma) kernels and the sm_80 kernels they replace there.
 
 On a compute-capability-9.0 GPU, cuflash.attention runs kernels/flash_fwd_sm90.cu for head-dim
-buckets 64, 128 and 256, so test_gpu_forward.py's sweep tests it; this file checks that the
-dispatch really picks it, tests its tiling edges (many key tiles, both stages, tails, causal and
-window bands crossing tiles), and keeps the sm_80 kernel tested on Hopper through the
-CUFLASH_DISABLE_SM90 switch.
+buckets 64, 128 and 256, and attention_backward runs kernels/flash_bwd_sm90.cu for buckets 64 and
+128, so test_gpu_forward.py's and test_gpu_backward.py's sweeps test them; this file checks that
+the dispatch really picks them, tests their tiling edges (many tiles, both stages, tails, causal
+and window bands crossing tiles, GQA groups), and keeps the sm_80 kernels tested on Hopper
+through the CUFLASH_DISABLE_SM90 switch.
 """
 
 import ml_dtypes
@@ -14,6 +15,7 @@ import pytest
 from cuflash import _arrays, _fastpath, _gpu, _kernels
 
 from .conftest import HAS_GPU, requires_gpu
+from .test_cpu import check_backward, make_qkv
 from .test_gpu_forward import _check, _rand
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -44,8 +46,11 @@ def kernel(request, monkeypatch):
 @pytest.mark.parametrize("headdim", [40, 64, 111, 128, 256])
 def test_dispatch_picks_the_wgmma_kernel(headdim, monkeypatch):
     device = _arrays.cupy_module().cuda.Device().id
-    v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), dict(softcap=False, alibi=False))
+    features = dict(softcap=False, alibi=False)
+    v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features)
     assert v is not None and v.name.startswith("cuflash_fwd_sm90_")
+    v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features, _kernels.sm90_bwd_variant)
+    assert (v is not None) == (headdim <= 128)
     monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
     assert _gpu._hopper_variant(device, "bfloat16", 128, dict(softcap=False, alibi=False)) is None
 
@@ -107,3 +112,38 @@ def test_wgmma_repeated_calls_are_bitwise_identical(rng):
     first = cuflash.attention(q, k, v, causal=True)
     for _ in range(3):
         assert bool((cuflash.attention(q, k, v, causal=True) == first).all())
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [40, 64, 111, 128])
+@pytest.mark.parametrize("seqlens", [(17, 17), (127, 129), (257, 700), (700, 130)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_both_backward_kernels_many_tiles(rng, kernel, dtype, headdim, seqlens, causal):
+    q, k, v = make_qkv(rng, dtype, 1, *seqlens, 4, 2, headdim)  # GQA: dK, dV sum two heads
+    check_backward(_arrays.cupy_module(), q, k, v, rng=rng, causal=causal)
+
+
+BACKWARD_OPTIONS = [
+    dict(window_size=(70, 3)),
+    dict(softcap=5.0, causal=True),
+    dict(alibi_slopes=True),
+    dict(seqlens_k=True, causal=True),
+    dict(softmax_scale=-0.3),
+]
+
+
+@requires_hopper
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("opts", BACKWARD_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_both_backward_kernels_options(rng, kernel, dtype, headdim, opts):
+    b, sq, sk = 2, 200, 333
+    cp = _arrays.cupy_module()
+    opts = dict(opts)
+    if opts.get("alibi_slopes"):
+        opts["alibi_slopes"] = cp.asarray(rng.uniform(0.01, 0.5, (b, 6)).astype(np.float32))
+    if opts.get("seqlens_k"):
+        opts["seqlens_k"] = cp.asarray(np.array([sk, 70], dtype=np.int32))
+    q, k, v = make_qkv(rng, dtype, b, sq, sk, 6, 2, headdim)
+    check_backward(cp, q, k, v, rng=rng, **opts)

@@ -1,0 +1,304 @@
+// Exact attention backward for Hopper (sm_90a): the dq and dkdv kernels of flash_bwd.cu with their
+// matrix products on warpgroup MMA (wgmma); the D = rowsum(dO ∘ O) pre-pass stays flash_bwd.cu's.
+//
+// Dao, "FlashAttention-2", Algorithm 2, split as in flash_bwd.cu (no atomics, bitwise repeatable);
+// Shah et al., "FlashAttention-3", 2024, §3 for the wgmma operand placement.  Warpgroup w of a
+// block owns 64 rows (query rows in _dq, key rows in _dkdv); tiles live in the swizzled layout of
+// swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered with cp.async
+// behind one barrier per step, as in flash_fwd_sm90.cu.
+//   _dq   : per key tile, S = Q Kᵀ and dP = dO Vᵀ (A and B from shared memory), dS = P ∘ (dP - D)
+//           in registers, dQ += dS K (dS from registers, K read transposed).
+//   _dkdv : per query tile of each GQA head, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q.
+// Head dims 64 and 128 (dK and dV of 256 do not fit in registers: flash_bwd.cu serves them).
+#include "params.cuh"
+#include "score_grad.cuh"
+#include "swizzled_tile.cuh"
+#include "warp_gemm.cuh"
+
+#ifndef CUFLASH_DTYPE
+#define CUFLASH_DTYPE bf16_t
+#endif
+#ifndef CUFLASH_HEADDIM
+#define CUFLASH_HEADDIM 128
+#endif
+// Rows of the tiles the inner loop walks over: keys in _dq, queries in _dkdv.
+#ifndef CUFLASH_INNER
+#define CUFLASH_INNER 64
+#endif
+#ifndef CUFLASH_WARPGROUPS
+#define CUFLASH_WARPGROUPS 2
+#endif
+#ifndef CUFLASH_SOFTCAP
+#define CUFLASH_SOFTCAP 0
+#endif
+#ifndef CUFLASH_ALIBI
+#define CUFLASH_ALIBI 0
+#endif
+#ifndef CUFLASH_KERNEL_NAME
+#define CUFLASH_KERNEL_NAME cuflash_bwd_sm90
+#endif
+#define CUFLASH_CAT2(a, b) a##b
+#define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
+
+// Each thread's rows of a warpgroup's 64-row wgmma accumulator: r and r + 8 within the 64.
+__device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + (tid % 32) / 4; }
+
+// Scale a (64 x kD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
+// warpgroup's own rows [r0, r0 + 64) of the swizzled tile `stage` (kRows rows), then (after a block
+// barrier) store rows < rows_valid and chunks < chunks_valid to g.
+template <class T, int kD, int kRows, int kThreads>
+__device__ __forceinline__ void store_tile(const float (&acc)[kD / 8][4], float mul, unsigned char* stage, int r0,
+                                           u16* g, long long row_stride, int rows_valid, int chunks_valid, int tid) {
+    const int lane = tid % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int ot = 0; ot < kD / 8; ++ot)
+            *reinterpret_cast<u32*>(stage + swizzled_chunk<kRows>(r0 + wg_row(tid) + 8 * half, ot) + (lane % 4) * 4) =
+                pack2<T>(acc[ot][2 * half] * mul, acc[ot][2 * half + 1] * mul);
+    __syncthreads();
+    constexpr int kChunks = kD / 8;
+#pragma unroll
+    for (int c = tid; c < kRows * kChunks; c += kThreads) {
+        const int r = c / kChunks, col = c % kChunks;
+        if (r < rows_valid && col < chunks_valid)
+            *reinterpret_cast<uint4*>(g + r * row_stride + col * 8) = *reinterpret_cast<const uint4*>(stage + swizzled_chunk<kRows>(r, col));
+    }
+}
+
+template <class T, int kD, int kBN, int kWG, bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
+    constexpr int kBM = 64 * kWG, kThreads = 128 * kWG, kNT = kBN / 8;
+    constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* sQ = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBM, kD), reused to stage dQ
+    unsigned char* sdO = sQ + kTileQ;        // (kBM, kD)
+    unsigned char* sK = sdO + kTileQ;        // 2 stages of (kBN, kD)
+    unsigned char* sV = sK + 2 * kTileKV;    // 2 stages of (kBN, kD)
+
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);
+    const SeqInfo seq(p, b);
+    const int m0 = blockIdx.x * kBM;
+    if (m0 >= seq.sq) return;
+    const int rows_valid = min(kBM, seq.sq - m0);
+    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+
+    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
+    const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + (seq.q_start + m0) * p.do_row_stride + h * p.do_head_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
+    const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+
+    const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
+    const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+    const int r_lo = wg * 64 + wg_row(tid);  // block rows r_lo and r_lo + 8
+    float lse2[2], dsum[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int r = r_lo + 8 * half;
+        lse2[half] = r < rows_valid ? lse_log2(p.lse[stat + r]) : __int_as_float(0x7f800000);
+        dsum[half] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+    }
+
+    float dq[kD / 8][4];
+    zero(dq);
+    int n_lo, n_hi;
+    seq.key_range(m0, m0 + kBM, n_lo, n_hi);
+    const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    auto load_kv = [&](int nb, int stage) {
+        const int n0 = nb * kBN;
+        load_tile_swizzled<kBN, kD, kThreads>(sK + stage * kTileKV, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile_swizzled<kBN, kD, kThreads>(sV + stage * kTileKV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        cp_async_commit();
+    };
+    load_tile_swizzled<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
+    load_tile_swizzled<kBM, kD, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
+    if (nb_lo < nb_hi) load_kv(nb_lo, 0);
+    else cp_async_commit();
+    const u32 q_base = smem_addr(sQ), do_base = smem_addr(sdO), k_base = smem_addr(sK), v_base = smem_addr(sV);
+
+    for (int nb = nb_lo, stage = 0; nb < nb_hi; ++nb, stage ^= 1) {
+        const int n0 = nb * kBN;
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();  // this K/V tile (and Q, dO) landed; every warp is done with the other stage
+        if (nb + 1 < nb_hi) load_kv(nb + 1, stage ^ 1);
+
+        float s[kNT][4], dp[kNT][4];  // rows r_lo, r_lo + 8 x kBN keys
+        float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
+        float (&dp_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(dp);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks)  // S = Q Kᵀ
+            wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks), desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks)  // dP = dO Vᵀ
+            wgmma_ss<T, kBN>(dp_flat, desc_k_major<kBM>(do_base, wg * 64, ks), desc_k_major<kBN>(v_base + stage * kTileKV, 0, ks), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(s_flat);
+        wgmma_pin(dp_flat);
+
+        const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                float dcap;
+                float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
+                if (masked && !seq.visible(i, j)) pr = 0.f;
+                s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
+            }
+        u32 ds[kBN / 16][4];
+        c_to_a<T, kBN>(ds, s);
+        float (&dq_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dq);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBN / 16; ++kk)  // dQ += dS K
+            wgmma_rs<T, kD>(dq_flat, ds[kk], desc_n_major<kBN>(k_base + stage * kTileKV, kk));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(dq_flat);
+    }
+    cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
+    __syncthreads();     // every warpgroup is done reading sQ before it stages dQ
+    store_tile<T, kD, kBM, kThreads>(dq, scale, sQ, wg * 64, gdQ, p.dq_row_stride, rows_valid, qk_chunks, tid);
+}
+
+template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
+    constexpr int kBN = 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
+    constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
+    unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
+    unsigned char* sQ = sV + kTileKV;        // 2 stages of (kBM, kD)
+    unsigned char* sdO = sQ + 2 * kTileQ;    // 2 stages of (kBM, kD)
+    float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units
+    float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
+
+    const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_k) return;
+    const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
+    const int group = static_cast<int>(p.nheads_q / p.nheads_k);
+    const SeqInfo seq(p, b);
+    const int n0 = blockIdx.x * kBN;
+    // Padded batches own every row up to seqlen_k (rows past seqlens_k get zero gradients);
+    // packed sequences own only their own rows.
+    const int write_rows = p.cu_seqlens_k ? seq.sk : static_cast<int>(p.seqlen_k);
+    if (n0 >= write_rows) return;
+    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+
+    const long long k_row = seq.k_start + n0;
+    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + k_row * p.k_row_stride + hk * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + k_row * p.v_row_stride + hk * p.v_head_stride;
+    u16* gdK = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + k_row * p.dk_row_stride + hk * p.dk_head_stride;
+    u16* gdV = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + k_row * p.dv_row_stride + hk * p.dv_head_stride;
+    const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
+    const int r_lo = wg * 64 + wg_row(tid);  // key rows r_lo and r_lo + 8 of the block
+
+    float dk[kD / 8][4], dv[kD / 8][4];
+    zero(dk);
+    zero(dv);
+    int i_lo = 0, i_hi = 0;
+    if (n0 < seq.sk) seq.query_range(n0, n0 + kBN, i_lo, i_hi);
+    const int mb_lo = i_lo / kBM, tiles = i_lo < i_hi ? (i_hi + kBM - 1) / kBM - mb_lo : 0;
+    // Step t of the loop: query head hk * group + t / tiles, query tile mb_lo + t % tiles.
+    auto load_q = [&](int t, int stage) {
+        const int h = hk * group + t / tiles, m0 = (mb_lo + t % tiles) * kBM;
+        const int rows_valid = min(kBM, seq.sq - m0);
+        const long long q_row = seq.q_start + m0;
+        load_tile_swizzled<kBM, kD, kThreads>(sQ + stage * kTileQ, static_cast<const u16*>(p.q) + b * p.q_batch_stride + q_row * p.q_row_stride + h * p.q_head_stride,
+                                              p.q_row_stride, rows_valid, qk_chunks, tid);
+        load_tile_swizzled<kBM, kD, kThreads>(sdO + stage * kTileQ, static_cast<const u16*>(p.dout) + b * p.do_batch_stride + q_row * p.do_row_stride + h * p.do_head_stride,
+                                              p.do_row_stride, rows_valid, v_chunks, tid);
+        cp_async_commit();
+        const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + q_row;
+        for (int r = tid; r < kBM; r += kThreads) {  // read after the barrier that publishes the stage
+            sLse2[stage * kBM + r] = r < rows_valid ? lse_log2(p.lse[stat + r]) : __int_as_float(0x7f800000);
+            sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+        }
+    };
+    if (tiles > 0) {
+        load_tile_swizzled<kBN, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile_swizzled<kBN, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        load_q(0, 0);
+    }
+    const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
+
+    for (int t = 0, stage = 0; t < group * tiles; ++t, stage ^= 1) {
+        const int h = hk * group + t / tiles, m0 = (mb_lo + t % tiles) * kBM;
+        const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+        cp_async_wait<0>();
+        fence_async_smem();
+        __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
+        if (t + 1 < group * tiles) load_q(t + 1, stage ^ 1);
+
+        float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x kBM queries
+        float (&st_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(st);
+        float (&dpt_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(dpt);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks)  // Sᵀ = K Qᵀ
+            wgmma_ss<T, kBM>(st_flat, desc_k_major<kBN>(k_base, wg * 64, ks), desc_k_major<kBM>(q_base + stage * kTileQ, 0, ks), ks > 0);
+#pragma unroll
+        for (int ks = 0; ks < kD / 16; ++ks)  // dPᵀ = V dOᵀ
+            wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_base, wg * 64, ks), desc_k_major<kBM>(do_base + stage * kTileQ, 0, ks), ks > 0);
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(st_flat);
+        wgmma_pin(dpt_flat);
+
+        const float* lse2 = sLse2 + stage * kBM;
+        const float* dsum = sDsum + stage * kBM;
+        const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int j = n0 + r_lo + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
+                const int i = m0 + c;
+                float dcap;
+                float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[c], dcap);
+                if (masked && !seq.visible(i, j)) pr = 0.f;
+                st[nt][e] = pr;
+                dpt[nt][e] = pr * (dpt[nt][e] - dsum[c]) * dcap;  // dSᵀ, without the softmax scale
+            }
+        u32 pa[kBM / 16][4], dsa[kBM / 16][4];
+        c_to_a<T, kBM>(pa, st);
+        c_to_a<T, kBM>(dsa, dpt);
+        float (&dv_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dv);
+        float (&dk_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dk);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO
+            wgmma_rs<T, kD>(dv_flat, pa[kk], desc_n_major<kBM>(do_base + stage * kTileQ, kk));
+#pragma unroll
+        for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
+            wgmma_rs<T, kD>(dk_flat, dsa[kk], desc_n_major<kBM>(q_base + stage * kTileQ, kk));
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(dv_flat);
+        wgmma_pin(dk_flat);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warpgroup is done with sK, sV before they stage dK, dV
+    const int rows_valid = min(kBN, write_rows - n0);
+    store_tile<T, kD, kBN, kThreads>(dk, scale, sK, wg * 64, gdK, p.dk_row_stride, rows_valid, qk_chunks, tid);
+    store_tile<T, kD, kBN, kThreads>(dv, 1.f, sV, wg * 64, gdV, p.dv_row_stride, rows_valid, v_chunks, tid);
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, 1) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
+    flash_bwd_dq_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, 1) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
+    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+}

@@ -1,0 +1,26 @@
+// Recomputing P from the scores and the saved LSE in the backward kernels (flash_bwd.cu and
+// flash_bwd_sm90.cu), with the softcap derivative.
+#pragma once
+#include "seqinfo.cuh"
+
+constexpr float kLog2e = 1.4426950408889634f;
+
+// The row's LSE in log2 units, with -inf (no visible key) turned into +inf so that P = 0.
+__device__ __forceinline__ float lse_log2(float lse) {
+    return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse * kLog2e;
+}
+
+// P for one score, and d(final score)/d(scale·q·k) (the softcap derivative) in dcap.
+template <bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ float prob(float qk, float scale, float softcap, float slope, int i, int j,
+                                      int offset, float lse2, float& dcap) {
+    float s = qk * scale;
+    dcap = 1.f;
+    if constexpr (kSoftcap) {
+        const float t = tanhf(s / softcap);
+        s = softcap * t;
+        dcap = 1.f - t * t;
+    }
+    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
+    return exp2f(s * kLog2e - lse2);
+}
