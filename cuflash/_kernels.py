@@ -141,7 +141,7 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
 
 # Hopper forward (flash_fwd_sm90.cu): head-dim bucket -> (keys per tile, warpgroups of 64 query
 # rows, blocks per SM the registers must allow).  Measured: docs/perf-notes.md, h1.
-SM90_TILES = {64: (64, 2, 2), 128: (128, 2, 1), 256: (64, 2, 1)}
+SM90_TILES = {64: (64, 2, 2), 128: (64, 2, 2), 256: (64, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,8 +164,9 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) ->
 
 
 # Hopper backward (flash_bwd_sm90.cu): head-dim bucket -> (rows of the inner-loop tiles, warpgroups
-# of 64 rows).  dK and dV of head dim 256 do not fit in registers: flash_bwd.cu serves it.
-SM90_BWD_TILES = {64: (64, 2), 128: (64, 2)}
+# of 64 rows, blocks per SM the registers must allow).  dK and dV of head dim 256 do not fit in
+# registers: flash_bwd.cu serves it.  Measured: docs/perf-notes.md, h2.
+SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -175,11 +176,12 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) ->
     d = headdim_bucket(headdim)
     if d not in SM90_BWD_TILES:
         return None
-    inner, wgs = SM90_BWD_TILES[d]
-    name = f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}" + "_softcap" * softcap + "_alibi" * alibi
+    inner, wgs, min_blocks = SM90_BWD_TILES[d]
+    name = f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap + "_alibi" * alibi
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
-        ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+        ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
+        ("CUFLASH_ALIBI", int(alibi)),
     )
     # The larger of the two kernels: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv), two
     # stages of two inner tiles, LSE and D of the _dkdv stages, 1 KB for the 1024-byte alignment.

@@ -28,6 +28,9 @@
 #ifndef CUFLASH_WARPGROUPS
 #define CUFLASH_WARPGROUPS 2
 #endif
+#ifndef CUFLASH_MIN_BLOCKS
+#define CUFLASH_MIN_BLOCKS 1
+#endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
@@ -295,10 +298,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     store_tile<T, kD, kBN, kThreads>(dv, 1.f, sV, wg * 64, gdV, p.dv_row_stride, rows_valid, v_chunks, tid);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, 1) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
     flash_bwd_dq_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, 1) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
 }

@@ -1,6 +1,6 @@
 """Quick look at the Hopper kernels: forward error against float64 per head dim (with where the
 wrong entries sit, for layout bugs), then TF/s of them and of the sm_80 kernels at seqlen 4k/16k.
-Usage: python scripts/sm90_smoke.py [fwd] [bwd]"""
+Usage: python scripts/sm90_smoke.py [fwd] [bwd]   (errors always; timings of the kinds named)"""
 import os
 import sys
 from pathlib import Path
@@ -47,10 +47,21 @@ def tflops(d, s, causal, disable, backward=False):
     return 4 * b * h * s * s * d / (2 if causal else 1) * (2.5 if backward else 1) / ms / 1e9
 
 
-for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")] or ["fwd"]:
+for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:
     print(f"{kind}: d causal seqlen: sm90 / sm80 TF/s")
     for d in (64, 128, 256) if kind == "fwd" else (64, 128):
         for causal in (False, True):
             for s in (4096, 16384):
                 sm90, sm80 = (tflops(d, s, causal, disable, kind == "bwd") for disable in (False, True))
                 print(f"{kind} d{d} {causal} {s}: {sm90:.0f} / {sm80:.0f}", flush=True)
+
+# Backward tiles to compare: SM90_BWD_TILES="64:64x1x2,128:64x1x2" (head dim: inner x warpgroups x min blocks).
+for spec in filter(None, os.environ.get("SM90_BWD_TILES", "").split(",")):
+    from cuflash import _kernels
+
+    d, tile = spec.split(":")
+    d = int(d)
+    _kernels.SM90_BWD_TILES[d] = tuple(map(int, tile.split("x")))
+    _kernels.sm90_bwd_variant.cache_clear()
+    row = [f"{tflops(d, s, causal, False, True):.0f}" for causal in (False, True) for s in (4096, 16384)]
+    print(f"bwd tile d{d} {tile}: non-causal 4k/16k, causal 4k/16k: {' / '.join(row)}", flush=True)
