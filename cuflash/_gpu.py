@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 
@@ -171,7 +170,7 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
     """The wgmma kernel of ``family`` (forward or backward) where it applies: a
     compute-capability-9.0 GPU, an NVRTC that builds sm_90a, a head-dim bucket it covers, and
     CUFLASH_DISABLE_SM90 unset (a switch for comparing with the sm_80 kernels).  None otherwise."""
-    if not _is_hopper(device) or os.environ.get("CUFLASH_DISABLE_SM90", "") not in ("", "0"):
+    if not _is_hopper(device) or _kernels.sm90_disabled():
         return None
     return family(dtype, headdim, **features)
 
@@ -179,7 +178,7 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
 @functools.lru_cache(maxsize=None)
 def _is_hopper(device_id: int) -> bool:
     cp = _cp()
-    return cp.cuda.Device(device_id).compute_capability == "90" and cp.cuda.nvrtc.getVersion() >= (12, 9)
+    return _kernels.sm90_applies(cp.cuda.Device(device_id).compute_capability, cp.cuda.nvrtc.getVersion())
 
 
 def execute(prm, launches, accum):

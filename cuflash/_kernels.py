@@ -13,6 +13,7 @@ Block sizes come from one table, :func:`fwd_tile`; tuning changes data there, no
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,17 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
         ("CUFLASH_SPLITKV", int(splitkv)),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
+
+
+def sm90_applies(compute_capability: str, nvrtc_version) -> bool:
+    """Whether the wgmma (sm_90a) kernels can run: compute capability exactly 9.0 (sm_90a code
+    runs on no other GPU) and an NVRTC of 12.9 or newer (older ones reject CuPy's second -arch)."""
+    return compute_capability == "90" and nvrtc_version is not None and tuple(nvrtc_version) >= (12, 9)
+
+
+def sm90_disabled() -> bool:
+    """CUFLASH_DISABLE_SM90 set (to anything but 0): use the sm_80 kernels on Hopper too."""
+    return os.environ.get("CUFLASH_DISABLE_SM90", "") not in ("", "0")
 
 
 # Hopper forward (flash_fwd_sm90.cu): head-dim bucket -> (keys per tile, warpgroups of 64 query

@@ -85,10 +85,33 @@ def _gpu_lines(cp) -> list[str]:
             cc = f"{props['major']}.{props['minor']}"
             smem = props.get("sharedMemPerBlockOptin")
             extra = f", {format_bytes(smem)} shared memory per block" if smem else ""
-            lines.append(f"GPU {i}: {name}, compute capability {cc}{extra}")
+            lines.append(f"GPU {i}: {name}, compute capability {cc}{extra}; "
+                         f"{kernel_family(props['major'], props['minor'], _nvrtc_tuple(cp))}")
         except Exception as exc:
             lines.append(f"GPU {i}: could not be queried ({type(exc).__name__}: {exc})")
     return lines
+
+
+def kernel_family(major: int, minor: int, nvrtc, disabled: bool | None = None) -> str:
+    """Which cuflash kernels a GPU of this compute capability runs with this NVRTC version."""
+    from . import _kernels
+
+    if major < 8:
+        return "no cuflash kernels (they need compute capability 8.0 or newer)"
+    if (major, minor) != (9, 0):
+        return "sm_80 kernels (mma.sync)"
+    if _kernels.sm90_disabled() if disabled is None else disabled:
+        return "sm_80 kernels (CUFLASH_DISABLE_SM90 is set)"
+    if not _kernels.sm90_applies(f"{major}{minor}", nvrtc):
+        return "sm_80 kernels (the Hopper kernels need NVRTC 12.9 or newer to build sm_90a)"
+    return "Hopper kernels (wgmma, sm_90a) for head dims 33-64, 97-128, 225-256; sm_80 kernels otherwise"
+
+
+def _nvrtc_tuple(cp):
+    try:
+        return tuple(cp.cuda.nvrtc.getVersion())
+    except Exception:
+        return None
 
 
 def _nvrtc_version(cp) -> str:

@@ -162,3 +162,14 @@ def test_bench_refuses_sweep_options_on_fixed_suites():
     assert result.exit_code == 2 and "--headdims" in result.output and "--suite decode" in result.output
     result = CliRunner().invoke(cli.main, ["bench", "--suite", "paper", "--backward"])
     assert result.exit_code == 2 and "--backward" in result.output
+
+
+def test_info_names_the_kernel_family_per_gpu():
+    from cuflash.cli import kernel_family
+
+    assert "Hopper" in kernel_family(9, 0, (13, 0), disabled=False)
+    assert "NVRTC 12.9" in kernel_family(9, 0, (12, 4), disabled=False)
+    assert "CUFLASH_DISABLE_SM90" in kernel_family(9, 0, (13, 0), disabled=True)
+    assert kernel_family(8, 0, (13, 0), disabled=False).startswith("sm_80")
+    assert kernel_family(12, 0, (13, 0), disabled=False).startswith("sm_80")  # sm_90a code runs on CC 9.0 only
+    assert "8.0 or newer" in kernel_family(7, 5, (13, 0), disabled=False)

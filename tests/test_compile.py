@@ -94,3 +94,14 @@ def test_generated_wgmma_header_is_current():
     script = Path(__file__).resolve().parent.parent / "scripts" / "gen_wgmma.py"
     result = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_sm90_applies_only_to_compute_capability_9_0_with_nvrtc_12_9(monkeypatch):
+    assert _kernels.sm90_applies("90", (12, 9)) and _kernels.sm90_applies("90", (13, 0))
+    assert not _kernels.sm90_applies("90", (12, 8))  # NVRTC rejects CuPy's second -arch
+    assert not any(_kernels.sm90_applies(cc, (13, 0)) for cc in ("80", "89", "100", "120"))
+    assert not _kernels.sm90_applies("90", None)
+    monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
+    assert _kernels.sm90_disabled()
+    monkeypatch.setenv("CUFLASH_DISABLE_SM90", "0")
+    assert not _kernels.sm90_disabled()
