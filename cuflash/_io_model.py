@@ -172,8 +172,9 @@ def io_model(
 
     * Standard attention (Algorithm 0): read Q and K, write S; read S, write P; read P and V,
       write O.  ``Θ(N·d + N²)`` bytes: ``(Nq + Nk)·d + 4·Nq·Nk + Nk·dv + Nq·dv`` elements.
-    * Tiled attention: a query block holds ``B_r = ceil(M / (4d))`` rows (the paper's
-      Algorithm 1 block size, line 1), giving ``T_r = ceil(Nq / B_r)`` query blocks.  Q is read
+    * Tiled attention: a query block holds ``B_r = ceil(M / (4d))`` rows (the size Algorithm 1,
+      line 1, gives its outer-loop blocks, B_c there; here the outer loop runs over queries, as
+      in FlashAttention-2), giving ``T_r = ceil(Nq / B_r)`` query blocks.  Q is read
       once, O and the float32 LSE are written once, and K and V are read once per query block:
       ``Nq·d + Nq·dv + T_r·Nk·(d + dv)`` elements plus the LSE, i.e. ``Θ(N²·d²/M)``.
     * The same count with the kernel's ``block_m`` instead of ``B_r`` gives ``kernel_hbm_bytes``.
@@ -268,8 +269,8 @@ def why_fast(m: IOModel) -> str:
         ("Why it is fast" if m.hbm_ratio >= 1 else "Why tiling does not pay at this size") +
         f": standard attention writes the {format_bytes(m.score_bytes)} score matrix "
         f"to HBM and reads it back, twice (S, then P): {format_bytes(m.standard_hbm_bytes)} moved; "
-        f"the tiled algorithm keeps each {m.block_m}x{m.block_n} score tile on chip and re-reads only "
-        f"K and V, once per query block: {format_bytes(m.tiled_hbm_bytes)}, "
+        f"the tiled algorithm keeps each score tile on chip and re-reads only K and V, once per "
+        f"block of {m.block_rows} query rows: {format_bytes(m.tiled_hbm_bytes)}, "
         + (f"{m.hbm_ratio:.1f}x less." if m.hbm_ratio >= 1 else
            f"{1 / m.hbm_ratio:.1f}x more: at this size the score matrix is small next to K and V re-read per block.")
     )

@@ -73,7 +73,8 @@ def _gpu_lines(cp) -> list[str]:
         count = cp.cuda.runtime.getDeviceCount()
     except Exception as exc:  # no driver: cudaErrorInsufficientDriver / cudaErrorNoDevice
         msg = str(exc).splitlines()[0] if str(exc) else ""
-        return [f"no GPU found ({type(exc).__name__}{': ' + msg if msg else ''})"]
+        hint = "; no NVIDIA driver, or one older than this CuPy's CUDA" if "InsufficientDriver" in msg else ""
+        return [f"no GPU found ({type(exc).__name__}{': ' + msg if msg else ''}{hint})"]
     if count == 0:
         return ["no GPU found"]
     lines = []
@@ -104,7 +105,9 @@ def kernel_family(major: int, minor: int, nvrtc, disabled: bool | None = None) -
         return "sm_80 kernels (CUFLASH_DISABLE_SM90 is set)"
     if not _kernels.sm90_applies(f"{major}{minor}", nvrtc):
         return "sm_80 kernels (the Hopper kernels need NVRTC 12.9 or newer to build sm_90a)"
-    return "Hopper kernels (wgmma, sm_90a) for head dims 33-64, 97-128, 225-256; sm_80 kernels otherwise"
+    return ("Hopper kernels (wgmma, sm_90a) for the forward at head dims 33-64, 97-128, 225-256 and the "
+            "backward at 33-64, 97-128; sm_80 kernels for other head dims and for decoding (<= 16 query rows, "
+            "paged caches)")
 
 
 def _nvrtc_tuple(cp):
@@ -259,9 +262,14 @@ def _array_module():
     return np, "no GPU found: running the CPU path (NumPy)"
 
 
+def _progress_stream():
+    """Progress bars go to stderr, so that piped or redirected results hold only the results."""
+    return sys.stderr
+
+
 def _progress_steps(labels):
     """A click progress bar advanced by name; returns (bar, step)."""
-    bar = click.progressbar(length=len(labels), label="cuflash demo", show_pos=True)
+    bar = click.progressbar(length=len(labels), label="cuflash demo", show_pos=True, file=_progress_stream())
     seen = []
 
     def step(label):
@@ -293,8 +301,9 @@ def demo():
     click.echo(f"backward: {r['backward_s'] * 1e3:9.2f} ms  {r['backward_tflops']:7.2f} TF/s   "
                f"error ratio on a small problem: {r['backward_ratio']:.2f} (pass <= 1)")
     if r["plain_s"] is not None:
-        click.echo(f"plain attention (matmul, softmax, matmul): {r['plain_s'] * 1e3:.2f} ms -> "
-                   f"cuflash forward is {r['plain_s'] / r['forward_s']:.1f}x faster")
+        speedup = r["plain_s"] / r["forward_s"]
+        verdict = f"{speedup:.1f}x faster" if speedup >= 1 else f"{1 / speedup:.1f}x slower (the CPU path trades speed for memory)"
+        click.echo(f"plain attention (matmul, softmax, matmul): {r['plain_s'] * 1e3:.2f} ms -> cuflash forward is {verdict}")
     else:
         click.echo(f"plain attention failed ({r['plain_error']}); cuflash needs no score matrix")
     click.echo(f"score matrix plain attention materialises: {format_bytes(r['score_bytes'])} (float32); "
@@ -316,7 +325,8 @@ def check(quick):
     click.echo(f"{where}; {len(cases)} cases, forward and backward, exactness rule (ratio <= 1 passes)")
     rng = np.random.default_rng()
     results = []
-    with click.progressbar(cases, label="cuflash check", item_show_func=lambda c: c.label if c else "") as bar:
+    with click.progressbar(cases, label="cuflash check", item_show_func=lambda c: c.label if c else "",
+                           file=_progress_stream()) as bar:
         for case in bar:
             results.append(_check.run_case(case, xp, rng))
     width = max(len(r.case.label) for r in results)
@@ -384,4 +394,4 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     argv += ["--backward"] * backward + ["--no-peers"] * no_peers
     argv += ["--json", json_path] if json_path else []
     argv += ["--plot", plot_path] if plot_path else []
-    bench_module.main(argv, progress=lambda items, label: click.progressbar(items, label=label))
+    bench_module.main(argv, progress=lambda items, label: click.progressbar(items, label=label, file=_progress_stream()))

@@ -39,7 +39,8 @@ def close(a, b, tol=TOL):
     assert a.shape == b.shape
     assert not np.isnan(a).any(), f"{int(np.isnan(a).sum())} NaN of {a.size}"
     both_inf = np.isinf(a) & np.isinf(b) & (np.sign(a) == np.sign(b))
-    err = np.abs(np.where(both_inf, 0, a - b))
+    with np.errstate(invalid="ignore"):  # inf - inf where both_inf; replaced by 0
+        err = np.abs(np.where(both_inf, 0, a - b))
     ok = err <= tol * (1 + np.abs(np.where(both_inf, 0, b)))
     assert ok.all(), f"{int((~ok).sum())} of {a.size} elements off, max error {float(err.max()):.3g}"
 
