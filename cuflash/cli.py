@@ -105,9 +105,17 @@ def kernel_family(major: int, minor: int, nvrtc, disabled: bool | None = None) -
         return "sm_80 kernels (CUFLASH_DISABLE_SM90 is set)"
     if not _kernels.sm90_applies(f"{major}{minor}", nvrtc):
         return "sm_80 kernels (the Hopper kernels need NVRTC 12.9 or newer to build sm_90a)"
-    return ("Hopper kernels (wgmma, sm_90a) for the forward at head dims 33-64, 97-128, 225-256 and the "
-            "backward at 33-64, 97-128; sm_80 kernels for other head dims and for decoding (<= 16 query rows, "
-            "paged caches)")
+    return (f"Hopper kernels (wgmma, sm_90a) for the forward at head dims {_headdim_spans(_kernels.SM90_TILES)} "
+            f"and the backward at {_headdim_spans(_kernels.SM90_BWD_TILES)}; sm_80 kernels for other head dims "
+            f"and for decoding (<= 16 query rows, paged caches)")
+
+
+def _headdim_spans(tiles) -> str:
+    """The head dims whose bucket has an entry in ``tiles``, e.g. "33-64, 97-128"."""
+    from ._kernels import HEADDIM_BUCKETS
+
+    lows = dict(zip(HEADDIM_BUCKETS, (1, *(b + 1 for b in HEADDIM_BUCKETS))))
+    return ", ".join(f"{lows[b]}-{b}" for b in HEADDIM_BUCKETS if b in tiles)
 
 
 def _nvrtc_tuple(cp):

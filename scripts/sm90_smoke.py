@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
 from cuflash import _fastpath  # noqa: E402
+from cuflash.bench import attention_flops, time_gpu  # noqa: E402
 from cuflash.reference import attention_ref  # noqa: E402
 
 rng = np.random.default_rng(0)
@@ -34,17 +35,7 @@ def tflops(d, s, causal, disable, backward=False):
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     run = ((lambda: cuflash.attention_backward(out, q, k, v, out, lse, causal=causal)) if backward
            else (lambda: cuflash.attention(q, k, v, causal=causal)))
-    for _ in range(3):
-        run()
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    n = 20
-    start.record()
-    for _ in range(n):
-        run()
-    stop.record()
-    stop.synchronize()
-    ms = cp.cuda.get_elapsed_time(start, stop) / n
-    return 4 * b * h * s * s * d / (2 if causal else 1) * (2.5 if backward else 1) / ms / 1e9
+    return attention_flops(b, h, s, s, d, causal, backward=backward) / time_gpu(run) / 1e9
 
 
 for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:

@@ -24,21 +24,31 @@ from cuflash import _fastpath, _kernels  # noqa: E402
 
 
 @contextlib.contextmanager
-def tile_table(name, tile):
-    """Make ``_kernels.<name>`` (fwd_tile or decode_tile) return ``tile`` inside the block.
+def overridden(table, key, value):
+    """``table[key] = value`` inside the block: a tile function in ``vars(_kernels)`` (fwd_tile,
+    decode_tile) or an entry of a tile dict (SM90_TILES).
 
     Variants are memoised per tile table and warm-call plans hold their compiled functions, so
     both are cleared on the way in and on the way out."""
-    original = getattr(_kernels, name)
-    setattr(_kernels, name, lambda headdim, smem_limit=0: tile)
-    _kernels.fwd_variant.cache_clear()
-    _fastpath.PLANS.clear()
+    original = table[key]
+    table[key] = value
+    _forget_variants()
     try:
         yield
     finally:
-        setattr(_kernels, name, original)
-        _kernels.fwd_variant.cache_clear()
-        _fastpath.PLANS.clear()
+        table[key] = original
+        _forget_variants()
+
+
+def _forget_variants():
+    _kernels.fwd_variant.cache_clear()
+    _kernels.sm90_fwd_variant.cache_clear()
+    _fastpath.PLANS.clear()
+
+
+def tile_function(tile):
+    """A stand-in for fwd_tile / decode_tile that always answers ``tile``."""
+    return lambda headdim, smem_limit=0: tile
 
 
 def tune_decode(configs):
@@ -48,7 +58,7 @@ def tune_decode(configs):
         q = cp.random.standard_normal((batch, 1, hq, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)
         for cfg in configs.split(","):
             bm, bn, w = map(int, cfg.split("x"))
-            with tile_table("decode_tile", _kernels.TileConfig(bm, bn, w)):
+            with overridden(vars(_kernels), "decode_tile", tile_function(_kernels.TileConfig(bm, bn, w))):
                 try:
                     out = cuflash.attention(q, k, v)
                     check_against_plain(q, k, v, False, out)
@@ -59,25 +69,17 @@ def tune_decode(configs):
         del k, v
 
 
-@contextlib.contextmanager
-def sm90_tile(headdim, tile):
-    """Make the Hopper kernel use ``tile`` (block_n, warpgroups, min_blocks) for ``headdim``."""
-    original = _kernels.SM90_TILES[headdim]
-    _kernels.SM90_TILES[headdim] = tile
-    _kernels.sm90_fwd_variant.cache_clear()
-    _fastpath.PLANS.clear()
-    try:
-        yield
-    finally:
-        _kernels.SM90_TILES[headdim] = original
-        _kernels.sm90_fwd_variant.cache_clear()
-        _fastpath.PLANS.clear()
+def standard_inputs(d, seqlen):
+    """bf16 q, k, v of the standard sweep (b * s = 16k tokens, h * d = 2048)."""
+    b, h = 16384 // seqlen, 2048 // d
+    return tuple(cp.asarray(np.random.default_rng(i).standard_normal((b, seqlen, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16)
+                 for i in range(3))
 
 
-def run_config(d, seqlen, causal, cfg, tile_context, variant):
+def run_config(qkv, causal, cfg, tile_context, variant):
     """Check one configuration against plain attention, time it, print TF/s and registers."""
-    b, h, s = 16384 // seqlen, 2048 // d, seqlen
-    q, k, v = (cp.asarray(np.random.default_rng(i).standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for i in range(3))
+    q, k, v = qkv
+    b, s, h, d = q.shape
     with tile_context:
         try:
             out = cuflash.attention(q, k, v, causal=causal)
@@ -94,28 +96,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--configs", default="128x64x4x1x1,128x64x8x1x1,64x64x4x3x1,64x64x4x4x1,64x64x4x3x0,128x64x8x2x1,64x128x4x2x1")
-    ap.add_argument("--seqlen", default="4096", help="one length; --sm90 takes a comma list")
+    ap.add_argument("--seqlen", default="4096", help="comma-separated lengths")
     ap.add_argument("--sm90", help="Hopper kernel tiles to time instead, e.g. 128x2x1,64x3x1")
     ap.add_argument("--decode", help="decode tiles to time instead, e.g. 16x64x1,16x128x1")
     args = ap.parse_args()
     if args.decode:
         return tune_decode(args.decode)
+    seqlens = list(map(int, args.seqlen.split(",")))
     for d in map(int, args.headdims.split(",")):
-        for causal in (False, True):
-            if args.sm90:
-                for cfg in args.sm90.split(","):
-                    tile = tuple(map(int, cfg.split("x")))
-                    for seqlen in map(int, str(args.seqlen).split(",")):
-                        run_config(d, seqlen, causal, cfg, sm90_tile(d, tile),
+        for seqlen in seqlens:
+            qkv = standard_inputs(d, seqlen)  # one set of inputs for every configuration
+            for causal in (False, True):
+                if args.sm90:
+                    for cfg in args.sm90.split(","):
+                        run_config(qkv, causal, cfg, overridden(_kernels.SM90_TILES, d, tuple(map(int, cfg.split("x")))),
                                    lambda: _kernels.sm90_fwd_variant("bfloat16", d, softcap=False, alibi=False))
-                continue
-            for cfg in args.configs.split(","):
-                bm, bn, w, mb, qr = map(int, cfg.split("x"))
-                tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr))
-                if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
                     continue
-                run_config(d, int(args.seqlen), causal, cfg, tile_table("fwd_tile", tile),
-                           lambda: _kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False))
+                for cfg in args.configs.split(","):
+                    bm, bn, w, mb, qr = map(int, cfg.split("x"))
+                    tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr))
+                    if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
+                        continue
+                    run_config(qkv, causal, cfg, overridden(vars(_kernels), "fwd_tile", tile_function(tile)),
+                               lambda: _kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False))
 
 
 if __name__ == "__main__":
