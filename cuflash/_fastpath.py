@@ -9,7 +9,8 @@ later call with the same signature checks only what the signature does not fix (
 alignment, the current device, ``out`` overlapping an input), writes the new pointers into a
 copy of the recorded parameters and launches: a few microseconds instead of a hundred.  Calls
 that do not return the LSE let the kernel write it to one scratch buffer per plan.  Anything else
-(ALiBi slopes, NumPy index arrays, ``CUFLASH_DEBUG=1``) always takes the full path.
+(ALiBi slopes, NumPy index arrays, ``CUFLASH_DEBUG=1``, varlen calls without both max_seqlen
+values) always takes the full path.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ class Plan:
         self.out_span = _span(out) if out_given else None
         self.scratch_lse = None  # written, never read, by calls that do not return the LSE
 
-    def run(self, inputs, out=None, need_lse=True):
-        """(out, lse), or None when this call must take the full path after all."""
+    def run(self, inputs, out=None, need_lse=True, zero_fill=False):
+        """(out, lse), or None when this call must take the full path after all.  ``zero_fill``:
+        out starts at 0 and the returned LSE at -inf (varlen: rows of no sequence)."""
         cp = _arrays.cupy_module()
         q, k, v = inputs[:3]
         qp, kp, vp = q.data.ptr, k.data.ptr, v.data.ptr
@@ -86,8 +88,12 @@ class Plan:
             end = op + self.out_span
             if op % 16 or any(op < p + n and p < end for p, n in zip((qp, kp, vp), self.spans)):
                 return None  # the full path explains the problem
+        if zero_fill:
+            out.fill(0)
         if need_lse:
             lse = cp.empty(self.lse_shape, dtype=np.float32)
+            if zero_fill:
+                lse.fill(-np.inf)
         else:
             if self.scratch_lse is None:
                 self.scratch_lse = cp.empty(self.lse_shape, dtype=np.float32)

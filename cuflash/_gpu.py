@@ -254,11 +254,13 @@ def forward(p, q, k, v, out, lse, *, block_table=None, num_splits=0, record=None
                           block_table=block_table, num_splits=num_splits, record=record)
 
 
-def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k):
-    """Packed: q (total_q, H, D); lse (H, total_q); rows outside every sequence stay as set by the caller."""
+def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=None):
+    """Packed: q (total_q, H, D); lse (H, total_q); rows outside every sequence stay as set by the
+    caller.  ``record`` as in :func:`forward`."""
     if p.seqlen_q == 0 or k.shape[0] == 0:
         return
-    _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]))
+    _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]),
+                          record=record)
 
 
 def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides):

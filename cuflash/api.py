@@ -372,6 +372,20 @@ def attention_varlen(
 {method}
     Causal and window rules apply per sequence with that sequence's own Sq and Sk.
     """
+    fast_key = None
+    if _arrays.is_gpu(q):  # warm calls replay an earlier launch (cuflash._fastpath)
+        from . import _fastpath
+
+        if alibi_slopes is None and max_seqlen_q is not None and max_seqlen_k is not None:
+            fast_key = _fastpath.signature("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
+                                           (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
+                                            return_lse))
+        plan = _fastpath.lookup(fast_key)
+        result = (plan.run((q, k, v, cu_seqlens_q, cu_seqlens_k), out, need_lse=bool(return_lse), zero_fill=True)
+                  if plan is not None else None)
+        if result is not None:
+            return result if return_lse else result[0]
+
     q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     p, cu_q, cu_k = _varlen_problem(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -388,7 +402,16 @@ def attention_varlen(
     out[...] = 0
     lse[...] = -np.inf
     if not p.is_empty and p.seqlen_k:
-        _run("forward_varlen", _cpu.forward_varlen, p, q, k, v, out, lse, cu_q, cu_k)
+        if fast_key is None:
+            _run("forward_varlen", _cpu.forward_varlen, p, q, k, v, out, lse, cu_q, cu_k)
+        else:
+            from . import _fastpath, _gpu
+
+            record = []
+            _gpu.forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=record)
+            if record:
+                _fastpath.remember(fast_key, record[0], ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k"),
+                                   (q, k, v, cu_seqlens_q, cu_seqlens_k), out, out_given, lse.shape)
     return (out, lse) if return_lse else out
 
 

@@ -102,3 +102,35 @@ def test_returned_lse_is_never_the_scratch_buffer(rng):
     _, ref = cuflash.attention(q.get(), q.get(), q.get(), return_lse=True)
     np.testing.assert_allclose(lse1.get(), ref, atol=1e-4)
     np.testing.assert_allclose(lse2.get(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("return_lse", [True, False])
+def test_varlen_replay_with_new_offsets_zeroes_rows_of_no_sequence(rng, return_lse):
+    """Replays keep attention_varlen's contract: each sequence exact, rows past cu_seqlens_q[-1]
+    0 (and LSE -inf) even in a NaN-poisoned out=, for new data and new offsets of the same shape."""
+    from cuflash.reference import assert_exact, attention_ref, naive_attention
+
+    cp = _cp()
+    total, h, d = 300, 4, 64
+    offsets = ([0, 100, 100, 250], [0, 3, 150, 290], [0, 0, 299, 299], [0, 120, 200, 260])
+    for cu in offsets:  # the first call records; the others replay
+        q, k, v = (_rand(rng, (total, h, d), ml_dtypes.bfloat16, s) for s in (3.0, 1.0, 1.0))
+        cu_d = cp.asarray(np.array(cu, dtype=np.int32))
+        out = cp.full((total, h, d), np.nan, dtype=ml_dtypes.bfloat16)
+        res = cuflash.attention_varlen(cp.asarray(q), cp.asarray(k), cp.asarray(v), cu_d, cu_d, max_seqlen_q=299,
+                                       max_seqlen_k=299, causal=True, out=out, return_lse=return_lse)
+        got, lse = res if return_lse else (res, None)
+        assert got is out
+        got = got.get()
+        for s, e in zip(cu[:-1], cu[1:]):
+            if e > s:
+                seq = (x[None, s:e] for x in (q, k, v))
+                ref = attention_ref(*seq, causal=True)
+                naive = naive_attention(*(x[None, s:e] for x in (q, k, v)), causal=True, return_lse=True)
+                assert_exact(got[None, s:e], ref[0], naive[0], "out")
+                if return_lse:
+                    assert_exact(lse.get()[None, :, s:e], ref[1], naive[1], "lse")
+        assert not got[cu[-1]:].astype(np.float32).any()
+        if return_lse:
+            assert np.all(lse.get()[:, cu[-1]:] == -np.inf)
+    assert any(key[0] == "varlen" for key in _fastpath.PLANS), "no plan was recorded"
