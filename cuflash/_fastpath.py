@@ -73,9 +73,8 @@ class Plan:
         self.out_span = _span(out) if out_given else None
         self.scratch_lse = None  # written, never read, by calls that do not return the LSE
 
-    def run(self, inputs, out=None, need_lse=True, zero_fill=False):
-        """(out, lse), or None when this call must take the full path after all.  ``zero_fill``:
-        out starts at 0 and the returned LSE at -inf (varlen: rows of no sequence)."""
+    def run(self, inputs, out=None, need_lse=True):
+        """(out, lse), or None when this call must take the full path after all."""
         cp = _arrays.cupy_module()
         q, k, v = inputs[:3]
         qp, kp, vp = q.data.ptr, k.data.ptr, v.data.ptr
@@ -88,12 +87,8 @@ class Plan:
             end = op + self.out_span
             if op % 16 or any(op < p + n and p < end for p, n in zip((qp, kp, vp), self.spans)):
                 return None  # the full path explains the problem
-        if zero_fill:
-            out.fill(0)
         if need_lse:
             lse = cp.empty(self.lse_shape, dtype=np.float32)
-            if zero_fill:
-                lse.fill(-np.inf)
         else:
             if self.scratch_lse is None:
                 self.scratch_lse = cp.empty(self.lse_shape, dtype=np.float32)

@@ -159,6 +159,9 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
             grid = ((p.seqlen_q + block_m - 1) // block_m, *_grid_yz(p.batch * p.nheads_q))
             launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
+        if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
+            tail = _kernels.get_function(_kernels.varlen_tail_variant(), device)
+            launches.insert(0, (tail, (2 * _sm_resources(device)[0],), (256,), 0))
         execute(prm, launches, accum)
         if not direct:
             out[...] = ox[..., : out.shape[-1]]
@@ -255,16 +258,21 @@ def forward(p, q, k, v, out, lse, *, block_table=None, num_splits=0, record=None
 
 
 def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=None):
-    """Packed: q (total_q, H, D); lse (H, total_q); rows outside every sequence stay as set by the
-    caller.  ``record`` as in :func:`forward`."""
+    """Packed: q (total_q, H, D); lse (H, total_q); rows past cu_q[-1] get out = 0, lse = -inf.
+    ``record`` as in :func:`forward`."""
     if p.seqlen_q == 0 or k.shape[0] == 0:
+        out[...] = 0
+        lse[...] = -np.inf
         return
     _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]),
                           record=record)
 
 
-def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides):
-    """dsum pre-pass, then the dq and dkdv kernels; grads = (dq, dk, dv) views, written in full."""
+def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides,
+                          deterministic):
+    """dsum pre-pass, then the dq and dkdv kernels, or on Hopper unless ``deterministic`` one dkdv
+    kernel that adds dQ atomically to an fp32 buffer and a kernel rounding it into dq;
+    grads = (dq, dk, dv) views, written in full."""
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
@@ -297,10 +305,17 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         fn(((rows + 7) // 8,), (256,), (_pointer(pre),))
 
         tile = main.threads // 2  # rows per block: 16 per warp (flash_bwd.cu), 64 per warpgroup (Hopper)
-        for suffix, rows_per_head, heads in (("_dq", p.seqlen_q, p.nheads_q), ("_dkdv", p.seqlen_k, p.nheads_k)):
-            grid = ((rows_per_head + tile - 1) // tile, *_grid_yz(p.batch * heads))
+        dq_grid = ((p.seqlen_q + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_q))
+        dkdv_grid = ((p.seqlen_k + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_k))
+        if main is variant or deterministic:
+            launches = (("_dq", dq_grid), ("_dkdv", dkdv_grid))
+        else:  # fp32 dQ rows laid out like the LSE's, head-dim bucket wide
+            dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=cp.float32)
+            prm.dq_accum = dq_accum.data.ptr
+            launches = (("_dkdv_dq", dkdv_grid), ("_dq_convert", dq_grid))
+        for suffix, grid in launches:
             fn = _kernels.get_function(main, device, suffix)
-            fn(grid, (main.threads,), (_pointer(prm),), shared_mem=main.smem_bytes)
+            fn(grid, (main.threads,), (_pointer(prm),), shared_mem=0 if suffix == "_dq_convert" else main.smem_bytes)
 
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:
@@ -310,9 +325,9 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic):
-    """Padded batch: bshd views; lse (B, H, Sq).  Always deterministic (no atomics)."""
+    """Padded batch: bshd views; lse (B, H, Sq).  ``deterministic``: no atomics (bitwise repeatable)."""
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=False,
-                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q))
+                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q), deterministic=deterministic)
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic):
@@ -320,7 +335,7 @@ def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deter
     if p.seqlen_q == 0 or k.shape[0] == 0:
         return
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
-                          lse_strides=(0, q.shape[0]))
+                          lse_strides=(0, q.shape[0]), deterministic=deterministic)
 
 
 def softmax(x, axis):

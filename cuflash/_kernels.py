@@ -183,8 +183,9 @@ SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
 
 @functools.lru_cache(maxsize=None)
 def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) -> Variant | None:
-    """The wgmma backward kernels (``<name>_dq``, ``<name>_dkdv``; the D pre-pass is
-    :func:`bwd_variant`'s) for ``headdim``'s bucket, or None where only flash_bwd.cu serves."""
+    """The wgmma backward kernels for ``headdim``'s bucket (``<name>_dq`` + ``<name>_dkdv``, or
+    ``<name>_dkdv_dq`` + ``<name>_dq_convert`` with atomic dQ; the D pre-pass is
+    :func:`bwd_variant`'s), or None where only flash_bwd.cu serves."""
     d = headdim_bucket(headdim)
     if d not in SM90_BWD_TILES:
         return None
@@ -195,9 +196,10 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) ->
         ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)),
     )
-    # The larger of the two kernels: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv), two
-    # stages of two inner tiles, LSE and D of the _dkdv stages, 1 KB for the 1024-byte alignment.
-    smem = (2 * 64 * wgs + 4 * inner) * d * 2 + 4 * inner * 4 + 1024
+    # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv), two stages of
+    # two inner tiles, LSE and D of the _dkdv stages, the dS tile of _dkdv_dq, 1 KB for the
+    # 1024-byte alignment.
+    smem = (2 * 64 * wgs + 4 * inner) * d * 2 + 4 * inner * 4 + 64 * wgs * inner * 2 + 1024
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 
@@ -234,6 +236,12 @@ def softmax_variant(dtype: str) -> Variant:
     return Variant("softmax.cu", f"cuflash_softmax_{_SHORT[dtype]}", (("CUFLASH_DTYPE", DTYPE_TAGS[dtype]),), 256)
 
 
+@functools.lru_cache(maxsize=None)
+def varlen_tail_variant() -> Variant:
+    """out = 0, lse = -inf on the packed rows past cu_seqlens_q[-1] (any 16-bit dtype)."""
+    return Variant("varlen_tail.cu", "cuflash_varlen_tail", (), 256)
+
+
 def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
     """Every variant the dispatcher can ask for on a GPU with this shared-memory limit."""
     out = []
@@ -248,7 +256,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                         v = hopper(dtype, d, softcap=softcap, alibi=alibi)
                         if v is not None:
                             out.append(v)
-    out += [softmax_variant(dt) for dt in DTYPE_TAGS]
+    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant()]
     return out
 
 

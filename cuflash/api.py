@@ -381,7 +381,7 @@ def attention_varlen(
                                            (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
                                             return_lse))
         plan = _fastpath.lookup(fast_key)
-        result = (plan.run((q, k, v, cu_seqlens_q, cu_seqlens_k), out, need_lse=bool(return_lse), zero_fill=True)
+        result = (plan.run((q, k, v, cu_seqlens_q, cu_seqlens_k), out, need_lse=bool(return_lse))
                   if plan is not None else None)
         if result is not None:
             return result if return_lse else result[0]
@@ -399,8 +399,9 @@ def attention_varlen(
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
     lse = xp.empty((p.nheads_q, q.shape[0]), dtype=lse_dtype(q.dtype))
-    out[...] = 0
-    lse[...] = -np.inf
+    if not _arrays.is_gpu(q) or p.is_empty or not p.seqlen_k:  # else _gpu.forward_varlen writes every row
+        out[...] = 0
+        lse[...] = -np.inf
     if not p.is_empty and p.seqlen_k:
         if fast_key is None:
             _run("forward_varlen", _cpu.forward_varlen, p, q, k, v, out, lse, cu_q, cu_k)

@@ -1,7 +1,10 @@
 // Exact attention backward for Hopper (sm_90a): the dq and dkdv kernels of flash_bwd.cu with their
 // matrix products on warpgroup MMA (wgmma); the D = rowsum(dO ∘ O) pre-pass stays flash_bwd.cu's.
 //
-// Dao, "FlashAttention-2", Algorithm 2, split as in flash_bwd.cu (no atomics, bitwise repeatable);
+// Dao, "FlashAttention-2", Algorithm 2, in two forms: split as in flash_bwd.cu (_dq + _dkdv, no
+// atomics, bitwise repeatable: deterministic=True), or one pass (_dkdv_dq, the default) that also
+// forms dQ += dS K per query tile and adds it to an fp32 dq_accum with vector atomics, which
+// _dq_convert scales and rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.
 // Shah et al., "FlashAttention-3", 2024, §3 for the wgmma operand placement.  Warpgroup w of a
 // block owns 64 rows (query rows in _dq, key rows in _dkdv); tiles live in the swizzled layout of
 // swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered with cp.async
@@ -9,6 +12,8 @@
 //   _dq   : per key tile, S = Q Kᵀ and dP = dO Vᵀ (A and B from shared memory), dS = P ∘ (dP - D)
 //           in registers, dQ += dS K (dS from registers, K read transposed).
 //   _dkdv : per query tile of each GQA head, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q.
+//   _dkdv_dq : the same, and dSᵀ staged in shared memory; warpgroup w forms its kD / kWG columns
+//           of dQ = dS K (both operands read transposed) and adds them to dq_accum.
 // Head dims 64 and 128 (dK and dV of 256 do not fit in registers: flash_bwd.cu serves them).
 #include "params.cuh"
 #include "score_grad.cuh"
@@ -45,6 +50,11 @@
 
 // Each thread's rows of a warpgroup's 64-row wgmma accumulator: r and r + 8 within the 64.
 __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + (tid % 32) / 4; }
+
+// *addr += (a, b) for two adjacent floats in global memory, atomically (sm_90 vector reduction).
+__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
+}
 
 // Scale a (64 x kD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
 // warpgroup's own rows [r0, r0 + 64) of the swizzled tile `stage` (kRows rows), then (after a block
@@ -174,10 +184,12 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     store_tile<T, kD, kBM, kThreads>(dq, scale, sQ, wg * 64, gdQ, p.dq_row_stride, rows_valid, qk_chunks, tid);
 }
 
-template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi>
+template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kBN = 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
+    constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
+    static_assert(!kDqAtomic || (kBM == 64 && (kDqCols == 64 || kDqCols == 128)), "dQ = dS K: 64 query rows, a 64 or 128-column slice");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
     unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
@@ -185,6 +197,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     unsigned char* sdO = sQ + 2 * kTileQ;    // 2 stages of (kBM, kD)
     float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units
     float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
+    unsigned char* sdS = sdO + 2 * kTileQ + 1024;               // kDqAtomic: dSᵀ (kBN keys, kBM queries), swizzled
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
@@ -213,9 +226,15 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     int i_lo = 0, i_hi = 0;
     if (n0 < seq.sk) seq.query_range(n0, n0 + kBN, i_lo, i_hi);
     const int mb_lo = i_lo / kBM, tiles = i_lo < i_hi ? (i_hi + kBM - 1) / kBM - mb_lo : 0;
-    // Step t of the loop: query head hk * group + t / tiles, query tile mb_lo + t % tiles.
+    const int steps = group * tiles;
+    // Step t of the loop: query head hk * group + u / tiles, query tile mb_lo + u % tiles, where
+    // u = t, or with atomic dQ u = (t + blockIdx.x) % steps, so that the key blocks of one head do
+    // not all add to the same dQ rows at the same time.
+    const int shift = kDqAtomic && steps > 0 ? static_cast<int>(blockIdx.x % steps) : 0;
+    auto step_head = [&](int t) { return hk * group + (t + shift) % steps / tiles; };
+    auto step_m0 = [&](int t) { return (mb_lo + (t + shift) % steps % tiles) * kBM; };
     auto load_q = [&](int t, int stage) {
-        const int h = hk * group + t / tiles, m0 = (mb_lo + t % tiles) * kBM;
+        const int h = step_head(t), m0 = step_m0(t);
         const int rows_valid = min(kBM, seq.sq - m0);
         const long long q_row = seq.q_start + m0;
         load_tile_swizzled<kBM, kD, kThreads>(sQ + stage * kTileQ, static_cast<const u16*>(p.q) + b * p.q_batch_stride + q_row * p.q_row_stride + h * p.q_head_stride,
@@ -236,13 +255,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     }
     const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
 
-    for (int t = 0, stage = 0; t < group * tiles; ++t, stage ^= 1) {
-        const int h = hk * group + t / tiles, m0 = (mb_lo + t % tiles) * kBM;
+    for (int t = 0, stage = 0; t < steps; ++t, stage ^= 1) {
+        const int h = step_head(t), m0 = step_m0(t);
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
         cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
-        if (t + 1 < group * tiles) load_q(t + 1, stage ^ 1);
+        if (t + 1 < steps) load_q(t + 1, stage ^ 1);
 
         float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x kBM queries
         float (&st_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(st);
@@ -279,6 +298,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         c_to_a<T, kBM>(dsa, dpt);
         float (&dv_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dv);
         float (&dk_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dk);
+        if constexpr (kDqAtomic) {  // this thread's dSᵀ rows r_lo, r_lo + 8, as rounded for dK
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                    *reinterpret_cast<u32*>(sdS + swizzled_chunk<kBN>(r_lo + 8 * half, nt) + (lane % 4) * 4) = dsa[nt / 2][2 * (nt % 2) + half];
+            fence_async_smem();
+        }
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO
@@ -287,7 +314,31 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
             wgmma_rs<T, kD>(dk_flat, dsa[kk], desc_n_major<kBM>(q_base + stage * kTileQ, kk));
         wgmma_commit();
-        wgmma_wait<0>();
+        if constexpr (kDqAtomic) {
+            __syncthreads();  // every warpgroup's dSᵀ rows are staged
+            float dq[kDqCols / 8][4];  // query rows wg_row, wg_row + 8 of the tile x this warpgroup's columns
+            float (&dq_flat)[kDqCols / 2] = reinterpret_cast<float (&)[kDqCols / 2]>(dq);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
+                wgmma_ss_mn<T, kDqCols>(dq_flat, desc_n_major<kBN>(smem_addr(sdS), kk),
+                                        desc_n_major<kBN>(k_base + wg * (kDqCols / 64) * kBN * 128, kk), kk > 0);
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(dq_flat);
+            const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int i = wg_row(tid) + 8 * half;
+                if (m0 + i < seq.sq) {
+                    float* row = p.dq_accum + (stat + i) * kD + wg * kDqCols + (lane % 4) * 2;
+#pragma unroll
+                    for (int nt = 0; nt < kDqCols / 8; ++nt) red_add_v2(row + nt * 8, dq[nt][2 * half], dq[nt][2 * half + 1]);
+                }
+            }
+        } else {
+            wgmma_wait<0>();
+        }
         wgmma_pin(dv_flat);
         wgmma_pin(dk_flat);
     }
@@ -303,5 +354,33 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
-    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const FlashParams p) {
+    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true>(p);
+}
+
+// dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a
+// sequence (the grid of _dq); rows no key reached are 0, since dq_accum starts at 0.
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const FlashParams p) {
+    constexpr int kD = CUFLASH_HEADDIM, kBM = 64 * CUFLASH_WARPGROUPS, kThreads = 128 * CUFLASH_WARPGROUPS;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SeqInfo seq(p, b);
+    const int m0 = blockIdx.x * kBM;
+    if (m0 >= seq.sq) return;
+    const int rows_valid = min(kBM, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / 8);
+    const float scale = static_cast<float>(p.softmax_scale);
+    const float* acc = p.dq_accum + (b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0) * kD;
+    u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
+    for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {
+        const int r = c / chunks, col = c % chunks;
+        const float4 lo = *reinterpret_cast<const float4*>(acc + r * kD + col * 8);
+        const float4 hi = *reinterpret_cast<const float4*>(acc + r * kD + col * 8 + 4);
+        const uint4 packed = make_uint4(pack2<CUFLASH_DTYPE>(lo.x * scale, lo.y * scale), pack2<CUFLASH_DTYPE>(lo.z * scale, lo.w * scale),
+                                        pack2<CUFLASH_DTYPE>(hi.x * scale, hi.y * scale), pack2<CUFLASH_DTYPE>(hi.z * scale, hi.w * scale));
+        *reinterpret_cast<uint4*>(gdQ + r * p.dq_row_stride + col * 8) = packed;
+    }
 }

@@ -16,6 +16,7 @@ from pathlib import Path
 HEADER = Path(__file__).resolve().parent.parent / "kernels" / "wgmma.cuh"
 S_WIDTHS = (64, 128)          # N of S = Q K^T: the key tile
 O_WIDTHS = (64, 128, 256)     # N of O += P V: the head dim
+DQ_WIDTHS = (64, 128)         # N of dQ = dS K: one warpgroup's slice of the head dim
 TYPES = (("half_t", "f16"), ("bf16_t", "bf16"))
 
 PREAMBLE = """\
@@ -27,7 +28,7 @@ PREAMBLE = """\
 // 8-column tile c (mma.cuh); the register A operand has mma.sync's A-fragment layout.  So the
 // score, softmax and P-packing code of the mma.sync kernel applies to these registers unchanged.
 // Shared-memory operands are described by 64-bit descriptors (make_desc below); both forms here
-// read B from shared memory, A from shared memory (_ss) or registers (_rs).
+// read B from shared memory, A from shared memory (_ss, _ss_mn) or registers (_rs).
 // PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions".
 #pragma once
 #include "mma.cuh"
@@ -67,6 +68,9 @@ template <int N> __device__ __forceinline__ void wgmma_pin(u32 (&a)[N][4]) {
 template <class T, int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int accumulate);
 // d (64 x N) += A B; A (64 x 16) in registers, B (16 x N) N-major (transposed) at desc_b.
 template <class T, int N> __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b);
+// d (64 x N) = A B + (accumulate ? d : 0); A (64 x 16) M-major and B (16 x N) N-major at their
+// descriptors (both transposed: dQ = dS K with dSᵀ staged in shared memory).
+template <class T, int N> __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 2], u64 desc_a, u64 desc_b, int accumulate);
 """
 
 
@@ -78,14 +82,15 @@ def _outs(n: int) -> str:
     return ", ".join(f'"+f"(d[{i}])' for i in range(n))
 
 
-def ss(tag: str, ptx: str, n: int) -> str:
+def ss(tag: str, ptx: str, n: int, transposed: bool = False) -> str:
     k = n // 2
+    name, tnsp = ("wgmma_ss_mn", 1) if transposed else ("wgmma_ss", 0)
     return f"""
-template <> __device__ __forceinline__ void wgmma_ss<{tag}, {n}>(float (&d)[{k}], u64 desc_a, u64 desc_b, int accumulate) {{
+template <> __device__ __forceinline__ void {name}<{tag}, {n}>(float (&d)[{k}], u64 desc_a, u64 desc_b, int accumulate) {{
     asm volatile(
         "{{ .reg .pred p; setp.ne.b32 p, %{k + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
-        "{{{_regs(k)}}}, %{k}, %{k + 1}, p, 1, 1, 0, 0; }}"
+        "{{{_regs(k)}}}, %{k}, %{k + 1}, p, 1, 1, {tnsp}, {tnsp}; }}"
         : {_outs(k)}
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }}
@@ -111,6 +116,7 @@ def generate() -> str:
     for tag, ptx in TYPES:
         parts += [ss(tag, ptx, n) for n in S_WIDTHS]
         parts += [rs(tag, ptx, n) for n in O_WIDTHS]
+        parts += [ss(tag, ptx, n, transposed=True) for n in DQ_WIDTHS]
     return "".join(parts)
 
 

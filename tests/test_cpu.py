@@ -65,7 +65,7 @@ def check_forward(xp, q, k, v, *, layout="bshd", **opts):
     return out, lse
 
 
-def check_backward(xp, q, k, v, dout=None, *, layout="bshd", rng=None, **opts):
+def check_backward(xp, q, k, v, dout=None, *, layout="bshd", rng=None, deterministic=False, **opts):
     """Forward then cuflash.attention_backward into NaN-poisoned dq, dk, dv; the rule for each.
 
     ``dout`` defaults to standard normal values.  Returns (dq, dk, dv) as NumPy arrays.
@@ -76,7 +76,7 @@ def check_backward(xp, q, k, v, dout=None, *, layout="bshd", rng=None, **opts):
         dout = rand(rng or np.random.default_rng(0), tuple(out.shape), q.dtype)
     bufs = [nan_like(xp, x.shape, x.dtype) for x in (q, k, v)]
     grads = cuflash.attention_backward(xp.asarray(dout), qd, kd, vd, out, lse, layout=layout,
-                                       dq=bufs[0], dk=bufs[1], dv=bufs[2], **opts)
+                                       dq=bufs[0], dk=bufs[1], dv=bufs[2], deterministic=deterministic, **opts)
     assert all(g is b for g, b in zip(grads, bufs))
     grads = [_arrays.to_numpy(g) for g in grads]
     refs = R.attention_backward_ref(dout, q, k, v, layout=layout, **opts)

@@ -114,14 +114,25 @@ def test_wgmma_repeated_calls_are_bitwise_identical(rng):
         assert bool((cuflash.attention(q, k, v, causal=True) == first).all())
 
 
+@pytest.fixture(params=["sm90", "sm90-deterministic", "sm80"])
+def backward_kernels(request, monkeypatch):
+    """The Hopper backward in both forms (atomic dQ by default; _dq + _dkdv with
+    deterministic=True) and the sm_80 kernels; yields the deterministic flag to pass."""
+    if request.param == "sm80":
+        monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
+    _fastpath.PLANS.clear()
+    yield request.param == "sm90-deterministic"
+    _fastpath.PLANS.clear()
+
+
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("headdim", [40, 64, 111, 128])
 @pytest.mark.parametrize("seqlens", [(17, 17), (127, 129), (257, 700), (700, 130)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_both_backward_kernels_many_tiles(rng, kernel, dtype, headdim, seqlens, causal):
+def test_both_backward_kernels_many_tiles(rng, backward_kernels, dtype, headdim, seqlens, causal):
     q, k, v = make_qkv(rng, dtype, 1, *seqlens, 4, 2, headdim)  # GQA: dK, dV sum two heads
-    check_backward(_arrays.cupy_module(), q, k, v, rng=rng, causal=causal)
+    check_backward(_arrays.cupy_module(), q, k, v, rng=rng, causal=causal, deterministic=backward_kernels)
 
 
 BACKWARD_OPTIONS = [
@@ -137,7 +148,7 @@ BACKWARD_OPTIONS = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("headdim", [64, 128])
 @pytest.mark.parametrize("opts", BACKWARD_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_both_backward_kernels_options(rng, kernel, dtype, headdim, opts):
+def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, opts):
     b, sq, sk = 2, 200, 333
     cp = _arrays.cupy_module()
     opts = dict(opts)
@@ -146,4 +157,4 @@ def test_both_backward_kernels_options(rng, kernel, dtype, headdim, opts):
     if opts.get("seqlens_k"):
         opts["seqlens_k"] = cp.asarray(np.array([sk, 70], dtype=np.int32))
     q, k, v = make_qkv(rng, dtype, b, sq, sk, 6, 2, headdim)
-    check_backward(cp, q, k, v, rng=rng, **opts)
+    check_backward(cp, q, k, v, rng=rng, deterministic=backward_kernels, **opts)
