@@ -1,6 +1,7 @@
 """Quick look at the Hopper kernels: forward error against float64 per head dim (with where the
 wrong entries sit, for layout bugs), then TF/s of them and of the sm_80 kernels at seqlen 4k/16k.
-Usage: python scripts/sm90_smoke.py [fwd] [bwd]   (errors always; timings of the kinds named)"""
+Usage: python scripts/sm90_smoke.py [fwd] [bwd]   (errors always; timings of the kinds named;
+backward: the atomic-dQ default and deterministic=True)"""
 import os
 import sys
 from pathlib import Path
@@ -27,24 +28,25 @@ for d in (64, 128, 256):
               + (f", rows {np.unique(bad[:, 1])[:8]}, cols {np.unique(bad[:, 3])[:16]}" if len(bad) else ""))
 
 
-def tflops(d, s, causal, disable, backward=False):
+def tflops(d, s, causal, disable, backward=False, deterministic=False):
     os.environ["CUFLASH_DISABLE_SM90"] = "1" if disable else ""
     _fastpath.PLANS.clear()
     b, h = 16384 // s, 2048 // d
     q, k, v = (cp.asarray(rng.standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for _ in range(3))
     out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-    run = ((lambda: cuflash.attention_backward(out, q, k, v, out, lse, causal=causal)) if backward
-           else (lambda: cuflash.attention(q, k, v, causal=causal)))
+    run = ((lambda: cuflash.attention_backward(out, q, k, v, out, lse, causal=causal, deterministic=deterministic))
+           if backward else (lambda: cuflash.attention(q, k, v, causal=causal)))
     return attention_flops(b, h, s, s, d, causal, backward=backward) / time_gpu(run) / 1e9
 
 
 for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:
-    print(f"{kind}: d causal seqlen: sm90 / sm80 TF/s")
+    print(f"{kind}: d causal seqlen: sm90 / sm80 TF/s" + (" (bwd: sm90 atomic dQ / sm90 deterministic)" if kind == "bwd" else ""))
     for d in (64, 128, 256) if kind == "fwd" else (64, 128):
         for causal in (False, True):
             for s in (4096, 16384):
-                sm90, sm80 = (tflops(d, s, causal, disable, kind == "bwd") for disable in (False, True))
-                print(f"{kind} d{d} {causal} {s}: {sm90:.0f} / {sm80:.0f}", flush=True)
+                runs = [(False, False), (False, True)] if kind == "bwd" else [(False, False), (True, False)]
+                rates = [tflops(d, s, causal, disable, kind == "bwd", det) for disable, det in runs]
+                print(f"{kind} d{d} {causal} {s}: " + " / ".join(f"{r:.0f}" for r in rates), flush=True)
 
 # Backward tiles to compare: SM90_BWD_TILES="64:64x1x2,128:64x1x2" (head dim: inner x warpgroups x min blocks).
 for spec in filter(None, os.environ.get("SM90_BWD_TILES", "").split(",")):

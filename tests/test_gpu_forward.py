@@ -263,3 +263,35 @@ def test_softmax_kernel_all_masked_row_is_zero():
     x[1, 3] = 0.0
     y = cuflash.softmax(x).get()
     assert (y[0] == 0).all() and y[1, 3] == 1.0 and not np.isnan(y).any()
+
+
+@pytest.mark.parametrize("headdim", [64, 59, 128])  # 59: out is written through a padded copy
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("max_given", [False, True])
+def test_varlen_rows_of_no_sequence_are_cleared(rng, headdim, index_dtype, max_given):
+    """attention_varlen writes every row of a NaN-poisoned out=: each sequence exact (empty ones,
+    Sq > Sk, one key), rows past cu_seqlens_q[-1] out = 0 and lse = -inf, on repeated calls."""
+    cp = _cp()
+    cu_q = np.array([0, 0, 40, 41, 140, 150], dtype=index_dtype)
+    cu_k = np.array([0, 7, 7, 8, 300, 301], dtype=index_dtype)
+    total_q, total_k = 171, 310  # 21 rows past cu_q[-1], 9 keys past cu_k[-1]
+    for _ in range(2):
+        q = _rand(rng, (total_q, 4, headdim), ml_dtypes.bfloat16, 3.0)
+        k, v = (_rand(rng, (total_k, 2, headdim), ml_dtypes.bfloat16) for _ in range(2))
+        out = cp.full((total_q, 4, headdim), np.nan, dtype=q.dtype)
+        extra = dict(max_seqlen_q=100, max_seqlen_k=292) if max_given else {}
+        res, lse = cuflash.attention_varlen(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu_q),
+                                            cp.asarray(cu_k), causal=True, out=out, return_lse=True, **extra)
+        assert res is out
+        got, lse = out.get(), lse.get()
+        for b in range(len(cu_q) - 1):
+            qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if cu_q[b + 1] == cu_q[b]:
+                continue
+            args = [x[None, s] for x, s in ((q, qs), (k, ks), (v, ks))]
+            ref = attention_ref(*args, causal=True)
+            naive = naive_attention(*args, causal=True, return_lse=True)
+            assert_exact(got[None, qs], ref[0], naive[0], f"out of sequence {b}")
+            assert_exact(lse[None, :, qs], ref[1], naive[1], f"lse of sequence {b}")
+        assert not got[cu_q[-1]:].astype(np.float32).any()
+        assert np.all(lse[:, cu_q[-1]:] == -np.inf)
