@@ -138,7 +138,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     versions = [args.old] + ([args.mid] if args.mid else []) + [args.new]
     t0 = time.perf_counter()
-    print(f"GPU {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, CuPy {cp.__version__}, "
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    print(f"GPU {name.decode() if isinstance(name, bytes) else name}, CuPy {cp.__version__}, "
           f"NVRTC {cp.cuda.nvrtc.getVersion()}, versions {versions}", flush=True)
 
     failures: list[str] = []
