@@ -51,9 +51,9 @@
 // Each thread's rows of a warpgroup's 64-row wgmma accumulator: r and r + 8 within the 64.
 __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + (tid % 32) / 4; }
 
-// *addr += (a, b) for two adjacent floats in global memory, atomically (sm_90 vector reduction).
-__device__ __forceinline__ void red_add_v2(float* addr, float a, float b) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(a), "f"(b) : "memory");
+// addr[0..3] += v, atomically (sm_90 vector reduction; addr 16-byte aligned).
+__device__ __forceinline__ void red_add_v4(float* addr, float4 v) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
 }
 
 // Scale a (64 x kD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
@@ -189,7 +189,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kBN = 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
-    static_assert(!kDqAtomic || (kBM == 64 && (kDqCols == 64 || kDqCols == 128)), "dQ = dS K: 64 query rows, a 64 or 128-column slice");
+    static_assert(!kDqAtomic || (kBM == 64 && (kDqCols == 32 || kDqCols == 64 || kDqCols == 128)), "dQ = dS K: 64 query rows, a 32/64/128-column slice");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
     unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
@@ -322,19 +322,22 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
 #pragma unroll
             for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
                 wgmma_ss_mn<T, kDqCols>(dq_flat, desc_n_major<kBN>(smem_addr(sdS), kk),
-                                        desc_n_major<kBN>(k_base + wg * (kDqCols / 64) * kBN * 128, kk), kk > 0);
+                                        desc_n_major<kBN>(k_base + (wg * kDqCols / 64) * kBN * 128 + (wg * kDqCols % 64) * 2, kk), kk > 0);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(dq_flat);
+            // Lane pairs swap halves so that each lane holds 4 adjacent columns of one row: the even
+            // lane row wg_row, the odd lane row wg_row + 8, columns 8 nt + 4 (lane % 4 / 2) + 0..3.
+            const bool odd = lane & 1;
+            const int i = wg_row(tid) + 8 * odd;
             const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+            float* row = p.dq_accum + (stat + i) * kD + wg * kDqCols + (lane % 4 / 2) * 4;
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int i = wg_row(tid) + 8 * half;
-                if (m0 + i < seq.sq) {
-                    float* row = p.dq_accum + (stat + i) * kD + wg * kDqCols + (lane % 4) * 2;
-#pragma unroll
-                    for (int nt = 0; nt < kDqCols / 8; ++nt) red_add_v2(row + nt * 8, dq[nt][2 * half], dq[nt][2 * half + 1]);
-                }
+            for (int nt = 0; nt < kDqCols / 8; ++nt) {
+                const float give0 = odd ? dq[nt][0] : dq[nt][2], give1 = odd ? dq[nt][1] : dq[nt][3];
+                const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                const float4 v = odd ? make_float4(got0, got1, dq[nt][2], dq[nt][3]) : make_float4(dq[nt][0], dq[nt][1], got0, got1);
+                if (m0 + i < seq.sq) red_add_v4(row + nt * 8, v);
             }
         } else {
             wgmma_wait<0>();
