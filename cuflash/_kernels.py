@@ -121,13 +121,13 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
 #      in flight per block), and _combine2.
 # Chosen by decode_version(): DECODE_VERSION when set (scripts/tests), else CUFLASH_DECODE.
 DECODE_VERSIONS = (1, 2, 3)
-DEFAULT_DECODE_VERSION = 1
+DEFAULT_DECODE_VERSION = 2  # measured: docs/perf-notes.md, d2
 DECODE_VERSION: int | None = None
 
 
 def decode_version() -> int:
     """The decode version in force: ``DECODE_VERSION`` if set, else the environment variable
-    ``CUFLASH_DECODE`` (1, 2 or 3; read on every call, the one place it is read), else 1."""
+    ``CUFLASH_DECODE`` (1, 2 or 3; read on every call, the one place it is read), else DEFAULT_DECODE_VERSION."""
     if DECODE_VERSION is not None:
         v = DECODE_VERSION
     else:

@@ -270,28 +270,44 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // Sᵀ = K Qᵀ
             wgmma_ss<T, kBM>(st_flat, desc_k_major<kBN>(k_base, wg * 64, ks), desc_k_major<kBM>(q_base + stage * kTileQ, 0, ks), ks > 0);
+        // Without softcap (whose derivative needs S) P is formed while dPᵀ's product runs.
+        constexpr bool kPDuringDp = !kSoftcap;
+        if constexpr (kPDuringDp) wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // dPᵀ = V dOᵀ
             wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_base, wg * 64, ks), desc_k_major<kBM>(do_base + stage * kTileQ, 0, ks), ks > 0);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<kPDuringDp ? 1 : 0>();
         wgmma_pin(st_flat);
-        wgmma_pin(dpt_flat);
 
         const float* lse2 = sLse2 + stage * kBM;
         const float* dsum = sDsum + stage * kBM;
         const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
+        // P of element e of column tile nt (query m0 + c, key j), and the softcap derivative.
+        auto prob_at = [&](int nt, int e, float& dcap) {
+            const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            const float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
+            return masked && !seq.visible(i, j) ? 0.f : pr;
+        };
+        auto dsum_at = [&](int nt, int e) { return dsum[nt * 8 + (lane % 4) * 2 + e % 2]; };
+        if constexpr (kPDuringDp) {
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float one;
+                    st[nt][e] = prob_at(nt, e, one);
+                }
+            wgmma_wait<0>();
+        }
+        wgmma_pin(dpt_flat);
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int j = n0 + r_lo + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
-                const int i = m0 + c;
-                float dcap;
-                float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[c], dcap);
-                if (masked && !seq.visible(i, j)) pr = 0.f;
-                st[nt][e] = pr;
-                dpt[nt][e] = pr * (dpt[nt][e] - dsum[c]) * dcap;  // dSᵀ, without the softmax scale
+                float dcap = 1.f;
+                if constexpr (!kPDuringDp) st[nt][e] = prob_at(nt, e, dcap);
+                dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dsum_at(nt, e)) * dcap;  // dSᵀ, without the softmax scale
             }
         u32 pa[kBM / 16][4], dsa[kBM / 16][4];
         c_to_a<T, kBM>(pa, st);
