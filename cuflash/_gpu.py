@@ -213,10 +213,7 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     if num_splits == 1:
         return launches, None
     rows = p.batch * p.nheads_q * p.seqlen_q
-    if _kernels.decode_version() >= 2:  # one block per row, every partial in flight at once
-        launches.append((_kernels.get_function(variant, device, "_combine2"), (rows,), (128,), 0))
-    else:  # one warp per row, the splits walked in turn
-        launches.append((_kernels.get_function(variant, device, "_combine"), ((rows + 3) // 4,), (128,), 0))
+    launches.append((_kernels.get_function(variant, device, "_combine"), (rows,), (128,), 0))  # a block per row
     return launches, ((num_splits, p.batch, p.nheads_q, p.seqlen_q, prm.headdim_v), (num_splits, p.batch, p.nheads_q, p.seqlen_q))
 
 

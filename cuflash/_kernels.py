@@ -80,11 +80,10 @@ class TileConfig:
     warps: int  # query rows per warp = block_m / warps (16 or 32)
     min_blocks: int = 1  # blocks per SM the register allocation must allow
     q_in_regs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
-    stages: int = 0  # decode only: K/V tiles in shared memory (0 = the K/V-interleaved two-tile loop)
 
     def smem_bytes(self, headdim: int) -> int:
-        # Q (block_m rows) + K and V (block_n rows each, per stage), rows padded by 8 elements of 2 bytes.
-        return (self.block_m + 2 * self.block_n * max(1, self.stages)) * (headdim + 8) * 2
+        # Q (block_m rows) + K and V (block_n rows each), rows padded by 8 elements of 2 bytes.
+        return (self.block_m + 2 * self.block_n) * (headdim + 8) * 2
 
 
 def headdim_bucket(headdim: int) -> int:
@@ -114,74 +113,31 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
     return cfg
 
 
-# Decode (split-KV) versions, for comparing them in one process (scripts/decode_ab.py):
-#   1: the d1 kernel: K/V-interleaved two-tile loop, 64-key tiles at d128; the _combine kernel.
-#   2: the same split kernel; the _combine2 kernel (every partial of a row loaded at once).
-#   3: multi-stage loop (K and V of a tile in one stage, 4 stages of 32 keys at d128: three tiles
-#      in flight per block), and _combine2.
-# Chosen by decode_version(): DECODE_VERSION when set (scripts/tests), else CUFLASH_DECODE.
-DECODE_VERSIONS = (1, 2, 3)
-DEFAULT_DECODE_VERSION = 2  # measured: docs/perf-notes.md, d2
-DECODE_VERSION: int | None = None
-
-
-def decode_version() -> int:
-    """The decode version in force: ``DECODE_VERSION`` if set, else the environment variable
-    ``CUFLASH_DECODE`` (1, 2 or 3; read on every call, the one place it is read), else DEFAULT_DECODE_VERSION."""
-    if DECODE_VERSION is not None:
-        v = DECODE_VERSION
-    else:
-        raw = os.environ.get("CUFLASH_DECODE", "").strip()
-        v = int(raw) if raw.isdigit() else DEFAULT_DECODE_VERSION
-    if v not in DECODE_VERSIONS:
-        raise ValueError(f"CUFLASH_DECODE must be one of {DECODE_VERSIONS}; got {v}")
-    return v
-
-
-def decode_tile(headdim: int, version: int = 1) -> TileConfig:
+def decode_tile(headdim: int) -> TileConfig:
     """Split-KV (decode) block sizes: one warp and 16 query rows, since decoding has few rows
-    (GQA heads packed in); many small blocks keep enough K/V loads in flight per SM.
-    Version 3 holds ``stages`` K/V tiles per block (half as many keys per tile, three tiles in
-    flight) at the cost of fewer blocks per SM (3 instead of 5 at d128 on an H200)."""
-    block_n = 128 if headdim <= 64 else 64 if headdim <= 128 else 32
-    if version >= 3:
-        return TileConfig(16, max(16, block_n // 2), 1, stages=4)
-    return TileConfig(16, block_n, 1)
-
-
-def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False,
-                smem_limit: int = DEFAULT_SMEM_LIMIT, decode: int | None = None) -> Variant:
-    """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
-
-    ``splitkv`` selects the decode variant (split key range, paged K/V, GQA packing) and its
-    ``<name>_combine``/``<name>_combine2`` kernels; ``decode`` its version (default
-    :func:`decode_version`; versions 1 and 2 share one split kernel).
-    """
-    version = (decode_version() if decode is None else decode) if splitkv else 1
-    return _fwd_variant(dtype, headdim, softcap=softcap, alibi=alibi, splitkv=splitkv, smem_limit=smem_limit,
-                        stages_version=3 if version >= 3 else 1)
+    (GQA heads packed in); many small blocks keep enough K/V loads in flight per SM."""
+    return TileConfig(16, 128 if headdim <= 64 else 64 if headdim <= 128 else 32, 1)
 
 
 @functools.lru_cache(maxsize=None)
-def _fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool, smem_limit: int,
-                 stages_version: int) -> Variant:
+def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False,
+                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+    """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
+
+    ``splitkv`` selects the decode variant (split key range, paged K/V, GQA packing) and its
+    ``<name>_combine`` kernel.
+    """
     d = headdim_bucket(headdim)
-    t = decode_tile(d, stages_version) if splitkv else fwd_tile(d, smem_limit)
-    if splitkv and t.smem_bytes(d) > smem_limit:  # multi-stage tiles that do not fit: the two-tile loop
-        t = decode_tile(d)
+    t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
-    name += f"_st{t.stages}" * (t.stages > 0)
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
         ("CUFLASH_SPLITKV", int(splitkv)),
-    ) + ((("CUFLASH_STAGES", t.stages),) if t.stages else ())
+    )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
-
-
-fwd_variant.cache_clear = lambda: _fwd_variant.cache_clear()  # scripts/tune_fwd.py forgets variants
 
 
 def sm90_applies(compute_capability: str, nvrtc_version) -> bool:
@@ -294,11 +250,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for softcap in (False, True):
                 for alibi in (False, True):
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
-                    for version in (1, 3):  # 2 shares version 1's split kernel
-                        v = fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit,
-                                        decode=version)
-                        if v not in out:
-                            out.append(v)
+                    out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     for hopper in (sm90_fwd_variant, sm90_bwd_variant):
                         v = hopper(dtype, d, softcap=softcap, alibi=alibi)

@@ -53,15 +53,11 @@
 #ifndef CUFLASH_SPLITKV
 #define CUFLASH_SPLITKV 0
 #endif
-#ifndef CUFLASH_STAGES
-#define CUFLASH_STAGES 0
-#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
 #endif
 
-template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV,
-          int kStages = 0>
+template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
     constexpr int kMT = kBM / (16 * kWarps);  // 16-row MMA tiles per warp
@@ -70,13 +66,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kOT = kD / 8;               // 8-wide column tiles of O
     constexpr int kStride = kD + 8;           // padded shared-memory row, in elements
     static_assert(kBM % (16 * kWarps) == 0 && kBN % 16 == 0 && kD % 32 == 0, "bad tile shape");
-    static_assert(kStages == 0 || (kSplitKV && kStages >= 2), "the multi-stage loop is the decode variant's");
-    constexpr int kKVStages = kStages > 0 ? kStages : 1;  // K/V tiles held in shared memory, each
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kBM, kStride), reused to stage O
-    u16* sK = sQ + kBM * kStride;                // kKVStages x (kBN, kStride)
-    u16* sV = sK + kKVStages * kBN * kStride;    // kKVStages x (kBN, kStride)
+    u16* sK = sQ + kBM * kStride;                // (kBN, kStride)
+    u16* sV = sK + kBN * kStride;                // (kBN, kStride)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int g = kSplitKV ? static_cast<int>(p.pack_gqa) : 1;  // query heads per row group
@@ -118,8 +112,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or (paged) rows whose (page, slot)
     // page_rows() looked up once per tile into shared memory, for the K and the V copies alike.
     const bool paged = kSplitKV && p.block_table != nullptr;
-    // Double-buffered by tile parity (multi-stage loop: one buffer per stage, indexed by tile count).
-    __shared__ int2 s_page_slot[kSplitKV ? (kStages > 2 ? kStages : 2) : 1][kSplitKV ? kBN : 1];
+    __shared__ int2 s_page_slot[kSplitKV ? 2 : 1][kSplitKV ? kBN : 1];  // double-buffered by tile parity
     auto page_rows = [&](int nb) {
         const int* table = p.block_table + b * p.block_table_batch_stride;
         const int page_size = static_cast<int>(p.page_size);
@@ -156,143 +149,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             for (int e = 0; e < 4; ++e) o[mt][ot][e] = 0.f;
     RowState row[kMT][2];  // rows lane/4 and lane/4 + 8 of each MMA tile
 
-    if constexpr (kStages > 0) {
-        // Multi-stage decode loop (CUFLASH_STAGES = kStages): K and V of one tile share a stage and a
-        // cp.async group; kStages - 1 tiles are in flight while one is computed, one barrier per tile.
-        // Tile t (t = 0, 1, ...) is key block nb_hi - 1 - t, in stage t % kStages; paged tiles read
-        // their (page, slot) rows from s_page_slot[t % kStages], looked up one iteration ahead.
-        const int tiles = nb_hi - nb_lo;  // <= 0: no key for this block
-        auto page_rows_of = [&](int t) {
-            const int* table = p.block_table + b * p.block_table_batch_stride;
-            const int page_size = static_cast<int>(p.page_size);
-            for (int r = tid; r < kBN; r += kThreads) {
-                const int j = (nb_hi - 1 - t) * kBN + r;
-                if (j < seq.sk) s_page_slot[t % kStages][r] = make_int2(table[j / page_size], j % page_size);
-            }
-        };
-        auto load_one = [&](u16* smem, const void* base, const u16* g_seq, long long batch_stride, long long row_stride,
-                            long long head_stride, int t, int chunks) {
-            const int n0 = (nb_hi - 1 - t) * kBN;
-            if (paged) {
-                const u16* g_head = static_cast<const u16*>(base) + hk * head_stride;
-                const int2* rows = s_page_slot[t % kStages];
-                load_tile_rows<kBN, kD, kThreads>(
-                    smem, [&](int r) { return g_head + rows[r].x * batch_stride + rows[r].y * row_stride; },
-                    g_head, seq.sk - n0, chunks, tid);
-            } else {
-                load_tile<kBN, kD, kThreads>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
-            }
-        };
-        auto load_stage = [&](int t) {
-            const int st = t % kStages;
-            load_one(sK + st * kBN * kStride, p.k, gK, p.k_batch_stride, p.k_row_stride, p.k_head_stride, t, qk_chunks);
-            load_one(sV + st * kBN * kStride, p.v, gV, p.v_batch_stride, p.v_row_stride, p.v_head_stride, t, v_chunks);
-        };
-
-        if (tiles > 0) {
-            load_tile_rows<kBM, kD, kThreads>(sQ, [&](int r) { return gQ + q_offset(r, p.q_row_stride, p.q_head_stride); },
-                                              static_cast<const u16*>(p.q), rows_valid, qk_chunks, tid);
-            if (paged) {
-                for (int t = 0; t < kStages - 1 && t < tiles; ++t) page_rows_of(t);
-                __syncthreads();
-            }
-#pragma unroll
-            for (int t = 0; t < kStages - 1; ++t) {  // Q joins tile 0's group; empty groups keep the count
-                if (t < tiles) load_stage(t);
-                cp_async_commit();
-            }
-            if (paged && kStages - 1 < tiles) page_rows_of(kStages - 1);  // published by the first barrier
-
-            u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKS : 1][4];
-            const u16* sQw = sQ + warp * kMT * 16 * kStride;  // this warp's rows
-
-            for (int t = 0; t < tiles; ++t) {
-                const int nb = nb_hi - 1 - t, n0 = nb * kBN, st = t % kStages;
-                cp_async_wait<kStages - 2>();  // tile t (and Q) landed for this thread's copies
-                __syncthreads();               // ... for every thread's; every warp is done with tile t - 1
-                if (t + kStages - 1 < tiles) load_stage(t + kStages - 1);  // into tile t - 1's stage
-                cp_async_commit();
-                if (paged && t + kStages < tiles) page_rows_of(t + kStages);  // buffer of tile t, already issued
-                if constexpr (kQInRegs) {
-                    if (t == 0) {
-#pragma unroll
-                        for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                            for (int ks = 0; ks < kKS; ++ks)
-                                ldmatrix_x4(qf[mt][ks], sQw + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
-                    }
-                }
-                const u16* sKt = sK + st * kBN * kStride;
-                const u16* sVt = sV + st * kBN * kStride;
-
-                float s[kMT][kNT][4];
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-#pragma unroll
-                for (int ks = 0; ks < kKS; ++ks) {
-                    u32 a[kMT][4];
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt) {
-                        if constexpr (kQInRegs) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) a[mt][e] = qf[mt][ks][e];
-                        } else {
-                            ldmatrix_x4(a[mt], sQw + (mt * 16 + lane % 16) * kStride + ks * 16 + (lane / 16) * 8);
-                        }
-                    }
-#pragma unroll
-                    for (int np = 0; np < kNT / 2; ++np) {
-                        u32 kb[4];
-                        ldmatrix_x4(kb, sKt + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
-#pragma unroll
-                        for (int mt = 0; mt < kMT; ++mt) {
-                            mma_16x8x16<T>(s[mt][2 * np], a[mt], kb[0], kb[1]);
-                            mma_16x8x16<T>(s[mt][2 * np + 1], a[mt], kb[2], kb[3]);
-                        }
-                    }
-                }
-
-                u32 pk[kMT][kBN / 16][4];
-                float alpha[kMT][2];
-                const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) {
-                    const int r = (warp * kMT + mt) * 16 + lane / 4;
-                    const int qpos[2] = {token(r), token(r + 8)};
-                    softmax_tile<T, kNT, kSoftcap, kAlibi>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0, masked, seq, score_args, lane);
-                }
-                bool moved = false;
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
-                if (__any_sync(0xffffffffu, moved)) {
-#pragma unroll
-                    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-                        for (int ot = 0; ot < kOT; ++ot)
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) o[mt][ot][e] *= alpha[mt][e / 2];
-                }
-#pragma unroll
-                for (int kk = 0; kk < kBN / 16; ++kk) {
-#pragma unroll
-                    for (int dp = 0; dp < kOT / 2; ++dp) {
-                        u32 vb[4];
-                        ldmatrix_x4_trans(vb, sVt + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
-#pragma unroll
-                        for (int mt = 0; mt < kMT; ++mt) {
-                            mma_16x8x16<T>(o[mt][2 * dp], pk[mt][kk], vb[0], vb[1]);
-                            mma_16x8x16<T>(o[mt][2 * dp + 1], pk[mt][kk], vb[2], vb[3]);
-                        }
-                    }
-                }
-            }
-            cp_async_wait<0>();  // no copy may still target shared memory when the epilogue reuses it
-        }
-    } else if (nb_lo < nb_hi) {
+    if (nb_lo < nb_hi) {
         if constexpr (kSplitKV)
             load_tile_rows<kBM, kD, kThreads>(sQ, [&](int r) { return gQ + q_offset(r, p.q_row_stride, p.q_head_stride); },
                                               static_cast<const u16*>(p.q), rows_valid, qk_chunks, tid);
@@ -465,7 +322,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLOCKS)
 CUFLASH_KERNEL_NAME(const FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
-              CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0, CUFLASH_STAGES>(p);
+              CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0>(p);
 }
 
 #if CUFLASH_SPLITKV
@@ -473,50 +330,12 @@ CUFLASH_KERNEL_NAME(const FlashParams p) {
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
 constexpr int kMaxSplits = 128;  // the host never asks for more
 
-// Merge the split partial results of one row: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
-// One warp per (batch, head, query) row, rows in out_accum order; empty rows give 0 and -inf.
+// Merge the split partial results of one row: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s;
+// empty rows give 0 and -inf.  One 128-thread block per (batch, head, query) row, rows in out_accum
+// order, with every load of the row in flight at once: thread s reads split s's LSE, warp w sums
+// the partial outputs of splits w, w + 4, ... in batches of 8 independent loads, and the four
+// warps' sums meet in shared memory.
 extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _combine)(const FlashParams p) {
-    __shared__ float weight[4][kMaxSplits];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const long long rows = p.batch * p.nheads_q * p.seqlen_q;
-    const long long row = static_cast<long long>(blockIdx.x) * 4 + warp;
-    if (row >= rows) return;
-    const int splits = static_cast<int>(p.num_splits);
-    const float kInf = __int_as_float(0x7f800000);
-    float m = -kInf;
-    for (int s = lane; s < splits; s += 32) m = fmaxf(m, p.lse_accum[s * rows + row]);
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float sum = 0.f;
-    if (m > -kInf)
-        for (int s = lane; s < splits; s += 32) sum += __expf(p.lse_accum[s * rows + row] - m);
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const float lse = sum > 0.f ? m + __logf(sum) : -kInf;
-    for (int s = lane; s < splits; s += 32) weight[warp][s] = sum > 0.f ? __expf(p.lse_accum[s * rows + row] - lse) : 0.f;
-    __syncwarp();
-
-    const int i = static_cast<int>(row % p.seqlen_q);
-    const long long bh = row / p.seqlen_q;
-    const int h = static_cast<int>(bh % p.nheads_q), b = static_cast<int>(bh / p.nheads_q);
-    u16* out = static_cast<u16*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-    for (int c = 2 * lane; c < p.headdim_v; c += 64) {  // headdim_v is a multiple of 8
-        float2 acc = make_float2(0.f, 0.f);
-        for (int s = 0; s < splits; ++s) {
-            const float2 part = *reinterpret_cast<const float2*>(p.out_accum + (s * rows + row) * p.headdim_v + c);
-            acc.x += weight[warp][s] * part.x;
-            acc.y += weight[warp][s] * part.y;
-        }
-        *reinterpret_cast<u32*>(out + c) = pack2<CUFLASH_DTYPE>(acc.x, acc.y);
-    }
-    if (lane == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = lse;
-}
-#endif
-
-#if CUFLASH_SPLITKV
-// The same merge with every load of a row in flight at once (the _combine kernel above walks the
-// splits one after another, one L2 round trip per few splits): one 128-thread block per row;
-// thread s reads split s's LSE (num_splits <= 128), warp w sums the partial outputs of splits
-// w, w + 4, ... in batches of 8 independent loads, and the four warps' sums meet in shared memory.
-extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _combine2)(const FlashParams p) {
     constexpr int kWarpsC = 4, kBatch = 8, kD4 = CUFLASH_HEADDIM / 4;
     __shared__ float weight[kMaxSplits];
     __shared__ float red[2][kWarpsC];

@@ -106,27 +106,3 @@ def test_sm90_applies_only_to_compute_capability_9_0_with_nvrtc_12_9(monkeypatch
     monkeypatch.setenv("CUFLASH_DISABLE_SM90", "0")
     assert not _kernels.sm90_disabled()
 
-
-def test_decode_versions(monkeypatch):
-    """CUFLASH_DECODE picks the decode version (one place reads it); DECODE_VERSION overrides it;
-    version 3's multi-stage variants are in the compiled set and fit 3 blocks per H200 SM at d128."""
-    monkeypatch.setattr(_kernels, "DECODE_VERSION", None)
-    monkeypatch.delenv("CUFLASH_DECODE", raising=False)
-    assert _kernels.decode_version() == _kernels.DEFAULT_DECODE_VERSION
-    for value in ("1", "2", "3"):
-        monkeypatch.setenv("CUFLASH_DECODE", value)
-        assert _kernels.decode_version() == int(value)
-    monkeypatch.setenv("CUFLASH_DECODE", "9")
-    with pytest.raises(ValueError, match="CUFLASH_DECODE"):
-        _kernels.decode_version()
-    monkeypatch.setattr(_kernels, "DECODE_VERSION", 3)
-    v3 = _kernels.fwd_variant("bfloat16", 128, softcap=False, alibi=False, splitkv=True)
-    v1 = _kernels.fwd_variant("bfloat16", 128, softcap=False, alibi=False, splitkv=True, decode=1)
-    assert dict(v3.defines)["CUFLASH_STAGES"] == 4 and "CUFLASH_STAGES" not in dict(v1.defines)
-    assert v1 == _kernels.fwd_variant("bfloat16", 128, softcap=False, alibi=False, splitkv=True, decode=2)
-    assert 3 * (v3.smem_bytes + 2048) <= 233472  # H200: MaxSharedMemoryPerMultiprocessor
-    names = {v.name for v in VARIANTS}
-    assert v1.name in names and v3.name in names
-    for d in _kernels.HEADDIM_BUCKETS:  # every multi-stage variant fits the smallest opt-in limit
-        assert _kernels.fwd_variant("float16", d, softcap=False, alibi=False, splitkv=True, decode=3,
-                                    smem_limit=99 * 1024).smem_bytes <= 99 * 1024

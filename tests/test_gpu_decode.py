@@ -143,46 +143,11 @@ def test_prefill_rows_beyond_the_decode_block(rng):
 
 
 # ---------------------------------------------------------------------------------------------
-# Decode versions 2 (the _combine2 merge) and 3 (multi-stage split loop + _combine2), selected in
-# process through _kernels.DECODE_VERSION, against the same contract as version 1.
-
-@pytest.fixture(params=[2, 3], ids=["v2", "v3"])
-def version(request):
-    from cuflash import _fastpath, _kernels
-
-    saved = _kernels.DECODE_VERSION
-    _kernels.DECODE_VERSION = request.param
-    _fastpath.PLANS.clear()  # recorded launches belong to the version that made them
-    yield request.param
-    _kernels.DECODE_VERSION = saved
-    _fastpath.PLANS.clear()
-
-
-def test_version_selects_the_kernels(version):
-    from cuflash import _kernels
-
-    v = _kernels.fwd_variant("bfloat16", 128, softcap=False, alibi=False, splitkv=True)
-    assert ("_st4_" in v.name) == (version == 3)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [32, 64, 72, 128, 200, 256])
-@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)], ids=["mha", "gqa4", "mqa6"])
-@pytest.mark.parametrize("seqlen_q", [1, 3, 16])
-def test_versions_few_rows(version, rng, dtype, headdim, heads, seqlen_q):
-    test_attention_few_rows(rng, dtype, headdim, heads, seqlen_q)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}" for k in o))
-@pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_versions_options(version, rng, dtype, opts, seqlen_q):
-    test_options(rng, dtype, opts, seqlen_q)
-
+# Split counts against the one-block-per-row _combine kernel.
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64, 128, 1000])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (32, 8), (6, 1)], ids=["mha", "gqa", "gqa32-8", "mqa"])
-def test_versions_split_counts(version, rng, num_splits, heads):
+def test_split_counts_leaving_blocks_without_keys(rng, num_splits, heads):
     """Lengths 0..2500 in one batch: with many splits the short sequences leave most split
     blocks without a key (partials 0 / -inf), and tiles end inside and at 32/64-key edges."""
     hq, hkv = heads
@@ -201,7 +166,7 @@ def test_versions_split_counts(version, rng, num_splits, heads):
 @pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(70, 0)), dict(softcap=2.0)],
                          ids=["causal", "window", "softcap"])
 @pytest.mark.parametrize("num_splits", [0, 1, 5, 128])
-def test_versions_split_counts_with_masks(version, rng, opts, num_splits):
+def test_split_counts_with_masks(rng, opts, num_splits):
     """Windows and caps on a split range: some splits see only masked keys or none at all."""
     hq, hkv, d = 8, 2, 128
     lengths = np.array([0, 5, 100, 1999], dtype=np.int32)
@@ -213,42 +178,3 @@ def test_versions_split_counts_with_masks(version, rng, opts, num_splits):
     q = _rand(rng, (batch, 2, hq, d), ml_dtypes.bfloat16, 3.0)
     out, lse = _kvcache(q, kc, vc, lengths, num_splits=num_splits, **opts)
     _check_per_sequence(out, lse, q, kc, vc, lengths, **opts)
-
-
-def test_versions_long_cache_and_repeatable(version, rng):
-    test_long_cache_automatic_split_and_repeatable(rng)
-
-
-@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
-@pytest.mark.parametrize("num_splits", [0, 1, 5])
-@pytest.mark.parametrize("seqlen_q", [1, 2])
-def test_versions_paged(version, rng, page_size, num_splits, seqlen_q):
-    test_paged_in_kernel(rng, page_size, num_splits, seqlen_q)
-
-
-def test_versions_prefill_rows_beyond_the_decode_block(version, rng):
-    test_prefill_rows_beyond_the_decode_block(rng)
-
-
-def test_versions_agree_with_version_1(rng):
-    """The three versions on one GQA cache: each within rounding of the others."""
-    from cuflash import _fastpath, _kernels
-
-    hq, hkv, d, n = 32, 8, 128, 9000
-    kc = _rand(rng, (2, n, hkv, d), ml_dtypes.bfloat16)
-    vc = _rand(rng, (2, n, hkv, d), ml_dtypes.bfloat16)
-    q = _rand(rng, (2, 1, hq, d), ml_dtypes.bfloat16, 3.0)
-    lengths = np.array([n, n // 3], np.int32)
-    saved, results = _kernels.DECODE_VERSION, []
-    try:
-        for v in (1, 2, 3):
-            _kernels.DECODE_VERSION = v
-            _fastpath.PLANS.clear()
-            results.append(_kvcache(q, kc, vc, lengths))
-            _check_per_sequence(*results[-1], q, kc, vc, lengths)
-    finally:
-        _kernels.DECODE_VERSION = saved
-        _fastpath.PLANS.clear()
-    for out, lse in results[1:]:
-        np.testing.assert_allclose(lse, results[0][1], rtol=0, atol=1e-4)
-        np.testing.assert_allclose(out.astype(np.float32), results[0][0].astype(np.float32), rtol=0, atol=2e-2)
