@@ -224,9 +224,12 @@ def attention_backward(
 {options}
     layout : {"bshd", "bhsd"}, default "bshd"
     deterministic : bool, default False
-        Ask for bitwise-repeatable gradients.  Both paths already are: the CPU path by
-        construction, the GPU kernels because they accumulate dQ and dK/dV in separate kernels
-        without atomics.  Kept for FlashAttention compatibility.
+        Bitwise-repeatable gradients.  By default the Hopper backward (head dims 33–64 and
+        97–128 on compute capability 9.0) forms dQ inside the dK/dV kernel and adds it to an
+        fp32 buffer of B·H·Sq·D floats with atomics, so dq may differ in the last bits from run
+        to run; ``True`` computes dQ in a kernel of its own instead (no atomics, no buffer;
+        8–15 % slower on an H200, see BENCHMARKS.md).  The CPU path and the other GPU kernels
+        are always repeatable.
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
         with the inputs or each other.
@@ -448,7 +451,7 @@ def attention_varlen_backward(
         As in :func:`attention_varlen`.
 {options}
     deterministic : bool, default False
-        Bitwise-repeatable gradients.
+        Bitwise-repeatable gradients, as in :func:`attention_backward`.
 
     Returns
     -------
