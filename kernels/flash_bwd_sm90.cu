@@ -189,7 +189,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kBN = 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
-    static_assert(!kDqAtomic || (kBM == 64 && (kDqCols == 32 || kDqCols == 64 || kDqCols == 128)), "dQ = dS K: 64 query rows, a 32/64/128-column slice");
+    static_assert(!kDqAtomic || (kBM == 64 && (kDqCols == 64 || kDqCols == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
     unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
@@ -338,7 +338,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
 #pragma unroll
             for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
                 wgmma_ss_mn<T, kDqCols>(dq_flat, desc_n_major<kBN>(smem_addr(sdS), kk),
-                                        desc_n_major<kBN>(k_base + (wg * kDqCols / 64) * kBN * 128 + (wg * kDqCols % 64) * 2, kk), kk > 0);
+                                        desc_n_major<kBN>(k_base + (wg * kDqCols / 64) * kBN * 128, kk), kk > 0);
             wgmma_commit();
             wgmma_wait<0>();
             wgmma_pin(dq_flat);
