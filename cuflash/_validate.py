@@ -21,6 +21,7 @@ FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 CAUSAL_MODES = (False, True, "bottom_right", "top_left")
 _UNBOUNDED_WINDOW = 2**31 - 1
 SOFTCAP_RANGE = (1e-30, 1e30)  # float32 must hold softcap and scores / softcap
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 LAYOUTS = ("bshd", "bhsd")
 
 
@@ -221,6 +222,8 @@ def finish_problem(
         raise ValueError(f"head dims must be >= 1; got q/k {headdim_qk}, v {headdim_v}")
     left, right, top_left = normalize_mask_options(causal, window_size)
     scale = check_scalar(softmax_scale, "softmax_scale", default=1.0 / math.sqrt(headdim_qk))
+    if abs(scale) > FLOAT32_MAX:  # the kernels multiply in float32
+        raise ValueError(f"softmax_scale must lie within float32's range (|scale| <= {FLOAT32_MAX:.4g}); got {scale}")
     cap = check_scalar(softcap, "softcap", default=0.0)
     if cap < 0 or (cap > 0 and not SOFTCAP_RANGE[0] <= cap <= SOFTCAP_RANGE[1]):
         raise ValueError(
@@ -253,6 +256,11 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int):
     shape = tuple(alibi_slopes.shape)
     if shape not in ((nheads_q,), (batch, nheads_q)):
         raise ValueError(f"alibi_slopes must have shape ({nheads_q},) or ({batch}, {nheads_q}); got {shape}")
+    if isinstance(alibi_slopes, np.ndarray):  # device slopes are not read back (that would synchronise)
+        with np.errstate(over="ignore", invalid="ignore"):
+            finite = np.isfinite(alibi_slopes.astype(np.float32)).all()
+        if not finite:
+            raise ValueError("alibi_slopes must be finite within float32's range (they are used as float32)")
     slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float32)
     xp = _arrays.module_of(q)
     return xp.ascontiguousarray(xp.broadcast_to(slopes, (batch, nheads_q)))
@@ -279,11 +287,40 @@ def check_output_buffer(out, name: str, shape: tuple, dtype, like, inputs=()):
         return None
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{name} is read-only; pass a writable array")
-    xp = _arrays.module_of(out)
+    if out.size > 1 and not _elements_apart(out):
+        raise ValueError(f"{name} has elements that share memory (a zero or overlapping stride); pass a buffer "
+                         "whose elements are distinct")
     for input_name, x in inputs:
-        if x is not None and x.size and out.size and xp.may_share_memory(out, x):
+        if x is not None and x.size and out.size and shares_memory(out, x):
             raise ValueError(f"{name} overlaps {input_name}; the output must not share memory with the inputs")
     return out
+
+
+def _elements_apart(x) -> bool:
+    """Whether no two elements of ``x`` share memory: with the axes sorted by |stride|, each stride
+    spans the whole extent of the axes below it (sufficient; every layout NumPy or CuPy makes
+    without as_strided passes)."""
+    dims = sorted((abs(st), n) for st, n in zip(x.strides, x.shape) if n > 1)
+    extent = x.itemsize
+    for stride, n in dims:
+        if stride < extent:
+            return False
+        extent = stride * n
+    return True
+
+
+def shares_memory(a, b) -> bool:
+    """Whether ``a`` and ``b`` share an element: the bounds test, then (NumPy) the exact test, so
+    that interleaved views of one buffer (FlashAttention's packed qkv / dqkv) count as apart."""
+    xp = _arrays.module_of(a)
+    if not xp.may_share_memory(a, b):
+        return False
+    if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
+        return True  # CuPy's exact test is the bounds test
+    try:
+        return bool(np.shares_memory(a, b, max_work=100_000))
+    except getattr(np, "exceptions", np).TooHardError:  # NumPy < 1.25: np.TooHardError
+        return True
 
 
 def check_bool(value, name: str) -> bool:

@@ -523,7 +523,9 @@ def merge_states(*args, layout="bshd"):
     -------
     out : array, the dtype and shape of one part
     lse : array, the shape of one part's LSE (float32, float64 for float64 parts)
-        Parts whose LSE are all -inf merge to 0 and -inf.
+        A part whose LSE is -inf (no key) contributes nothing, whatever its output holds; rows
+        where every part is -inf merge to 0 and -inf.  LSE values must be finite or -inf (+inf
+        or NaN give NaN rows).
 
     Raises
     ------
@@ -577,7 +579,8 @@ def merge_states(*args, layout="bshd"):
     m_safe = xp.where(xp.isneginf(m), 0, m)  # all parts empty: avoid -inf - -inf = NaN
     weights = [xp.exp(r - m_safe) for r in rows]
     total = sum(weights)
-    merged = sum(w * o.astype(acc_t) for w, o in zip(weights, outs))
+    with np.errstate(invalid="ignore", over="ignore"):  # 0 * NaN of empty parts, then discarded
+        merged = sum(xp.where(w > 0, w * o.astype(acc_t), 0) for w, o in zip(weights, outs))
     safe_total = xp.where(total > 0, total, 1)
     out = (merged / safe_total).astype(ref.dtype)
     lse_rows = xp.where(total > 0, m_safe + xp.log(safe_total), -np.inf)[..., 0]

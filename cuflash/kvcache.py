@@ -78,7 +78,7 @@ def attention_with_kvcache(
         ``cache_batch_idx``; cache lengths (plus new tokens) beyond the capacity; page or batch
         indices out of range, or two new tokens sent to one cache slot (checked for NumPy index
         arrays, and for GPU ones with ``CUFLASH_DEBUG=1``); when appending, a read-only cache,
-        k_cache and v_cache sharing memory, or q inside the cache.  Every check runs before
+        k_cache and v_cache sharing memory, or q, k or v inside the cache.  Every check runs before
         the cache is written, so a refused call changes nothing.
 
     Notes
@@ -103,7 +103,9 @@ def attention_with_kvcache(
     V.check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens to append) or both omitted")
-    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)) or num_splits < 0:
+    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
+        raise TypeError(f"num_splits must be an integer >= 0 (0 = automatic); got {num_splits!r}")
+    if num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0 = automatic); got {num_splits!r}")
     batch, _, _, headdim = q.shape
     xp = _arrays.module_of(q)
@@ -221,17 +223,18 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
 
 
 def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, table, rows):
-    """Appending writes the caches in place: they must be writable and distinct, q must not live in
-    them (it is read after the write), and (where the index values are on the host) no two new
-    tokens may land on one slot."""
+    """Appending writes the caches in place: they must be writable and distinct, q, k and v must
+    not live in them (k_cache is written before v is read, and q is read after both), and (where
+    the index values are on the host) no two new tokens may land on one slot."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"{name} is read-only (or a broadcast view); new tokens are written into it in place")
     xp = _arrays.module_of(q)
     if xp.may_share_memory(k_cache, v_cache):
         raise ValueError("k_cache and v_cache share memory; new tokens for both would overwrite each other")
-    if q.size and any(xp.may_share_memory(q, c) for c in (k_cache, v_cache) if c.size):
-        raise ValueError("q shares memory with the cache, which this call writes before it reads q")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.size and any(V.shares_memory(x, c) for c in (k_cache, v_cache) if c.size):
+            raise ValueError(f"{name} shares memory with the cache, which this call writes before it reads {name}")
     if lengths is None or not lengths.size:
         return
     pos = lengths.astype(np.int64)[:, None] + np.arange(new)[None, :]  # (batch, new) positions written

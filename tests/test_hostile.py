@@ -873,3 +873,82 @@ def test_softmax_strided_and_dtypes(rng):
         assert y.dtype == np.dtype(dt) and not np.isnan(y.astype(np.float32)).any()
     y = cuflash.softmax(np.array([3e38, -3e38], np.float32))
     assert np.array_equal(y, [1.0, 0.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Session 4 hostile findings, fixed.
+
+def test_defect_scale_and_slopes_beyond_float32_are_errors(rng):
+    """The kernels compute in float32: a scale or slope float32 cannot hold gave all-NaN rows
+    reported as empty (lse -inf).  Now a ValueError names the argument."""
+    q, k, v = (rnd(rng, 1, 4, 2, 8, dtype=np.float16) for _ in range(3))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        cuflash.attention(q, k, v, softmax_scale=1e39)
+    for slopes in (np.full(2, 1e39), np.full(2, np.inf), np.array([0.5, np.nan])):
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            cuflash.attention(q, k, v, alibi_slopes=slopes)
+    out = cuflash.attention(q, k, v, softmax_scale=-3e38 / 1e3)  # large but representable: runs
+    assert np.isfinite(out.astype(np.float32)).all()
+
+
+def test_defect_merge_ignores_the_output_of_an_empty_part(rng):
+    """A part with lse = -inf contributes nothing, even if its output holds NaN or inf."""
+    out_b, lse_b = rnd(rng, 1, 2, 1, 4), rnd(rng, 1, 1, 2)
+    for fill in (np.nan, np.inf):
+        out_a = np.full((1, 2, 1, 4), fill, np.float32)
+        lse_a = np.full((1, 1, 2), -np.inf, np.float32)
+        out, lse = cuflash.merge_states(out_a, lse_a, out_b, lse_b)
+        np.testing.assert_allclose(out, out_b, rtol=1e-6)
+        np.testing.assert_allclose(lse, lse_b, rtol=1e-6)
+        out, lse = cuflash.merge_states(out_a, lse_a, out_a, lse_a)  # every part empty: 0 and -inf
+        assert (out == 0).all() and (lse == -np.inf).all()
+
+
+def test_defect_interleaved_gradient_buffers_are_accepted(rng):
+    """FlashAttention's packed dqkv layout (three interleaved views of one buffer) shares no
+    element: it was refused as overlapping; now it is written, and matches the reference."""
+    q, k, v = rnd(rng, 1, 6, 2, 8), rnd(rng, 1, 6, 2, 8), rnd(rng, 1, 6, 2, 8)
+    dout = rnd(rng, 1, 6, 2, 8)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+    g = np.full((1, 6, 3, 2, 8), np.nan, np.float32)
+    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, dq=g[:, :, 0], dk=g[:, :, 1], dv=g[:, :, 2])
+    for got, ref in zip(grads, attention_backward_ref(dout, q, k, v, causal=True)):
+        close(got, ref)
+    qkvo = rnd(rng, 1, 6, 4, 2, 8)  # out= interleaved with q, k, v in one buffer
+    res = cuflash.attention(qkvo[:, :, 0], qkvo[:, :, 1], qkvo[:, :, 2], out=qkvo[:, :, 3])
+    assert res.base is not None
+
+
+def test_defect_self_overlapping_output_buffers_are_refused(rng):
+    """An output whose elements alias each other (a zero stride) cannot hold the result."""
+    q, k, v = rnd(rng, 1, 4, 2, 8), rnd(rng, 1, 4, 2, 8), rnd(rng, 1, 4, 2, 8)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    alias = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), q.shape, (0, 0, 0, 0), writeable=True)
+    with pytest.raises(ValueError, match="out has elements that share memory"):
+        cuflash.attention(q, k, v, out=alias)
+    with pytest.raises(ValueError, match="dq has elements that share memory"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dq=alias)
+    rows = np.lib.stride_tricks.as_strided(np.zeros(64, np.float32), q.shape, (0, 4, 32, 4), writeable=True)
+    with pytest.raises(ValueError, match="out has elements that share memory"):  # rows 4 bytes apart
+        cuflash.attention(q, k, v, out=rows)
+    batch_axis_of_one = np.lib.stride_tricks.as_strided(np.zeros(256, np.float32), q.shape, (0, 256, 32, 4), writeable=True)
+    assert cuflash.attention(q, k, v, out=batch_axis_of_one) is batch_axis_of_one  # a stride 0 on a length-1 axis is fine
+
+
+def test_defect_new_tokens_inside_the_cache_are_refused(rng):
+    """k_cache is written before v is read: a v that is a view of k_cache would be overwritten."""
+    kc, vc = rnd(rng, 2, 10, 2, 8), rnd(rng, 2, 10, 2, 8)
+    q, knew = rnd(rng, 2, 1, 4, 8), rnd(rng, 2, 2, 2, 8)
+    before = kc.copy()
+    for k_new, v_new, name in ((knew, kc[:, 1:3], "v"), (vc[:, 4:6], knew, "k")):
+        with pytest.raises(ValueError, match=f"{name} shares memory with the cache"):
+            cuflash.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=np.array([1, 1]))
+    assert np.array_equal(kc, before)  # refused before anything was written
+
+
+@pytest.mark.parametrize("value", [1.0, True, "2", None])
+def test_defect_num_splits_of_the_wrong_type_is_a_type_error(rng, value):
+    kc = rnd(rng, 2, 10, 2, 8)
+    with pytest.raises(TypeError, match="num_splits must be an integer"):
+        cuflash.attention_with_kvcache(rnd(rng, 2, 1, 4, 8), kc, kc.copy(), cache_seqlens=np.array([1, 1]),
+                                       num_splits=value)
