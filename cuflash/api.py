@@ -228,7 +228,7 @@ def attention_backward(
         97–128 on compute capability 9.0) forms dQ inside the dK/dV kernel and adds it to an
         fp32 buffer of B·H·Sq·D floats with atomics, so dq may differ in the last bits from run
         to run; ``True`` computes dQ in a kernel of its own instead (no atomics, no buffer;
-        8–15 % slower on an H200, see BENCHMARKS.md).  The CPU path and the other GPU kernels
+        about 10 % slower on an H200, see BENCHMARKS.md).  The CPU path and the other GPU kernels
         are always repeatable.
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
@@ -351,7 +351,10 @@ def attention_varlen(
         ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.  Zero-length sequences are allowed.
     max_seqlen_q, max_seqlen_k : int, optional
         Longest sequence; computed from the offsets when None (a small device-to-host copy for
-        GPU offsets).
+        GPU offsets).  Given values are checked against NumPy offsets; GPU offsets are not read
+        back (set ``CUFLASH_DEBUG=1`` to check them), so a value below the longest sequence
+        leaves that sequence's later rows unwritten.  With both given (and no ALiBi), warm GPU
+        calls replay the first call's launch (``cuflash._fastpath``).
 {options}
     return_lse : bool, default False
         Also return the log-sum-exp, shape (nheads, total_q).

@@ -66,7 +66,7 @@ def attention_with_kvcache(
     Returns
     -------
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
-    lse : array of shape (batch, nheads, seqlen_q), float32
+    lse : array of shape (batch, nheads, seqlen_q), float32 (float64 for float64 inputs)
         Only when ``return_lse``.
 
     Raises
