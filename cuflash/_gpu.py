@@ -307,15 +307,16 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         tile = main.threads // 2  # rows per block: 16 per warp (flash_bwd.cu), 64 per warpgroup (Hopper)
         dq_grid = ((p.seqlen_q + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_q))
         dkdv_grid = ((p.seqlen_k + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_k))
+        smem = main.smem_bytes
         if main is variant or deterministic:
-            launches = (("_dq", dq_grid), ("_dkdv", dkdv_grid))
+            launches = (("_dq", dq_grid, smem), ("_dkdv", dkdv_grid, smem))
         else:  # fp32 dQ rows laid out like the LSE's, head-dim bucket wide
             dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=cp.float32)
             prm.dq_accum = dq_accum.data.ptr
-            launches = (("_dkdv_dq", dkdv_grid), ("_dq_convert", dq_grid))
-        for suffix, grid in launches:
+            launches = (("_dkdv_dq", dkdv_grid, smem), ("_dq_convert", dq_grid, 0))
+        for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
-            fn(grid, (main.threads,), (_pointer(prm),), shared_mem=0 if suffix == "_dq_convert" else main.smem_bytes)
+            fn(grid, (main.threads,), (_pointer(prm),), shared_mem=shared_mem)
 
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:

@@ -316,7 +316,7 @@ def shares_memory(a, b) -> bool:
     if not xp.may_share_memory(a, b):
         return False
     if not isinstance(a, np.ndarray) or not isinstance(b, np.ndarray):
-        return True  # CuPy's exact test is the bounds test
+        return True  # CuPy arrays: the bounds test alone
     try:
         return bool(np.shares_memory(a, b, max_work=100_000))
     except getattr(np, "exceptions", np).TooHardError:  # NumPy < 1.25: np.TooHardError

@@ -229,8 +229,7 @@ def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, ta
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"{name} is read-only (or a broadcast view); new tokens are written into it in place")
-    xp = _arrays.module_of(q)
-    if xp.may_share_memory(k_cache, v_cache):
+    if V.shares_memory(k_cache, v_cache):
         raise ValueError("k_cache and v_cache share memory; new tokens for both would overwrite each other")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.size and any(V.shares_memory(x, c) for c in (k_cache, v_cache) if c.size):

@@ -952,3 +952,17 @@ def test_defect_num_splits_of_the_wrong_type_is_a_type_error(rng, value):
     with pytest.raises(TypeError, match="num_splits must be an integer"):
         cuflash.attention_with_kvcache(rnd(rng, 2, 1, 4, 8), kc, kc.copy(), cache_seqlens=np.array([1, 1]),
                                        num_splits=value)
+
+
+def test_defect_k_and_v_caches_interleaved_in_one_pool_are_accepted(rng):
+    """A (rows, 2, capacity, H, D) pool with K and V side by side shares no element between the
+    two caches: appending into it works (it was refused as overlapping)."""
+    pool = rnd(rng, 2, 2, 10, 2, 8)
+    kc, vc = pool[:, 0], pool[:, 1]
+    q, knew, vnew = rnd(rng, 2, 1, 4, 8), rnd(rng, 2, 1, 2, 8), rnd(rng, 2, 1, 2, 8)
+    ref_k, ref_v = kc.copy(), vc.copy()
+    out = cuflash.attention_with_kvcache(q, kc, vc, knew, vnew, cache_seqlens=np.array([3, 5]))
+    ref_k[0, 3], ref_k[1, 5], ref_v[0, 3], ref_v[1, 5] = knew[0, 0], knew[1, 0], vnew[0, 0], vnew[1, 0]
+    assert np.array_equal(kc, ref_k) and np.array_equal(vc, ref_v)
+    for b, n in enumerate((4, 6)):
+        close(out[b:b + 1], attention_ref(q[b:b + 1], ref_k[b:b + 1, :n], ref_v[b:b + 1, :n])[0])
