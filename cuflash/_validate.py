@@ -355,8 +355,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise ValueError(f"{name} must be non-decreasing; got {values.tolist()}")
         if values[-1] > total:
             raise ValueError(f"{name}[-1] = {values[-1]} exceeds the {total} packed tokens")
-    max_q = _max_seqlen(cu_q, host_q, max_seqlen_q, "max_seqlen_q")
-    max_k = _max_seqlen(cu_k, host_k, max_seqlen_k, "max_seqlen_k")
+    # A sequence is never longer than the packed total: larger values are a bound, kept in range.
+    max_q = min(_max_seqlen(cu_q, host_q, max_seqlen_q, "max_seqlen_q"), q.shape[0])
+    max_k = min(_max_seqlen(cu_k, host_k, max_seqlen_k, "max_seqlen_k"), k.shape[0])
     return batch, cu_q, cu_k, max_q, max_k
 
 

@@ -966,3 +966,13 @@ def test_defect_k_and_v_caches_interleaved_in_one_pool_are_accepted(rng):
     assert np.array_equal(kc, ref_k) and np.array_equal(vc, ref_v)
     for b, n in enumerate((4, 6)):
         close(out[b:b + 1], attention_ref(q[b:b + 1], ref_k[b:b + 1, :n], ref_v[b:b + 1, :n])[0])
+
+
+def test_defect_huge_max_seqlen_is_kept_within_the_packed_total(packed):
+    """max_seqlen_q = 2**70 would wrap in the kernels' int64 parameters and size the GPU grid;
+    no sequence is longer than the packed total, so the bound is clamped to it."""
+    from cuflash import _validate
+
+    q, k, v = packed
+    _, _, _, max_q, max_k = _validate.check_varlen(q, k, v, A([0, 4, 10]), A([0, 5, 12]), 2**70, 10**12)
+    assert (max_q, max_k) == (q.shape[0], k.shape[0])
