@@ -405,10 +405,11 @@ def attention_varlen(
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
     lse = xp.empty((p.nheads_q, q.shape[0]), dtype=lse_dtype(q.dtype))
-    if not _arrays.is_gpu(q) or p.is_empty or not p.seqlen_k:  # else _gpu.forward_varlen writes every row
+    launch = not p.is_empty and p.seqlen_k
+    if not (launch and _arrays.is_gpu(q)):  # the GPU kernels write every row, those of no sequence too
         out[...] = 0
         lse[...] = -np.inf
-    if not p.is_empty and p.seqlen_k:
+    if launch:
         if fast_key is None:
             _run("forward_varlen", _cpu.forward_varlen, p, q, k, v, out, lse, cu_q, cu_k)
         else:

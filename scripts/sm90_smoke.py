@@ -40,7 +40,7 @@ def tflops(d, s, causal, disable, backward=False, deterministic=False):
 
 
 for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:
-    print(f"{kind}: d causal seqlen: sm90 / sm80 TF/s" + (" (bwd: sm90 atomic dQ / sm90 deterministic)" if kind == "bwd" else ""))
+    print(f"{kind}: d causal seqlen: " + ("sm90 atomic dQ / sm90 deterministic" if kind == "bwd" else "sm90 / sm80") + " TF/s")
     for d in (64, 128, 256) if kind == "fwd" else (64, 128):
         for causal in (False, True):
             for s in (4096, 16384):
