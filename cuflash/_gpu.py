@@ -20,6 +20,7 @@ from ._params import FlashParams
 _GRID_YZ_MAX = 65535
 DECODE_MAX_ROWS = 16  # query rows up to which the split-KV decode variant runs (its block height)
 MAX_SPLITS = 128  # the _combine kernel's limit
+CONTIGUOUS_DECODE_BLOCKS_PER_SM = 2  # what _auto_splits aims at on contiguous caches
 _ALIGN = 16  # bytes: cp.async moves 16-byte chunks
 
 
@@ -205,7 +206,7 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     blocks = m_blocks * p.batch * (p.nheads_q // pack)
     key_blocks = max(1, (p.seqlen_k + block_n - 1) // block_n)
     if num_splits == 0:
-        num_splits = _auto_splits(blocks, key_blocks, variant, device)
+        num_splits = _auto_splits(blocks, key_blocks, variant, device, paged=bool(prm.block_table))
     num_splits = max(1, min(num_splits, key_blocks, MAX_SPLITS))
     prm.pack_gqa, prm.num_splits = pack, num_splits
     grid = (m_blocks * num_splits, *_grid_yz(p.batch * (p.nheads_q // pack)))
@@ -217,13 +218,15 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     return launches, ((num_splits, p.batch, p.nheads_q, p.seqlen_q, prm.headdim_v), (num_splits, p.batch, p.nheads_q, p.seqlen_q))
 
 
-def _auto_splits(blocks: int, key_blocks: int, variant, device: int) -> int:
-    """As many splits as fit in one wave of resident blocks on this GPU (never a second,
-    nearly empty wave), each split keeping at least two key tiles (so the combine stays a
-    small fraction of the work)."""
+def _auto_splits(blocks: int, key_blocks: int, variant, device: int, paged: bool) -> int:
+    """Splits for one wave of about ``CONTIGUOUS_DECODE_BLOCKS_PER_SM`` blocks per SM on a
+    contiguous cache, or of every resident block on a paged one (never a second, nearly empty
+    wave), each split keeping at least two key tiles (so the combine stays a small fraction of
+    the work).  docs/perf-notes.md, d3: fewer, longer splits read a contiguous cache faster,
+    while the page lookups of a paged cache keep each warp busy and need every warp there is."""
     sms, smem_per_sm = _sm_resources(device)
     per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + 2048)))  # + static and reserved smem
-    wave = sms * per_sm
+    wave = sms * (per_sm if paged else min(per_sm, CONTIGUOUS_DECODE_BLOCKS_PER_SM))
     return max(1, min(wave // blocks, key_blocks // 2, MAX_SPLITS))
 
 

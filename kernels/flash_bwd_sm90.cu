@@ -48,6 +48,17 @@
 #define CUFLASH_CAT2(a, b) a##b
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
 
+// A step of the dkdv loop over (query head of the GQA group, query tile) pairs, head-major.
+struct StepPos {
+    int head, tile;
+    __device__ __forceinline__ void advance(int tiles, int group) {  // to the next pair, wrapping
+        if (++tile == tiles) {
+            tile = 0;
+            if (++head == group) head = 0;
+        }
+    }
+};
+
 // Each thread's rows of a warpgroup's 64-row wgmma accumulator: r and r + 8 within the 64.
 __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + (tid % 32) / 4; }
 
@@ -230,11 +241,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     // Step t of the loop: query head hk * group + u / tiles, query tile mb_lo + u % tiles, where
     // u = t, or with atomic dQ u = (t + blockIdx.x) % steps, so that the key blocks of one head do
     // not all add to the same dQ rows at the same time.
+    // The loop walks u without divisions: `cur` holds step t's (u / tiles, u % tiles), `next` step t + 1's.
     const int shift = kDqAtomic && steps > 0 ? static_cast<int>(blockIdx.x % steps) : 0;
-    auto step_head = [&](int t) { return hk * group + (t + shift) % steps / tiles; };
-    auto step_m0 = [&](int t) { return (mb_lo + (t + shift) % steps % tiles) * kBM; };
-    auto load_q = [&](int t, int stage) {
-        const int h = step_head(t), m0 = step_m0(t);
+    StepPos cur{tiles > 0 ? shift / tiles : 0, tiles > 0 ? shift % tiles : 0}, next = cur;
+    next.advance(tiles, group);
+    auto step_head = [&](StepPos s) { return hk * group + s.head; };
+    auto step_m0 = [&](StepPos s) { return (mb_lo + s.tile) * kBM; };
+    auto load_q = [&](StepPos s, int stage) {
+        const int h = step_head(s), m0 = step_m0(s);
         const int rows_valid = min(kBM, seq.sq - m0);
         const long long q_row = seq.q_start + m0;
         load_tile_swizzled<kBM, kD, kThreads>(sQ + stage * kTileQ, static_cast<const u16*>(p.q) + b * p.q_batch_stride + q_row * p.q_row_stride + h * p.q_head_stride,
@@ -251,17 +265,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     if (tiles > 0) {
         load_tile_swizzled<kBN, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
         load_tile_swizzled<kBN, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
-        load_q(0, 0);
+        load_q(cur, 0);
     }
     const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
 
-    for (int t = 0, stage = 0; t < steps; ++t, stage ^= 1) {
-        const int h = step_head(t), m0 = step_m0(t);
+    for (int t = 0, stage = 0; t < steps; ++t, stage ^= 1, cur = next, next.advance(tiles, group)) {
+        const int h = step_head(cur), m0 = step_m0(cur);
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
         cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
-        if (t + 1 < steps) load_q(t + 1, stage ^ 1);
+        if (t + 1 < steps) load_q(next, stage ^ 1);
 
         float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x kBM queries
         float (&st_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(st);
