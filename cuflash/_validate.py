@@ -119,9 +119,13 @@ def normalize_mask_options(causal, window_size) -> tuple[int, int, bool]:
     """Fold ``causal`` into the window: return (window_left, window_right, top_left)."""
     if isinstance(causal, np.bool_):
         causal = bool(causal)
-    if not any(causal is m or (isinstance(causal, str) and causal == m) for m in CAUSAL_MODES):
+    if not isinstance(causal, (bool, str)):  # 1, None, ...: a flag of the wrong type
+        raise TypeError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
+    if causal not in CAUSAL_MODES:
         raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+    if not isinstance(window_size, (tuple, list)):
+        raise TypeError(f"window_size must be a pair (left, right); got {window_size!r}")
+    if len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}")
     left = _check_int(window_size[0], "window_size[0]", minimum=-1)
     right = _check_int(window_size[1], "window_size[1]", minimum=-1)

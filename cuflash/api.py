@@ -121,7 +121,8 @@ def attention(
     ------
     TypeError
         Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays, a
-        non-bool ``return_lse``.  On GPU arrays, float32/float64 raise ``NotImplementedError``
+        non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
+        ``window_size`` that is not a pair.  On GPU arrays, float32/float64 raise ``NotImplementedError``
         (also a TypeError): the kernels take float16 and bfloat16.
     ValueError
         Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside

@@ -144,9 +144,9 @@ def test_bhsd_layout_checks_shapes_in_its_own_order():
         ((0, -5), ValueError, r"window_size\[1\] must be >= -1; got -5"),
         ((1,), ValueError, r"window_size must be a pair"),
         ((1, 2, 3), ValueError, r"window_size must be a pair"),
-        ("a", ValueError, r"window_size must be a pair"),
-        (None, ValueError, r"window_size must be a pair"),
-        (3, ValueError, r"window_size must be a pair"),
+        ("a", TypeError, r"window_size must be a pair"),
+        (None, TypeError, r"window_size must be a pair"),
+        (3, TypeError, r"window_size must be a pair"),
         ((1.5, 0), TypeError, r"window_size\[0\] must be an integer"),
         ((0, "1"), TypeError, r"window_size\[1\] must be an integer"),
         ((True, 0), TypeError, r"window_size\[0\] must be an integer"),
@@ -165,10 +165,13 @@ def test_window_accepts_numpy_integers_and_lists():
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("causal", ["yes", "bottom-right", "TOP_LEFT", 1, 0, None, 1.0, (True,)])
-def test_bad_causal(causal):
+@pytest.mark.parametrize("causal, exc", [("yes", ValueError), ("bottom-right", ValueError), ("TOP_LEFT", ValueError),
+                                         (1, TypeError), (0, TypeError), (None, TypeError), (1.0, TypeError),
+                                         ((True,), TypeError)])
+def test_bad_causal(causal, exc):
+    """An unknown mode is a ValueError; a value that is neither a bool nor a string a TypeError."""
     q, k, v = make()
-    with pytest.raises(ValueError, match=r"causal must be False, True, 'bottom_right' or 'top_left'"):
+    with pytest.raises(exc, match=r"causal must be False, True, 'bottom_right' or 'top_left'"):
         cuflash.attention(q, k, v, causal=causal)
 
 
