@@ -81,7 +81,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
     u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
-    const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+    const long long stat = seq.lse_row(p, b, h, m0);
 
     const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
     const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
@@ -179,7 +179,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
             const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
             const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
             const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
-            const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start;
+            const long long stat = seq.lse_row(p, b, h, 0);
             for (int m0 = i_lo / kT * kT; m0 < i_hi; m0 += kT) {
                 const int rows_valid = min(kT, seq.sq - m0);
                 __syncthreads();  // every warp is done with the previous query tile

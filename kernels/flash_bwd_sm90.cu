@@ -116,7 +116,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
     u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
-    const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+    const long long stat = seq.lse_row(p, b, h, m0);
 
     const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
     const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
@@ -256,7 +256,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         load_tile_swizzled<kBM, kD, kThreads>(sdO + stage * kTileQ, static_cast<const u16*>(p.dout) + b * p.do_batch_stride + q_row * p.do_row_stride + h * p.do_head_stride,
                                               p.do_row_stride, rows_valid, v_chunks, tid);
         cp_async_commit();
-        const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + q_row;
+        const long long stat = seq.lse_row(p, b, h, m0);
         for (int r = tid; r < kBM; r += kThreads) {  // read after the barrier that publishes the stage
             sLse2[stage * kBM + r] = r < rows_valid ? lse_log2(p.lse[stat + r]) : __int_as_float(0x7f800000);
             sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
@@ -360,7 +360,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             // lane row wg_row, the odd lane row wg_row + 8, columns 8 nt + 4 (lane % 4 / 2) + 0..3.
             const bool odd = lane & 1;
             const int i = wg_row(tid) + 8 * odd;
-            const long long stat = b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+            const long long stat = seq.lse_row(p, b, h, m0);
             float* row = p.dq_accum + (stat + i) * kD + wg * kDqCols + (lane % 4 / 2) * 4;
 #pragma unroll
             for (int nt = 0; nt < kDqCols / 8; ++nt) {
@@ -406,7 +406,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_C
     if (m0 >= seq.sq) return;
     const int rows_valid = min(kBM, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / 8);
     const float scale = static_cast<float>(p.softmax_scale);
-    const float* acc = p.dq_accum + (b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0) * kD;
+    const float* acc = p.dq_accum + seq.lse_row(p, b, h, m0) * kD;
     u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
     for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {
         const int r = c / chunks, col = c % chunks;

@@ -92,7 +92,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
-    float* gLse = p.lse + b * p.lse_batch_stride + h * p.lse_head_stride + seq.q_start + m0;
+    float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, rows - m0);
     const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
     // Offsets of block row r from gQ/gO (elements) and gLse when rows interleave tokens and heads.

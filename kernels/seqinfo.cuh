@@ -35,6 +35,11 @@ struct SeqInfo {
         right = static_cast<int>(p.window_right);
     }
 
+    // Index of query row i of head h in the LSE, and in D and dq_accum, which share its rows.
+    __device__ __forceinline__ long long lse_row(const FlashParams& p, int b, int h, int i) const {
+        return b * p.lse_batch_stride + h * p.lse_head_stride + q_start + i;
+    }
+
     __device__ __forceinline__ bool visible(int i, int j) const {
         return j < sk && (left < 0 || j >= i + offset - left) && (right < 0 || j <= i + offset + right);
     }
