@@ -219,7 +219,8 @@ def attention_backward(
     q, k, v : arrays
         The forward inputs (shapes as in :func:`attention`).
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
-        The forward output.
+        The forward output; the GPU kernels form D = rowsum(dO ∘ O) from it, the NumPy path
+        from O recomputed at its accumulation precision (more exact for float16/bfloat16).
     lse : array of shape (batch, nheads, seqlen_q)
         The forward log-sum-exp (``return_lse=True``).
 {options}
