@@ -252,7 +252,9 @@ def finish_problem(
 
 
 def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int):
-    """ALiBi slopes of shape (nheads,) or (batch, nheads) -> (batch, nheads) float32."""
+    """ALiBi slopes of shape (nheads,) or (batch, nheads) -> (batch, nheads): float32 for the
+    GPU kernels, float64 for the NumPy path (which casts them to its accumulation dtype, so
+    float32 and float64 inputs keep the slopes' precision over long distances)."""
     if not _arrays.is_array(alibi_slopes):
         raise TypeError(f"alibi_slopes must be an array; got {type(alibi_slopes).__name__}")
     if not is_float_dtype(alibi_slopes.dtype):
@@ -265,7 +267,7 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int):
             finite = np.isfinite(alibi_slopes.astype(np.float32)).all()
         if not finite:
             raise ValueError("alibi_slopes must be finite within float32's range (they are used as float32)")
-    slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float32)
+    slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float64 if isinstance(q, np.ndarray) else np.float32)
     xp = _arrays.module_of(q)
     return xp.ascontiguousarray(xp.broadcast_to(slopes, (batch, nheads_q)))
 

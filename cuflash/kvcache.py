@@ -76,8 +76,10 @@ def attention_with_kvcache(
     ValueError
         Shapes that do not match; ``k`` without ``v``; ``block_table`` together with
         ``cache_batch_idx``; cache lengths (plus new tokens) beyond the capacity; page or batch
-        indices out of range, or two new tokens sent to one cache slot (checked for NumPy index
-        arrays, and for GPU ones with ``CUFLASH_DEBUG=1``); when appending, a read-only cache,
+        indices out of range, two new tokens sent to one cache slot, or a new token sent to a
+        slot another sequence reads (two appending sequences on one ``cache_batch_idx`` row, or a
+        shared page written where another sequence's keys are; checked for NumPy index arrays,
+        and for GPU ones with ``CUFLASH_DEBUG=1``); when appending, a read-only cache,
         k_cache and v_cache sharing memory, or q, k or v inside the cache.  Every check runs before
         the cache is written, so a refused call changes nothing.
 
@@ -206,10 +208,10 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
         return
     if lengths.min() < 0:
         raise ValueError(f"cache_seqlens must be >= 0; got min {lengths.min()}")
-    if lengths.max() + new > capacity:
+    longest = int(lengths.max()) + new  # a Python int: no wrap-around near the dtype's maximum
+    if longest > capacity:
         raise ValueError(
-            f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}; got max length "
-            f"{lengths.max() + new}"
+            f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}; got max length {longest}"
         )
     if table is not None:
         used_pages = -(-(lengths.astype(np.int64) + new) // page_size)  # ceil
@@ -225,7 +227,8 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
 def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, table, rows):
     """Appending writes the caches in place: they must be writable and distinct, q, k and v must
     not live in them (k_cache is written before v is read, and q is read after both), and (where
-    the index values are on the host) no two new tokens may land on one slot."""
+    the index values are on the host) no new token may land on a slot that another new token
+    or another sequence's keys occupy."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"{name} is read-only (or a broadcast view); new tokens are written into it in place")
@@ -236,17 +239,39 @@ def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, ta
             raise ValueError(f"{name} shares memory with the cache, which this call writes before it reads {name}")
     if lengths is None or not lengths.size:
         return
-    pos = lengths.astype(np.int64)[:, None] + np.arange(new)[None, :]  # (batch, new) positions written
-    if table is not None:
-        slots = np.take_along_axis(table.astype(np.int64), pos // page_size, axis=1) * page_size + pos % page_size
-    elif rows is not None:
-        slots = rows.astype(np.int64)[:, None] * page_size + pos  # page_size is the capacity here
-    else:
+    if rows is not None:
+        # Two sequences appending to one row always collide: one writes where the other reads.
+        if np.unique(rows).size != rows.size:
+            raise ValueError("cache_batch_idx sends two sequences to the same cache row; each appending "
+                             "sequence needs a row of its own")
+        return
+    if table is None:
         return  # one cache row per sequence: distinct by construction
+    pos = lengths.astype(np.int64)[:, None] + np.arange(new)[None, :]  # (batch, new) positions written
+    pages = np.take_along_axis(table.astype(np.int64), pos // page_size, axis=1)
+    slots = pages * page_size + pos % page_size
     if np.unique(slots).size != slots.size:
-        what = "block_table maps two sequences' new tokens to the same page slot" if table is not None else \
-            "cache_batch_idx sends two sequences to the same cache row"
-        raise ValueError(f"{what}; each new token needs its own slot")
+        raise ValueError("block_table maps two sequences' new tokens to the same page slot; each new token "
+                         "needs its own slot")
+    _check_shared_pages(table, lengths.astype(np.int64) + new, page_size, pages, pos)
+
+
+def _check_shared_pages(table, ends, page_size, pages, pos):
+    """A page may be shared (a common prefix), but no sequence may write a slot that another
+    sequence reads: positions [0, ends[b]) of sequence b, through its block_table row."""
+    used = np.arange(table.shape[1])[None, :] < -(-ends[:, None] // page_size)  # pages each sequence reads
+    owner, index = np.nonzero(used)
+    page = table[owner, index].astype(np.int64)
+    order = np.argsort(page, kind="stable")
+    page, owner, index = page[order], owner[order], index[order]
+    for b, j in np.ndindex(pages.shape):
+        lo, hi = np.searchsorted(page, pages[b, j], "left"), np.searchsorted(page, pages[b, j], "right")
+        offset = pos[b, j] % page_size
+        readers = owner[lo:hi][(owner[lo:hi] != b) & (index[lo:hi] * page_size + offset < ends[owner[lo:hi]])]
+        if readers.size:
+            raise ValueError(f"block_table: sequence {b}'s new token {j} would overwrite page {pages[b, j]}, "
+                             f"slot {offset}, which sequence {readers[0]} reads; each new token needs a slot "
+                             "no other sequence reads")
 
 
 def _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, page_size, cache_batch_idx):

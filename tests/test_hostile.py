@@ -976,3 +976,59 @@ def test_defect_huge_max_seqlen_is_kept_within_the_packed_total(packed):
     q, k, v = packed
     _, _, _, max_q, max_k = _validate.check_varlen(q, k, v, A([0, 4, 10]), A([0, 5, 12]), 2**70, 10**12)
     assert (max_q, max_k) == (q.shape[0], k.shape[0])
+
+
+def test_defect_float64_alibi_keeps_its_precision_over_long_distances():
+    """The NumPy path rounded float64 ALiBi slopes to float32: at distance 10^4 the LSE missed
+    the exactness rule (ratio 1.49; hostile run, session 5)."""
+    from cuflash.reference import max_error_ratio, naive_attention
+
+    q, k, v, slopes = np.zeros((1, 10001, 1, 1)), np.zeros((1, 1, 1, 1)), np.ones((1, 1, 1, 1)), np.array([0.1])
+    _, lse = cuflash.attention(q, k, v, alibi_slopes=slopes, return_lse=True)
+    ref = attention_ref(q, k, v, alibi_slopes=slopes)[1]
+    assert max_error_ratio(lse, ref, naive_attention(q, k, v, alibi_slopes=slopes, return_lse=True)[1]) <= 1
+
+
+@pytest.mark.parametrize("dtype, big", [(np.int32, 2**31 - 1), (np.int64, 2**63 - 1)])
+def test_defect_cache_seqlens_at_the_dtype_maximum_is_named(rng, dtype, big):
+    """cache_seqlens + new wrapped around near the dtype's maximum, passed the capacity check
+    and failed later under the name seqlens_k."""
+    kc, vc, new = np.zeros((1, 8, 1, 4), np.float32), np.zeros((1, 8, 1, 4), np.float32), rnd(rng, 1, 1, 1, 4)
+    with pytest.raises(ValueError, match=r"cache_seqlens \+ 1 new tokens exceed the cache capacity 8"):
+        cuflash.attention_with_kvcache(rnd(rng, 1, 1, 1, 4), kc, vc, new, new.copy(),
+                                       cache_seqlens=np.array([big], dtype))
+    assert not (kc.any() or vc.any())
+
+
+def test_defect_append_into_another_sequences_keys_is_refused(rng):
+    """Sequence 1 appending at slot 2 of a row (cache_batch_idx) or page (block_table) that
+    sequence 0 reads up to slot 5 overwrote one of sequence 0's keys before it was read."""
+    q, new = rnd(rng, 2, 1, 1, 4), rnd(rng, 2, 1, 1, 4)
+    kc, vc = rnd(rng, 1, 8, 1, 4), rnd(rng, 1, 8, 1, 4)
+    before = kc.copy(), vc.copy()
+    with pytest.raises(ValueError, match="same cache row"):
+        cuflash.attention_with_kvcache(q, kc, vc, new, new.copy(), cache_seqlens=np.array([5, 2]),
+                                       cache_batch_idx=np.array([0, 0]))
+    pool_k, pool_v = rnd(rng, 3, 8, 1, 4), rnd(rng, 3, 8, 1, 4)
+    pool_before = pool_k.copy(), pool_v.copy()
+    with pytest.raises(ValueError, match="sequence 1's new token 0 would overwrite page 0, slot 2, which sequence 0 reads"):
+        cuflash.attention_with_kvcache(q, pool_k, pool_v, new, new.copy(), cache_seqlens=np.array([5, 2]),
+                                       block_table=np.array([[0, 1], [0, 2]]))
+    for a, b in zip((kc, vc, pool_k, pool_v), before + pool_before):
+        assert np.array_equal(a, b)
+
+
+def test_shared_prefix_page_with_appends_to_own_pages_is_accepted(rng):
+    """Prefix sharing: both sequences read page 0 in full and append into a page of their own."""
+    pool_k, pool_v = rnd(rng, 3, 4, 1, 4), rnd(rng, 3, 4, 1, 4)
+    q, new_k, new_v = rnd(rng, 2, 1, 1, 4), rnd(rng, 2, 1, 1, 4), rnd(rng, 2, 1, 1, 4)
+    table = np.array([[0, 1], [0, 2]])
+    ref_k, ref_v = pool_k.copy(), pool_v.copy()
+    out = cuflash.attention_with_kvcache(q, pool_k, pool_v, new_k, new_v, cache_seqlens=np.array([5, 4]),
+                                         block_table=table)
+    ref_k[1, 1], ref_k[2, 0], ref_v[1, 1], ref_v[2, 0] = new_k[0, 0], new_k[1, 0], new_v[0, 0], new_v[1, 0]
+    assert np.array_equal(pool_k, ref_k) and np.array_equal(pool_v, ref_v)
+    for b, n in enumerate((6, 5)):
+        keys = ref_k[table[b]].reshape(1, 8, 1, 4)[:, :n]
+        values = ref_v[table[b]].reshape(1, 8, 1, 4)[:, :n]
+        close(out[b:b + 1], attention_ref(q[b:b + 1], keys, values)[0])
