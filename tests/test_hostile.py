@@ -1032,3 +1032,17 @@ def test_shared_prefix_page_with_appends_to_own_pages_is_accepted(rng):
         keys = ref_k[table[b]].reshape(1, 8, 1, 4)[:, :n]
         values = ref_v[table[b]].reshape(1, 8, 1, 4)[:, :n]
         close(out[b:b + 1], attention_ref(q[b:b + 1], keys, values)[0])
+
+
+def test_defect_byte_order_is_not_a_dtype_difference(rng):
+    """A big-endian q with a native out= buffer, or merge_states parts of both byte orders, were
+    refused with 'must have dtype float32; got float32' (q, k, v of mixed byte order were accepted)."""
+    q = rnd(rng, 1, 5, 2, 8).astype(">f4")
+    k, v = rnd(rng, 1, 6, 2, 8), rnd(rng, 1, 6, 2, 8)
+    out = np.full((1, 5, 2, 8), np.nan, np.float32)
+    assert cuflash.attention(q, k, v, out=out) is out
+    close(out, attention_ref(q.astype(np.float32), k, v)[0])
+    o1, l1 = cuflash.attention(q, k[:, :3], v[:, :3], return_lse=True)
+    o2, l2 = cuflash.attention(q.astype(np.float32), k[:, 3:], v[:, 3:], return_lse=True)
+    merged, _ = cuflash.merge_states(o1.astype(">f4"), l1, o2, l2)
+    close(merged, attention_ref(q.astype(np.float32), k, v)[0])
