@@ -22,7 +22,9 @@ from . import _validate as V
 _OPTIONS_DOC = """\
     softmax_scale : float, optional
         Multiplies q·k before the softmax.  None (default) means ``1/sqrt(headdim_qk)``; 0.0 is
-        taken literally (uniform weights).
+        taken literally (uniform weights).  Scores are formed in float32 (float64 for float64
+        inputs): a scale that takes ``|scale · q·k|`` past float32's 3.4e38 overflows them (NaN
+        or empty rows), which only the data can reveal, so it is not checked.
     causal : bool or {"bottom_right", "top_left"}, default False
         True (= "bottom_right", FlashAttention >= 2.1) lets query i see key j iff
         ``j <= i + Sk - Sq``; "top_left" (torch/JAX) iff ``j <= i``.  With Sq == Sk they agree.
