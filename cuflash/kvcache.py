@@ -214,9 +214,7 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
             f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}; got max length {longest}"
         )
     if table is not None:
-        used_pages = -(-(lengths.astype(np.int64) + new) // page_size)  # ceil
-        used = np.arange(table.shape[1])[None, :] < used_pages[:, None]
-        bad = used & ((table < 0) | (table >= num_rows))
+        bad = _pages_read(table, lengths.astype(np.int64) + new, page_size) & ((table < 0) | (table >= num_rows))
         if bad.any():
             b, j = np.argwhere(bad)[0]
             raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache (0..{num_rows - 1})")
@@ -256,11 +254,15 @@ def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, ta
     _check_shared_pages(table, lengths.astype(np.int64) + new, page_size, pages, pos)
 
 
+def _pages_read(table, ends, page_size):
+    """(batch, max_pages) mask of the block_table entries that positions [0, ends[b]) use."""
+    return np.arange(table.shape[1])[None, :] < -(-ends[:, None] // page_size)  # ceil
+
+
 def _check_shared_pages(table, ends, page_size, pages, pos):
     """A page may be shared (a common prefix), but no sequence may write a slot that another
     sequence reads: positions [0, ends[b]) of sequence b, through its block_table row."""
-    used = np.arange(table.shape[1])[None, :] < -(-ends[:, None] // page_size)  # pages each sequence reads
-    owner, index = np.nonzero(used)
+    owner, index = np.nonzero(_pages_read(table, ends, page_size))
     page = table[owner, index].astype(np.int64)
     order = np.argsort(page, kind="stable")
     page, owner, index = page[order], owner[order], index[order]
