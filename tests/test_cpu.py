@@ -5,11 +5,12 @@ on outputs poisoned with NaN first.  The helpers at the top take an array module
 that test_public_cases.py runs the same checks on the GPU.
 
 Backward inputs are drawn at unit scale; forward tests also scale by x5.  The FlashAttention
-backward computes D = rowsum(dO ∘ O) from the output *rounded to the input dtype*, and then
-dP − D in fp32.  Where rows are nearly one-hot (inputs x5, few visible keys, tiny problems)
-that rounding alone can exceed 2x the naive error, because the naive gradient
-dS = P ∘ (dP − rowsum(P ∘ dP)) is exactly 0 where P rounds to one-hot.  Given the exact O the
-tiles stay within the rule (see test_hypothesis_shapes).
+backward (our GPU kernels) computes D = rowsum(dO ∘ O) from the output *rounded to the input
+dtype*, and then dP − D in fp32.  Where rows are nearly one-hot (inputs x5, few visible keys,
+tiny problems) that rounding alone can exceed 2x the naive error, because the naive gradient
+dS = P ∘ (dP − rowsum(P ∘ dP)) is exactly 0 where P rounds to one-hot.  The NumPy path
+recomputes O at its accumulation precision for D and stays within the rule there too
+(test_backward_exact_on_short_rows, test_hypothesis_shapes).
 """
 
 import dataclasses
