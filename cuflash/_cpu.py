@@ -243,41 +243,36 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     Notes
     -----
     D = rowsum(dO ∘ O); per tile P = exp(S − lse), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D)
-    (times 1 − tanh² through the softcap), dQ += scale · dS K, dK += scale · dSᵀ Q.  O in D is
-    recomputed tile by tile in the accumulation dtype, not read from ``out``: for float16 and
-    bfloat16, the rounding of the stored output alone can put dq and dk outside the exactness
-    rule on short rows (the GPU kernels read ``out``, as FlashAttention does).
+    (times 1 − tanh² through the softcap), dQ += scale · dS K, dK += scale · dSᵀ Q.  O and the
+    LSE are recomputed by :func:`forward` in the accumulation dtype instead of being read from
+    ``out`` and ``lse``: the output rounded to float16/bfloat16 can alone put dq and dk outside
+    the exactness rule on short rows, and a float32 LSE (float32 inputs) shifts every P by
+    |lse|·2⁻²⁴ where scores are large.  The GPU kernels read ``out`` and ``lse``, as
+    FlashAttention does.
     """
-    del deterministic, out  # one thread, fixed loop order: always repeatable; O is recomputed
+    del deterministic, out, lse  # one thread, fixed loop order: always repeatable; both recomputed
     acc = _acc_dtype(p.dtype)
+    out_acc = np.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=acc)
+    lse_acc = np.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=acc)
+    forward(p, q, k, v, out_acc, lse_acc, block_m=block_m, block_n=block_n)
     heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
     k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
     q_all, do_all = heads.queries(q, acc), heads.queries(dout, acc)  # (B, Hkv, G, Sq, d)
+    delta = (do_all * heads.queries(out_acc, acc)).sum(axis=-1, keepdims=True)  # D, (B, Hkv, G, Sq, 1)
     # A row that saw no key has lse = -inf; using +inf makes its P = exp(S - inf) = 0 even where
     # S = -inf (whereas -inf - -inf would be NaN).
-    lse_all = heads.lse(np.asarray(lse, dtype=acc))[..., None]
+    lse_all = heads.lse(lse_acc)[..., None]
     lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
-
-    key_tiles = [(j0, j1, k_all[..., j0:j1, :], v_all[..., j0:j1, :])  # (B, Hkv, n, d) views
-                 for j0, j1 in _blocks(0, p.seqlen_k, block_n)]
-
-    def prob_tiles(j0, j1, k_t):  # (i0, i1, P, tanh) of the query tiles that see keys [j0, j1)
-        for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):
-            s, tanh = _score_tile(p, band, slopes, q_all[..., i0:i1, :], k_t, i0, i1, j0, j1)
-            yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), tanh  # P: (B, Hkv, G, m, n)
-
-    o_all = np.zeros(q_all.shape[:-1] + (p.headdim_v,), dtype=acc)
-    for j0, j1, k_t, v_t in key_tiles:
-        for i0, i1, p_t, _ in prob_tiles(j0, j1, k_t):
-            o_all[..., i0:i1, :] += _group_matmul(p_t, v_t)
-    delta = (do_all * o_all).sum(axis=-1, keepdims=True)  # D, (B, Hkv, G, Sq, 1)
     dq_all = np.zeros_like(q_all)
     scale = acc.type(p.softmax_scale)
-    for j0, j1, k_t, v_t in key_tiles:
+    for j0, j1 in _blocks(0, p.seqlen_k, block_n):
+        k_t, v_t = k_all[..., j0:j1, :], v_all[..., j0:j1, :]  # (B, Hkv, n, d)
         dk_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_qk), dtype=acc)
         dv_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_v), dtype=acc)
-        for i0, i1, p_t, tanh in prob_tiles(j0, j1, k_t):
+        for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):
             q_t, do_t = q_all[..., i0:i1, :], do_all[..., i0:i1, :]
+            s, tanh = _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1)
+            p_t = np.exp(s - lse_all[..., i0:i1, :])  # (B, Hkv, G, m, n)
             dv_t += _sum_over_group(p_t, do_t)
             dp = _group_matmul(do_t, v_t.swapaxes(-1, -2))
             ds = p_t * (dp - delta[..., i0:i1, :])

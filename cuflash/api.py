@@ -221,10 +221,12 @@ def attention_backward(
     q, k, v : arrays
         The forward inputs (shapes as in :func:`attention`).
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
-        The forward output; the GPU kernels form D = rowsum(dO ∘ O) from it, the NumPy path
-        from O recomputed at its accumulation precision (more exact for float16/bfloat16).
+        The forward output.
     lse : array of shape (batch, nheads, seqlen_q)
-        The forward log-sum-exp (``return_lse=True``).
+        The forward log-sum-exp (``return_lse=True``).  The GPU kernels read ``out`` (for
+        D = rowsum(dO ∘ O)) and ``lse``; the NumPy path recomputes both at its accumulation
+        precision (float32 for 16-bit inputs, float64 otherwise), which keeps float16/bfloat16
+        gradients on short rows and float32 gradients with large scores within the exactness rule.
 {options}
     layout : {"bshd", "bhsd"}, default "bshd"
     deterministic : bool, default False

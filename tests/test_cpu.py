@@ -9,7 +9,7 @@ backward (our GPU kernels) computes D = rowsum(dO ∘ O) from the output *rounde
 dtype*, and then dP − D in fp32.  Where rows are nearly one-hot (inputs x5, few visible keys,
 tiny problems) that rounding alone can exceed 2x the naive error, because the naive gradient
 dS = P ∘ (dP − rowsum(P ∘ dP)) is exactly 0 where P rounds to one-hot.  The NumPy path
-recomputes O at its accumulation precision for D and stays within the rule there too
+recomputes O and the LSE at its accumulation precision and stays within the rule there too
 (test_backward_exact_on_short_rows, test_hypothesis_shapes).
 """
 

@@ -1046,3 +1046,25 @@ def test_defect_byte_order_is_not_a_dtype_difference(rng):
     o2, l2 = cuflash.attention(q.astype(np.float32), k[:, 3:], v[:, 3:], return_lse=True)
     merged, _ = cuflash.merge_states(o1.astype(">f4"), l1, o2, l2)
     close(merged, attention_ref(q.astype(np.float32), k, v)[0])
+
+
+@pytest.mark.parametrize("case", ["equal-scores", "random-x5-scale20"])
+def test_defect_float32_backward_with_large_scores_meets_the_rule(rng, case):
+    """The NumPy backward recomputed P from the float32 LSE: where |lse| is large every P moved
+    by |lse|·2⁻²⁴ (equal scores of 3600: dk at 35x the rule, hostile run, session 5; random
+    inputs x5 with scale 20: dv up to ~100x, session 4)."""
+    from cuflash.reference import max_error_ratio, naive_attention_backward
+
+    if case == "equal-scores":
+        q, k, scale = np.full((1, 1, 1, 4), 30, np.float32), np.full((1, 3, 1, 4), 30, np.float32), 1.0
+        v, do = rnd(rng, 1, 3, 1, 4), rnd(rng, 1, 1, 1, 4)
+    else:
+        q, k, v, do = (rnd(rng, 2, 33, 2, 16, scale=5.0) for _ in range(4))
+        scale = 20.0
+    out, lse = cuflash.attention(q, k, v, softmax_scale=scale, return_lse=True)
+    assert np.abs(lse).max() > 100
+    grads = cuflash.attention_backward(do, q, k, v, out, lse, softmax_scale=scale)
+    refs = attention_backward_ref(do, q, k, v, softmax_scale=scale)
+    naives = naive_attention_backward(do, q, k, v, softmax_scale=scale)
+    for g, r, n in zip(grads, refs, naives):
+        assert max_error_ratio(g, r, n) <= 1
