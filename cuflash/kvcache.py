@@ -262,18 +262,23 @@ def _pages_read(table, ends, page_size):
 def _check_shared_pages(table, ends, page_size, pages, pos):
     """A page may be shared (a common prefix), but no sequence may write a slot that another
     sequence reads: positions [0, ends[b]) of sequence b, through its block_table row."""
-    owner, index = np.nonzero(_pages_read(table, ends, page_size))
+    owner, index = np.nonzero(_pages_read(table, ends, page_size))  # every (sequence, page entry) read
     page = table[owner, index].astype(np.int64)
     order = np.argsort(page, kind="stable")
     page, owner, index = page[order], owner[order], index[order]
-    for b, j in np.ndindex(pages.shape):
-        lo, hi = np.searchsorted(page, pages[b, j], "left"), np.searchsorted(page, pages[b, j], "right")
-        offset = pos[b, j] % page_size
-        readers = owner[lo:hi][(owner[lo:hi] != b) & (index[lo:hi] * page_size + offset < ends[owner[lo:hi]])]
-        if readers.size:
-            raise ValueError(f"block_table: sequence {b}'s new token {j} would overwrite page {pages[b, j]}, "
-                             f"slot {offset}, which sequence {readers[0]} reads; each new token needs a slot "
-                             "no other sequence reads")
+    # Pair each written slot (b, t) with every read entry of its page: entries lo..hi-1.
+    lo, hi = np.searchsorted(page, pages.ravel(), "left"), np.searchsorted(page, pages.ravel(), "right")
+    counts = hi - lo
+    slot = np.repeat(np.arange(pages.size), counts)  # written slot of each pair
+    entry = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(lo, counts)
+    writer, offset = slot // pages.shape[1], pos.ravel()[slot] % page_size
+    clash = (owner[entry] != writer) & (index[entry] * page_size + offset < ends[owner[entry]])
+    if clash.any():
+        i = np.flatnonzero(clash)[0]
+        b, t = divmod(int(slot[i]), pages.shape[1])
+        raise ValueError(f"block_table: sequence {b}'s new token {t} would overwrite page {pages[b, t]}, "
+                         f"slot {offset[i]}, which sequence {owner[entry[i]]} reads; each new token needs a slot "
+                         "no other sequence reads")
 
 
 def _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, page_size, cache_batch_idx):

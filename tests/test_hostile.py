@@ -1068,3 +1068,45 @@ def test_defect_float32_backward_with_large_scores_meets_the_rule(rng, case):
     naives = naive_attention_backward(do, q, k, v, softmax_scale=scale)
     for g, r, n in zip(grads, refs, naives):
         assert max_error_ratio(g, r, n) <= 1
+
+
+def test_paged_appends_are_refused_exactly_when_a_slot_is_shared(rng):
+    """Random small page pools with pages shared between sequences: a call is refused iff some
+    new token lands on a slot that another sequence reads (or another new token takes), found
+    here by brute force; accepted calls write only the new slots and match the reference."""
+    page_size, pages_per_seq, num_pages, d = 2, 3, 5, 4
+    refused = accepted = 0
+    for _ in range(150):
+        batch, new = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        table = rng.integers(0, num_pages, (batch, pages_per_seq))
+        lengths = rng.integers(0, page_size * pages_per_seq - new + 1, batch)
+        reads = {}  # slot -> sequences reading it (positions [0, length + new))
+        for b in range(batch):
+            for t in range(lengths[b] + new):
+                reads.setdefault((table[b, t // page_size], t % page_size), set()).add(b)
+        clash = any(reads[(table[b, t // page_size], t % page_size)] - {b}
+                    for b in range(batch) for t in range(lengths[b], lengths[b] + new))
+        pool_k, pool_v = rnd(rng, num_pages, page_size, 1, d), rnd(rng, num_pages, page_size, 1, d)
+        before_k, before_v = pool_k.copy(), pool_v.copy()
+        q, knew, vnew = rnd(rng, batch, 1, 1, d), rnd(rng, batch, new, 1, d), rnd(rng, batch, new, 1, d)
+        call = lambda: cuflash.attention_with_kvcache(q, pool_k, pool_v, knew, vnew, cache_seqlens=lengths,  # noqa: E731
+                                                      block_table=table)
+        if clash:
+            with pytest.raises(ValueError, match="same page slot|no other sequence reads"):
+                call()
+            assert np.array_equal(pool_k, before_k) and np.array_equal(pool_v, before_v)
+            refused += 1
+            continue
+        out = call()
+        for b in range(batch):
+            for t in range(new):
+                page, slot = table[b, (lengths[b] + t) // page_size], (lengths[b] + t) % page_size
+                before_k[page, slot], before_v[page, slot] = knew[b, t], vnew[b, t]
+        assert np.array_equal(pool_k, before_k) and np.array_equal(pool_v, before_v)
+        for b in range(batch):
+            n = lengths[b] + new
+            keys = pool_k[table[b]].reshape(1, -1, 1, d)[:, :n]
+            values = pool_v[table[b]].reshape(1, -1, 1, d)[:, :n]
+            close(out[b:b + 1], attention_ref(q[b:b + 1], keys, values)[0])
+        accepted += 1
+    assert refused > 10 and accepted > 10
