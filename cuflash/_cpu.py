@@ -39,7 +39,7 @@ def _acc_dtype(dtype) -> np.dtype:
     ulps past the plain computation, beyond the exactness rule (found in about 1 of 1,200 random
     cases); float64 products leave only the final rounding.
     """
-    return np.dtype(np.float64) if np.dtype(dtype) in (np.float32, np.float64) else np.dtype(np.float32)
+    return np.dtype(np.float64) if np.dtype(dtype).name in ("float32", "float64") else np.dtype(np.float32)  # by name: any byte order
 
 
 class _Heads:

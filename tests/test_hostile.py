@@ -1110,3 +1110,21 @@ def test_paged_appends_are_refused_exactly_when_a_slot_is_shared(rng):
             close(out[b:b + 1], attention_ref(q[b:b + 1], keys, values)[0])
         accepted += 1
     assert refused > 10 and accepted > 10
+
+
+@pytest.mark.parametrize("dtype", [">f8", ">f4"])
+def test_defect_big_endian_inputs_keep_float64_accumulation(rng, dtype):
+    """dtype comparisons with np.float64 are False for '>f8': big-endian float32/float64 inputs
+    were computed in float32 with a float32 LSE (and a float64 LSE was refused by the backward)."""
+    q, k, v, do = (rnd(rng, 1, 7, 1, 4, scale=60.0 if i < 2 else 1.0).astype(np.float64) for i in range(4))
+    native = np.dtype(dtype).newbyteorder("=")
+    big = [x.astype(dtype) for x in (q, k, v, do)]
+    out, lse = cuflash.attention(*big[:3], return_lse=True)
+    out_n, lse_n = cuflash.attention(*(x.astype(native) for x in (q, k, v)), return_lse=True)
+    assert lse.dtype.name == lse_n.dtype.name and np.array_equal(lse, lse_n) and np.array_equal(out, out_n)
+    grads = cuflash.attention_backward(big[3], *big[:3], out, lse)
+    grads_n = cuflash.attention_backward(do.astype(native), *(x.astype(native) for x in (q, k, v)), out_n, lse_n)
+    for g, g_n in zip(grads, grads_n):
+        assert np.array_equal(g, g_n)
+    x = rnd(rng, 3, 50).astype(dtype)
+    assert np.array_equal(cuflash.softmax(x, axis=-1), cuflash.softmax(x.astype(native), axis=-1))
