@@ -146,9 +146,11 @@ def info():
     ]
     cp = _arrays.cupy_module()
     if cp is None:
-        rows.append(("cupy", "not installed: NumPy arrays run on the CPU (install the cuda12 or cuda13 "
+        cupy_state = _version("cupy")  # why the import fails, if it does
+        cupy_state = cupy_state if cupy_state.startswith("fails to import") else "not installed"
+        rows.append(("cupy", f"{cupy_state}: NumPy arrays run on the CPU (install the cuda12 or cuda13 "
                              "extra for the GPU, e.g. pip install -e '.[cuda13]' in a checkout)"))
-        gpus = ["no GPU found (CuPy is not installed)"]
+        gpus = [f"no GPU found (CuPy {cupy_state})"]
     else:
         rows.append(("cupy", cp.__version__))
         rows.append(("NVRTC", _nvrtc_version(cp)))
@@ -353,6 +355,23 @@ def check(quick):
 # cuflash bench
 
 
+def _check_writable(path: str, option: str):
+    """An output file of the benchmark can be written (checked by opening it for appending;
+    a file this creates is removed again)."""
+    if not path:
+        raise click.BadParameter("an empty path", param_hint=option)
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise click.BadParameter(f"the folder of {path} does not exist", param_hint=option)
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {path}: {exc.strerror or exc}", param_hint=option) from None
+    if not existed:
+        os.remove(path)
+
+
 def _check_sweep(dtypes, headdims, seqlens):
     """The comma lists of the standard sweep: known dtypes, head dims 1..256, positive lengths."""
     for d in dtypes.split(","):
@@ -360,7 +379,7 @@ def _check_sweep(dtypes, headdims, seqlens):
             raise click.BadParameter(f"{d!r} is not one of bf16, fp16", param_hint="--dtypes")
     for name, text, low, high in (("--headdims", headdims, 1, 256), ("--seqlens", seqlens, 1, 1 << 24)):
         for item in text.split(","):
-            if not item.strip().isdigit() or not low <= int(item) <= high:
+            if not item.strip().isascii() or not item.strip().isdigit() or not low <= int(item) <= high:
                 raise click.BadParameter(f"{item!r} is not an integer in [{low}, {high}]", param_hint=name)
 
 
@@ -389,9 +408,9 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
         if given:
             options = ", ".join(given).replace("--plot-path", "--plot")
             raise click.UsageError(f"{options}: only for the standard sweep; --suite {suite} runs fixed configurations")
-    for path in (json_path, plot_path):  # fail now, not after the sweep
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise click.BadParameter(f"the folder of {path} does not exist", param_hint="--json/--plot")
+    for path, option in ((json_path, "--json"), (plot_path, "--plot")):  # fail now, not after the sweep
+        if path is not None:
+            _check_writable(path, option)
     if not _arrays.gpu_available():
         raise click.ClickException("cuflash bench measures GPU kernels; no GPU visible to CuPy (see `cuflash info`)")
     if plot_path and importlib.util.find_spec("matplotlib") is None:

@@ -132,6 +132,17 @@ def test_info_in_a_process_where_cupy_cannot_be_imported():
     assert "no GPU found" in proc.stdout
 
 
+def test_info_names_why_cupy_fails_to_import(tmp_path):
+    """A CuPy whose import raises (a broken CUDA install) was reported as "not installed"."""
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text("raise RuntimeError('libcudart.so.13: cannot open')\n")
+    code = f"import sys; sys.path.insert(0, {str(tmp_path)!r})\nfrom cuflash.cli import main\nmain(['info'])"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"cupy\s+fails to import \(RuntimeError: libcudart.so.13: cannot open\)", proc.stdout)
+    assert "no GPU found (CuPy fails to import" in proc.stdout
+
+
 def test_python_dash_m_cuflash_io_in_a_real_process():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
@@ -146,6 +157,8 @@ def test_python_dash_m_cuflash_io_in_a_real_process():
 @pytest.mark.parametrize("args, message", [
     (["--dtypes", "xyz"], "--dtypes"), (["--headdims", "0"], "--headdims"), (["--headdims", "abc"], "--headdims"),
     (["--seqlens", "-5"], "--seqlens"), (["--plot", "/nonexistent-folder/x.png"], "does not exist"),
+    (["--seqlens", "\u00b2"], "--seqlens"), (["--headdims", "\u2460"], "--headdims"),  # isdigit() yet not int()
+    (["--json", "/proc/cuflash-bench.json"], "cannot write"), (["--json", ""], "an empty path"),
 ])
 def test_bench_rejects_bad_sweep_options_before_running(args, message):
     result = CliRunner().invoke(cli.main, ["bench", *args])
