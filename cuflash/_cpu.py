@@ -186,6 +186,24 @@ def _slopes(p, acc):
     return slopes.reshape(p.batch, p.nheads_k, p.group_size, 1, 1)
 
 
+def _online_step(m, l, s, acc):
+    """One key tile of the online softmax: the new row max and sum, the factor that rescales
+    what was accumulated under the old max, and the tile's exp(s - max)."""
+    m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
+    # A row with no visible key yet has m_new = -inf; shifting by 0 instead keeps
+    # exp(-inf - -inf) = NaN out (its weights stay exp(-inf) = 0).
+    shift = np.where(m_new == -np.inf, acc.type(0), m_new)
+    alpha = np.exp(m - shift)
+    p_t = np.exp(s - shift)
+    return m_new, alpha * l + p_t.sum(axis=-1, keepdims=True), alpha, p_t
+
+
+def _final_lse(m, l, acc):
+    """log-sum-exp of the rows from their max and sum; -inf on rows that saw no key."""
+    seen = l > 0
+    return np.where(seen, m + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))
+
+
 def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
     """Tiled forward pass (FlashAttention-2, Algorithm 1) into ``out`` and ``lse``.
 
@@ -210,19 +228,10 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
         o = np.zeros(q_t.shape[:-1] + (p.headdim_v,), dtype=acc)  # unnormalised output
         for j0, j1 in _blocks(*band.key_range(i0, i1), block_n):
             s, _ = _score_tile(p, band, slopes, q_t, k_all[..., j0:j1, :], i0, i1, j0, j1)
-            m_new = np.maximum(m, s.max(axis=-1, keepdims=True))
-            # A row with no visible key yet has m_new = -inf; shifting by 0 instead keeps
-            # exp(-inf - -inf) = NaN out (its weights stay exp(-inf) = 0).
-            shift = np.where(m_new == -np.inf, acc.type(0), m_new)
-            alpha = np.exp(m - shift)  # rescales what was accumulated under the old max
-            p_t = np.exp(s - shift)  # (B, Hkv, G, m, n)
-            l = alpha * l + p_t.sum(axis=-1, keepdims=True)
+            m, l, alpha, p_t = _online_step(m, l, s, acc)  # p_t: (B, Hkv, G, m, n)
             o = alpha * o + _group_matmul(p_t, v_all[..., j0:j1, :])
-            m = m_new
-        seen = l > 0  # rows that saw at least one key
-        out[:, i0:i1] = heads.rows(o / np.where(seen, l, acc.type(1)))
-        lse_t = np.where(seen, m + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))
-        lse[:, :, i0:i1] = lse_t[..., 0].reshape(p.batch, p.nheads_q, i1 - i0)
+        out[:, i0:i1] = heads.rows(o / np.where(l > 0, l, acc.type(1)))  # rows that saw no key: 0
+        lse[:, :, i0:i1] = _final_lse(m, l, acc)[..., 0].reshape(p.batch, p.nheads_q, i1 - i0)
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
@@ -242,39 +251,53 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
 
     Notes
     -----
-    D = rowsum(dO ∘ O); per tile P = exp(S − lse), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D)
-    (times 1 − tanh² through the softcap), dQ += scale · dS K, dK += scale · dSᵀ Q.  O and the
-    LSE are recomputed by :func:`forward` in the accumulation dtype instead of being read from
-    ``out`` and ``lse``: the output rounded to float16/bfloat16 can alone put dq and dk outside
-    the exactness rule on short rows, and a float32 LSE (float32 inputs) shifts every P by
-    |lse|·2⁻²⁴ where scores are large.  The GPU kernels read ``out`` and ``lse``, as
-    FlashAttention does.
+    Per tile P = exp(S − lse), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) (times 1 − tanh²
+    through the softcap), dQ += scale · dS K, dK += scale · dSᵀ Q, with D = rowsum(P ∘ dP)
+    (= rowsum(dO ∘ O)).  ``out`` and ``lse`` are not read: two first passes over the same tiles
+    form the LSE (online, in the accumulation dtype) and D from the very scores, P and dP the
+    gradients use.  So P is exactly 1 and dS exactly 0 on a row that sees one key, a float32
+    LSE (float32 inputs) does not shift P by |lse|·2⁻²⁴ where scores are large, and the
+    output's rounding to float16/bfloat16 does not enter D.  The GPU kernels read ``out`` and
+    ``lse``, as FlashAttention does.
     """
-    del deterministic, out, lse  # one thread, fixed loop order: always repeatable; both recomputed
+    del deterministic, out, lse  # one thread, fixed loop order: always repeatable; recomputed
     acc = _acc_dtype(p.dtype)
-    out_acc = np.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=acc)
-    lse_acc = np.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=acc)
-    forward(p, q, k, v, out_acc, lse_acc, block_m=block_m, block_n=block_n)
     heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
     k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
     q_all, do_all = heads.queries(q, acc), heads.queries(dout, acc)  # (B, Hkv, G, Sq, d)
-    delta = (do_all * heads.queries(out_acc, acc)).sum(axis=-1, keepdims=True)  # D, (B, Hkv, G, Sq, 1)
+    key_tiles = [(j0, j1, k_all[..., j0:j1, :], v_all[..., j0:j1, :])  # (B, Hkv, n, d) views
+                 for j0, j1 in _blocks(0, p.seqlen_k, block_n)]
+
+    def query_tiles(j0, j1, k_t):  # (i0, i1, scores, tanh) of the query tiles that see keys [j0, j1)
+        for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):
+            yield (i0, i1, *_score_tile(p, band, slopes, q_all[..., i0:i1, :], k_t, i0, i1, j0, j1))
+
+    rows = q_all.shape[:-1] + (1,)
+    m, l = np.full(rows, -np.inf, dtype=acc), np.zeros(rows, dtype=acc)
+    for j0, j1, k_t, _ in key_tiles:
+        for i0, i1, s, _ in query_tiles(j0, j1, k_t):
+            m[..., i0:i1, :], l[..., i0:i1, :], _, _ = _online_step(m[..., i0:i1, :], l[..., i0:i1, :], s, acc)
     # A row that saw no key has lse = -inf; using +inf makes its P = exp(S - inf) = 0 even where
     # S = -inf (whereas -inf - -inf would be NaN).
-    lse_all = heads.lse(lse_acc)[..., None]
+    lse_all = _final_lse(m, l, acc)
     lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
+
+    def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh)
+        for i0, i1, s, tanh in query_tiles(j0, j1, k_t):
+            yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), _group_matmul(do_all[..., i0:i1, :], v_t.swapaxes(-1, -2)), tanh
+
+    delta = np.zeros(rows, dtype=acc)  # D, (B, Hkv, G, Sq, 1)
+    for j0, j1, k_t, v_t in key_tiles:
+        for i0, i1, p_t, dp, _ in grad_tiles(j0, j1, k_t, v_t):
+            delta[..., i0:i1, :] += (p_t * dp).sum(axis=-1, keepdims=True)
     dq_all = np.zeros_like(q_all)
     scale = acc.type(p.softmax_scale)
-    for j0, j1 in _blocks(0, p.seqlen_k, block_n):
-        k_t, v_t = k_all[..., j0:j1, :], v_all[..., j0:j1, :]  # (B, Hkv, n, d)
+    for j0, j1, k_t, v_t in key_tiles:
         dk_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_qk), dtype=acc)
         dv_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_v), dtype=acc)
-        for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):
+        for i0, i1, p_t, dp, tanh in grad_tiles(j0, j1, k_t, v_t):
             q_t, do_t = q_all[..., i0:i1, :], do_all[..., i0:i1, :]
-            s, tanh = _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1)
-            p_t = np.exp(s - lse_all[..., i0:i1, :])  # (B, Hkv, G, m, n)
             dv_t += _sum_over_group(p_t, do_t)
-            dp = _group_matmul(do_t, v_t.swapaxes(-1, -2))
             ds = p_t * (dp - delta[..., i0:i1, :])
             if tanh is not None:
                 ds *= 1 - tanh * tanh

@@ -9,8 +9,8 @@ backward (our GPU kernels) computes D = rowsum(dO ∘ O) from the output *rounde
 dtype*, and then dP − D in fp32.  Where rows are nearly one-hot (inputs x5, few visible keys,
 tiny problems) that rounding alone can exceed 2x the naive error, because the naive gradient
 dS = P ∘ (dP − rowsum(P ∘ dP)) is exactly 0 where P rounds to one-hot.  The NumPy path
-recomputes O and the LSE at its accumulation precision and stays within the rule there too
-(test_backward_exact_on_short_rows, test_hypothesis_shapes).
+recomputes the LSE and D = rowsum(P ∘ dP) from its own tiles at its accumulation precision and
+stays within the rule there too (test_backward_exact_on_short_rows, test_hypothesis_shapes).
 """
 
 import dataclasses
@@ -271,7 +271,7 @@ def test_blocks_outside_the_band_are_skipped(rng, monkeypatch):
     assert len(tiles) == 10 and all(j0 <= i0 for i0, j0 in tiles)  # lower triangle only
     tiles.clear()
     cuflash.attention_backward(q, q, k, v, out, lse, window_size=(3, 3))
-    assert sorted(tiles) == sorted(band * 2)  # the same band twice: once for O (in D), once for the gradients
+    assert sorted(tiles) == sorted(band * 3)  # the same band three times: the LSE, D, the gradients
 
 
 def test_bitwise_repeatable(rng):

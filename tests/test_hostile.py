@@ -1128,3 +1128,23 @@ def test_defect_big_endian_inputs_keep_float64_accumulation(rng, dtype):
         assert np.array_equal(g, g_n)
     x = rnd(rng, 3, 50).astype(dtype)
     assert np.array_equal(cuflash.softmax(x, axis=-1), cuflash.softmax(x.astype(native), axis=-1))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", ["one-key", "window-0-0", "seqlen-one"])
+def test_defect_one_visible_key_gives_exactly_zero_dq_dk(rng, dtype, case):
+    """A row that sees one key has P = 1 and dS = 0, so dq = dk = 0 exactly (public case B06
+    with a random dO; hostile pass 2 found |dk| ~ 2e-5, 2.3x the rule: D = rowsum(dO ∘ O) and
+    dP = dO Vᵀ were summed in different orders, and P recomputed from another tiling's scores)."""
+    from cuflash.reference import max_error_ratio, naive_attention_backward
+
+    sq, sk, opts = {"one-key": (100, 1, {}), "window-0-0": (50, 50, dict(window_size=(0, 0))),
+                    "seqlen-one": (1, 1, {})}[case]
+    q = (rng.standard_normal((1, sq, 1, 16)) * 20).astype(dtype)
+    k, v = (rng.standard_normal((1, sk, 1, 16)).astype(dtype) for _ in range(2))
+    do = rng.standard_normal((1, sq, 1, 16)).astype(dtype)
+    out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+    dq, dk, dv = cuflash.attention_backward(do, q, k, v, out, lse, **opts)
+    assert not dq.astype(np.float32).any() and not dk.astype(np.float32).any()
+    refs, naives = attention_backward_ref(do, q, k, v, **opts), naive_attention_backward(do, q, k, v, **opts)
+    assert max_error_ratio(dv, refs[2], naives[2]) <= 1
