@@ -635,7 +635,7 @@ def softmax(x, axis=-1):
     Raises
     ------
     TypeError
-        x is not a float array.
+        x is not a float array; ``axis`` is not an integer.
     numpy.exceptions.AxisError
         ``axis`` out of range.
 
@@ -647,7 +647,9 @@ def softmax(x, axis=-1):
     x = _arrays.as_array(x, "x")
     if np.dtype(x.dtype).name not in V.FLOAT_DTYPES:
         raise TypeError(f"x must be a float array; got dtype {np.dtype(x.dtype).name}")
-    axis = normalize_axis_index(axis, x.ndim)
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"axis must be an integer; got {axis!r}")
+    axis = normalize_axis_index(int(axis), x.ndim)
     if x.size == 0:
         return _arrays.module_of(x).empty_like(x)
     return _run("softmax", _cpu.softmax, x, axis)

@@ -366,6 +366,10 @@ def test_softmax_errors_and_empty():
         cuflash.softmax(np.arange(4))
     with pytest.raises(np.exceptions.AxisError):
         cuflash.softmax(np.ones((2, 3)), axis=2)
+    for axis in (1.0, None, "1", True):  # NumPy's own messages did not name axis; True was taken as 1
+        with pytest.raises(TypeError, match="axis must be an integer"):
+            cuflash.softmax(np.ones((2, 3)), axis=axis)
+    np.testing.assert_array_equal(cuflash.softmax(np.ones((2, 3)), axis=np.int64(0)), np.full((2, 3), 0.5))
     assert cuflash.softmax(np.ones((0, 3), np.float32)).shape == (0, 3)
 
 
