@@ -309,7 +309,9 @@ def attention_vjp(q, k, v, **options):
         As :func:`attention`.
     vjp : callable
         ``vjp(dout) -> (dq, dk, dv)``, computed by :func:`attention_backward` from the saved
-        ``out`` and ``lse`` (nothing else is kept: FlashAttention-2, Dao 2024, Algorithm 2).
+        ``out`` and ``lse`` (no score matrix is kept: FlashAttention-2, Dao 2024, Algorithm 2).
+        It holds q, k, v and array options (e.g. ``alibi_slopes``) by reference, not as
+        copies: changing them in place before calling ``vjp`` changes the gradients.
 
     Raises
     ------
