@@ -39,14 +39,15 @@ def _acc_dtype(dtype) -> np.dtype:
     ulps past the plain computation, beyond the exactness rule (found in about 1 of 1,200 random
     cases); float64 products leave only the final rounding.
     """
-    return np.dtype(np.float64) if np.dtype(dtype).name in ("float32", "float64") else np.dtype(np.float32)  # by name: any byte order
+    wide = np.dtype(dtype).name in ("float32", "float64")  # by name: any byte order
+    return np.dtype(np.float64) if wide else np.dtype(np.float32)
 
 
 class _Heads:
     """Reshapes between the caller's (B, S, Hq, d) and the tiled (B, Hkv, G, S, d) view."""
 
     def __init__(self, p):
-        self.b, self.hkv, self.g = p.batch, p.nheads_k, p.group_size
+        self.hkv, self.g = p.nheads_k, p.group_size
 
     def queries(self, x, acc):
         """(B, S, Hq, d) view -> (B, Hkv, G, S, d) contiguous copy in the accumulation dtype."""
@@ -65,10 +66,6 @@ class _Heads:
         """(B, Hkv, G, m, d) -> (B, m, Hq, d), for writing into a bshd output."""
         b, _, _, m, d = x.shape
         return x.reshape(b, self.hkv * self.g, m, d).transpose(0, 2, 1, 3)
-
-    def lse(self, x):
-        """(B, Hq, S) -> (B, Hkv, G, S)."""
-        return x.reshape(self.b, self.hkv, self.g, x.shape[-1])
 
 
 class _Band:
@@ -284,7 +281,8 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
 
     def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh)
         for i0, i1, s, tanh in query_tiles(j0, j1, k_t):
-            yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), _group_matmul(do_all[..., i0:i1, :], v_t.swapaxes(-1, -2)), tanh
+            dp = _group_matmul(do_all[..., i0:i1, :], v_t.swapaxes(-1, -2))
+            yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), dp, tanh
 
     delta = np.zeros(rows, dtype=acc)  # D, (B, Hkv, G, Sq, 1)
     for j0, j1, k_t, v_t in key_tiles:

@@ -70,7 +70,7 @@ def _run(gpu_name: str, cpu_fn, *args, **kwargs):
 
 def lse_dtype(dtype) -> np.dtype:
     """LSE is float32, or float64 for float64 inputs."""
-    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)  # by name: any byte order
+    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)  # any byte order
 
 
 @_doc

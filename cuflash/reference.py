@@ -61,7 +61,7 @@ def _f64(x):
 
 def _compute_dtype(dtype):
     """The "plain" arithmetic of an input dtype: float64 for float64, else float32."""
-    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)  # by name: any byte order
+    return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)  # any byte order
 
 
 class _Options:
