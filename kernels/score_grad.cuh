@@ -14,8 +14,9 @@ __device__ __forceinline__ float lse_log2(float lse) {
 template <bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ float prob(float qk, float scale, float softcap, float slope, int i, int j,
                                       int offset, float lse2, float& dcap) {
-    float s = qk * scale;
     dcap = 1.f;
+    if constexpr (!kSoftcap && !kAlibi) return exp2f(fmaf(qk, scale * kLog2e, -lse2));  // one FFMA per score
+    float s = qk * scale;
     if constexpr (kSoftcap) {
         const float t = tanhf(s / softcap);
         s = softcap * t;
