@@ -3,6 +3,8 @@
 CuPy is imported lazily so that ``import cuflash`` works on machines without it.  Foreign GPU
 arrays (JAX, PyTorch, Numba) are taken zero-copy through ``__dlpack__`` or
 ``__cuda_array_interface__`` without importing their library; results come back as CuPy arrays.
+Foreign CPU arrays that speak DLPack (a CPU PyTorch tensor or JAX array) are taken zero-copy by
+``numpy.from_dlpack`` and run on the CPU path, with NumPy results.
 """
 
 from __future__ import annotations
@@ -41,10 +43,25 @@ def is_array(x) -> bool:
     return isinstance(x, np.ndarray) or is_gpu(x)
 
 
+_DLPACK_CPU = 1  # kDLCPU, the device type __dlpack_device__ reports for host memory
+
+
+def _dlpack_on_cpu(x) -> bool:
+    try:
+        return int(x.__dlpack_device__()[0]) == _DLPACK_CPU
+    except Exception:  # no __dlpack_device__, or one that fails: not known to be on the CPU
+        return False
+
+
 def as_array(x, name: str):
-    """Return x as a NumPy or CuPy array; foreign GPU arrays are wrapped zero-copy."""
+    """Return x as a NumPy or CuPy array; foreign arrays are wrapped zero-copy."""
     if is_array(x):
         return x
+    if hasattr(x, "__dlpack__") and _dlpack_on_cpu(x):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, BufferError, RuntimeError, ValueError) as exc:
+            raise TypeError(f"{name} ({type(x).__name__}) is a CPU array NumPy cannot take through DLPack: {exc}") from exc
     if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
         cp = cupy_module()
         if cp is None:

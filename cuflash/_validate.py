@@ -215,13 +215,14 @@ def make_problem(
 
 def finish_problem(
     q, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, headdim_qk, headdim_v,
-    *, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlens_k,
+    *, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlens_k, k_name="k",
 ) -> AttnProblem:
-    """Checks shared by the padded and the variable-length entry points."""
+    """Checks shared by the padded and the variable-length entry points (``k_name``: what the
+    caller calls the keys, for messages)."""
     if nheads_k == 0 and nheads_q != 0:
-        raise ValueError(f"k has 0 heads; q's {nheads_q} heads must be a multiple of it")
+        raise ValueError(f"{k_name} has 0 heads; q's {nheads_q} heads must be a multiple of it")
     if nheads_k and nheads_q % nheads_k != 0:
-        raise ValueError(f"k has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it")
+        raise ValueError(f"{k_name} has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it")
     if headdim_qk == 0 or headdim_v == 0:
         raise ValueError(f"head dims must be >= 1; got q/k {headdim_qk}, v {headdim_v}")
     left, right, top_left = normalize_mask_options(causal, window_size)

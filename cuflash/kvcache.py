@@ -11,6 +11,8 @@ CPU path gathers pages into a contiguous copy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from . import _arrays, _cpu
@@ -41,13 +43,13 @@ def attention_with_kvcache(
 
     Parameters
     ----------
-    q : array of shape (batch, seqlen_q, nheads, headdim)
-        Queries, usually 1 to a few tokens per sequence.
+    q : array of shape (batch, seqlen_q, nheads, headdim_qk)
+        Queries, usually 1 to a few tokens per sequence (layout "bshd" only).
     k_cache, v_cache : arrays
-        Contiguous: (batch_cache, capacity, nheads_k, headdim[_v]).  Paged (with
-        ``block_table``): (num_pages, page_size, nheads_k, headdim[_v]).  Any page size.
+        Contiguous: (batch_cache, capacity, nheads_k, headdim_qk or headdim_v).  Paged (with
+        ``block_table``): (num_pages, page_size, nheads_k, headdim_qk or headdim_v).  Any page size.
         Modified in place when ``k`` and ``v`` are given.
-    k, v : arrays of shape (batch, seqlen_new, nheads_k, headdim[_v]), optional
+    k, v : arrays of shape (batch, seqlen_new, nheads_k, headdim_qk or headdim_v), optional
         New keys and values, written at positions ``cache_seqlens[b] ...`` of sequence b before
         attending.  Both or neither.
     cache_seqlens : int32/int64 array of shape (batch,), or int
@@ -67,7 +69,7 @@ def attention_with_kvcache(
     -------
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
     lse : array of shape (batch, nheads, seqlen_q), float32 (float64 for float64 inputs)
-        Only when ``return_lse``.
+        Only when ``return_lse``; ``-inf`` on rows that see no key (their output is 0).
 
     Raises
     ------
@@ -86,8 +88,11 @@ def attention_with_kvcache(
     Notes
     -----
     Causal and window rules use each sequence's valid length as Sk (bottom-right alignment:
-    the last query is the newest token).  Same interface as FlashAttention's
-    ``flash_attn_with_kvcache`` (Dao et al.); split-KV decoding follows Flash-Decoding (2023).
+    the last query is the newest token).  Modelled on FlashAttention's ``flash_attn_with_kvcache``
+    (Dao et al.) with these differences: ``cache_seqlens`` is required, the LSE flag is
+    ``return_lse`` (there ``return_softmax_lse``), and there is no rotary embedding
+    (``rotary_cos``/``rotary_sin``), ``cache_leftpad``, ``layout=`` or ``out=``.  Split-KV
+    decoding follows Flash-Decoding (Dao et al., 2023).
     """
     fast_key = None
     if k is None and v is None and cache_batch_idx is None and alibi_slopes is None and _arrays.is_gpu(q):
@@ -158,29 +163,28 @@ def attention_with_kvcache(
     p = V.finish_problem(
         q, batch, q.shape[1], capacity, q.shape[2], nheads_k, headdim, v_cache.shape[3],
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, seqlens_k=lengths,
+        alibi_slopes=alibi_slopes, seqlens_k=lengths, k_name="k_cache",
     )
     return_lse = V.check_bool(return_lse, "return_lse")
+    gpu = _arrays.is_gpu(q)
+    keys, values = k_cache, v_cache
+    if not gpu:
+        # The CPU path reads the positions in use only, [0, longest length), through a copy
+        # made after the append into buffers allocated before it (so that running out of
+        # memory refuses the call before the cache changes).
+        span = int(lengths.max()) if batch else 0
+        p = dataclasses.replace(p, seqlen_k=span)
+        if paged or cache_batch_idx is not None:
+            rows, slots = _cpu_rows_and_slots(lengths, span, block_table, row_len, cache_batch_idx)
+            keys = np.empty((batch, span) + tuple(k_cache.shape[2:]), dtype=k_cache.dtype)
+            values = np.empty((batch, span) + tuple(v_cache.shape[2:]), dtype=v_cache.dtype)
+        else:
+            keys, values = k_cache[:, :span], v_cache[:, :span]
     if new:
         _check_append_targets(q, k, v, k_cache, v_cache, host_lengths, new, row_len, host_table, host_rows)
         _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, row_len, cache_batch_idx)
-
-    gpu = _arrays.is_gpu(q)
-    keys, values = k_cache, v_cache
-    if paged and not gpu and capacity_rows == 0:  # no pages: every length is 0 (checked above)
-        keys = xp.zeros((batch, capacity) + tuple(k_cache.shape[2:]), dtype=k_cache.dtype)
-        values = xp.zeros((batch, capacity) + tuple(v_cache.shape[2:]), dtype=v_cache.dtype)
-    elif paged and not gpu:  # the CPU path reads a contiguous copy; the GPU kernel follows the pages itself
-        positions = xp.arange(capacity)
-        # Positions past a sequence's length read page 0 (never used), so block_table entries
-        # past the used pages may hold anything.
-        used = positions[None, :] < lengths[:, None]
-        page_of = xp.where(used, block_table.astype(np.int64)[:, positions // row_len], 0)
-        slot_of = positions % row_len
-        keys, values = k_cache[page_of, slot_of], v_cache[page_of, slot_of]
-    elif cache_batch_idx is not None:
-        rows = cache_batch_idx.astype(np.int64)
-        keys, values = k_cache[rows], v_cache[rows]
+    if not gpu and (paged or cache_batch_idx is not None):
+        keys[...], values[...] = k_cache[rows, slots], v_cache[rows, slots]
 
     out = xp.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=q.dtype)
     lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
@@ -200,6 +204,19 @@ def attention_with_kvcache(
     else:
         _cpu.forward(p, q, keys, values, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _cpu_rows_and_slots(lengths, span, block_table, page_size, cache_batch_idx):
+    """(batch, span) cache indices (row or page, slot) of positions [0, span) of each sequence.
+    Positions past a sequence's length read row/page 0, slot 0 (never used), so block_table
+    entries past the used pages may hold anything."""
+    positions = np.arange(span)
+    used = positions[None, :] < np.asarray(lengths)[:, None]
+    if block_table is None:
+        rows = np.broadcast_to(cache_batch_idx.astype(np.int64)[:, None], used.shape)
+        return rows, np.broadcast_to(positions, used.shape)
+    pages = np.where(used, block_table.astype(np.int64)[:, positions // page_size], 0)
+    return pages, np.where(used, positions % page_size, 0)
 
 
 def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):

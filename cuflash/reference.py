@@ -1,7 +1,7 @@
 """The float64 oracle: attention written as plainly as possible, in NumPy.
 
 Everything here materialises the full score matrix ``(batch, nheads, seqlen_q, seqlen_k)`` in
-float64 and follows ``conventions.md`` line by line.  It deliberately shares no code with the
+float64 and follows ``docs/conventions.md`` line by line.  It deliberately shares no code with the
 rest of cuflash (not even argument validation), so that a bug in the tiled paths cannot hide in
 the code that checks them.
 
@@ -290,7 +290,7 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
 
     Notes
     -----
-    Score pipeline of ``conventions.md``: scale·q·k → softcap → ALiBi → bias → masks (−inf) →
+    Score pipeline of ``docs/conventions.md``: scale·q·k → softcap → ALiBi → bias → masks (−inf) →
     softmax (Vaswani et al. 2017, eq. 1; softcap as in Gemma 2; ALiBi, Press et al. 2022).
     """
     q, k, v, opts = _prepare(q, k, v, layout, dict(
@@ -463,7 +463,7 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     Each stage (the scores and every score modifier, the softmax, P·V) is computed in float32
     (float64 for float64 inputs) and rounded to the input dtype, as an unfused same-dtype
     implementation would.  Its error against :func:`attention_ref` is the scale of the
-    exactness rule (``conventions.md``).
+    exactness rule (``docs/conventions.md``).
 
     Parameters
     ----------

@@ -1,6 +1,6 @@
 """The tiled algorithm (cuflash._cpu, run by the public API for NumPy inputs) against the oracle.
 
-Every comparison uses the exactness rule of conventions.md through ``reference.assert_exact``,
+Every comparison uses the exactness rule of docs/conventions.md through ``reference.assert_exact``,
 on outputs poisoned with NaN first.  The helpers at the top take an array module ``xp`` so
 that test_public_cases.py runs the same checks on the GPU.
 

@@ -1,6 +1,6 @@
 """Hostile tests of the public API on the CPU path (NumPy arrays).
 
-Each test states the contract (the project's conventions.md) it checks.  Tests named
+Each test states the contract (docs/conventions.md) it checks.  Tests named
 ``test_defect_*`` reproduce defects found by hostile testing, now fixed: they guard against regressions.
 Everything else pins down behaviour that was verified to be right, so it stays right.
 """
@@ -413,7 +413,7 @@ def test_defect_return_lse_not_validated(qkv):
 
 
 def test_defect_nan_in_padding_past_seqlens_k_poisons_forward(rng):
-    # conventions.md: "keys past [the valid length] are never read into the softmax".  A padded
+    # docs/conventions.md: "keys past [the valid length] are never read into the softmax".  A padded
     # KV cache whose unused slots hold garbage (np.empty, NaN) must not change the result.
     q, k, v = rnd(rng, 2, 70, 2, 8), rnd(rng, 2, 130, 2, 8), rnd(rng, 2, 130, 2, 8)
     sk = np.array([3, 130])

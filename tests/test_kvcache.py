@@ -218,3 +218,33 @@ def test_cache_edge_shapes_and_lengths():
     assert out.shape == (2, 1, 2, 8)
     with pytest.raises(TypeError, match="k_cache float16"):
         cuflash.attention_with_kvcache(q, kc.astype(np.float16), vc, cache_seqlens=1)
+
+
+def test_cpu_reads_only_the_positions_in_use(rng):
+    """Hostile pass 3: the NumPy path gathered block_table width x page size positions after
+    appending (a table 10^7 pages wide: MemoryError with the cache already written) and
+    converted the whole capacity of a contiguous cache on every call."""
+    q, kc, vc, k = _small()
+    table = np.zeros((2, 10**7), np.int32)  # entries past the used pages may hold anything
+    table[1, 0] = 1
+    pages_k, pages_v = kc.copy(), vc.copy()  # 2 pages of 8 slots
+    out, lse = cuflash.attention_with_kvcache(q, pages_k, pages_v, k, 2 * k, cache_seqlens=np.array([2, 3]),
+                                             block_table=table, return_lse=True)
+    ref_k, ref_v = kc.copy(), vc.copy()
+    plain, plain_lse = cuflash.attention_with_kvcache(q, ref_k, ref_v, k, 2 * k, cache_seqlens=np.array([2, 3]),
+                                                      return_lse=True)
+    np.testing.assert_array_equal(pages_k, ref_k)
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(lse, plain_lse)
+    # A contiguous cache far longer than its lengths (converted in full before: ~1 s per call).
+    big = rng.standard_normal((1, 1 << 20, 1, 8)).astype(np.float16)
+    qb = rng.standard_normal((1, 1, 2, 8)).astype(np.float16)
+    _check_per_sequence(cuflash.attention_with_kvcache(qb, big, big, cache_seqlens=7),
+                        cuflash.attention_with_kvcache(qb, big, big, cache_seqlens=7, return_lse=True)[1],
+                        qb, big, big, [7])
+
+
+def test_head_count_error_names_k_cache():
+    q, kc, vc, _ = _small(hq=3)
+    with pytest.raises(ValueError, match="^k_cache has 2 heads"):
+        cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=2)

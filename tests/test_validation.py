@@ -1,6 +1,6 @@
 """Every bad input of the conventions raises the documented exception, naming the argument.
 
-Conventions (../shared/notes/conventions.md, "Errors"): ValueError for shapes and values,
+Conventions (docs/conventions.md, "Errors"): ValueError for shapes and values,
 TypeError for dtypes and array kinds, and the message names the argument.  Empty problems are
 valid and return correctly shaped results.
 """
@@ -43,6 +43,27 @@ def test_list_inputs_are_type_errors(which):
     args[which] = args[which].tolist()
     with pytest.raises(TypeError, match=rf"^{which} must be a NumPy or CuPy array"):
         cuflash.attention(args["q"], args["k"], args["v"])
+
+
+class _CpuDLPack:
+    """A CPU array known only through DLPack (as a CPU torch tensor or JAX array is)."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __dlpack__(self, **kwargs):
+        return self.a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.a.__dlpack_device__()
+
+
+def test_cpu_dlpack_inputs_take_the_numpy_path():
+    """Fresh-user report (session 6): such inputs were called GPU arrays ("CuPy is not installed")."""
+    q, k, v = make()
+    out = cuflash.attention(*(_CpuDLPack(x) for x in (q, k, v)), causal=True)
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, cuflash.attention(q, k, v, causal=True))
 
 
 @pytest.mark.parametrize(
