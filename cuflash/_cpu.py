@@ -150,7 +150,8 @@ def _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1):
     s = _group_matmul(q_t, k_t.swapaxes(-1, -2)) * _scalar(q_t, p.softmax_scale)
     tanh = None
     if p.softcap > 0:
-        tanh = np.tanh(s / _scalar(s, p.softcap))
+        with np.errstate(over="ignore"):  # s / cap past the dtype's range: tanh(±inf) = ±1 is right
+            tanh = np.tanh(s / _scalar(s, p.softcap))
         s = _scalar(s, p.softcap) * tanh
     if slopes is not None:
         s = s - slopes * band.distance(i0, i1, j0, j1).astype(s.dtype)

@@ -96,6 +96,8 @@ def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v")):
 
 
 def check_layout(layout) -> str:
+    if not isinstance(layout, str):
+        raise TypeError(f"layout must be 'bshd' or 'bhsd'; got {type(layout).__name__} {layout!r}")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'bshd' or 'bhsd'; got {layout!r}")
     return layout
@@ -142,7 +144,10 @@ def check_scalar(value, name: str, default=None) -> float:
         return default
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number; got {value!r}")
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # a Python int past float64's range
+        raise ValueError(f"{name} must be finite; got an integer of {int(value).bit_length()} bits") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite; got {value}")
     return value
@@ -236,7 +241,7 @@ def finish_problem(
         )
     slopes = None
     if alibi_slopes is not None:
-        slopes = check_alibi_slopes(alibi_slopes, q, batch, nheads_q)
+        slopes = check_alibi_slopes(alibi_slopes, q, batch, nheads_q, max_distance=seqlen_q + seqlen_k)
     if seqlens_k is not None:
         seqlens_k, values = check_index_array(seqlens_k, "seqlens_k", like=q, length=batch)
         if values is not None and values.size and (values.min() < 0 or values.max() > seqlen_k):
@@ -252,10 +257,11 @@ def finish_problem(
     )
 
 
-def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int):
+def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance: int):
     """ALiBi slopes of shape (nheads,) or (batch, nheads) -> (batch, nheads): float32 for the
     GPU kernels, float64 for the NumPy path (which casts them to its accumulation dtype, so
-    float32 and float64 inputs keep the slopes' precision over long distances)."""
+    float32 and float64 inputs keep the slopes' precision over long distances).  NumPy slopes
+    times ``max_distance`` (a bound on |i + offset - j|) must stay within float32's range."""
     if not _arrays.is_array(alibi_slopes):
         raise TypeError(f"alibi_slopes must be an array; got {type(alibi_slopes).__name__}")
     if not is_float_dtype(alibi_slopes.dtype):
@@ -268,6 +274,10 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int):
             finite = np.isfinite(alibi_slopes.astype(np.float32)).all()
         if not finite:
             raise ValueError("alibi_slopes must be finite within float32's range (they are used as float32)")
+        largest = float(np.abs(alibi_slopes).max()) if alibi_slopes.size else 0.0
+        if largest * max_distance > FLOAT32_MAX:  # the bias slope * distance is formed in float32
+            raise ValueError(f"alibi_slopes times the largest query-key distance ({max_distance}) must stay within "
+                             f"float32's range; got max |slope| = {largest:.4g}")
     slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float64 if isinstance(q, np.ndarray) else np.float32)
     xp = _arrays.module_of(q)
     return xp.ascontiguousarray(xp.broadcast_to(slopes, (batch, nheads_q)))

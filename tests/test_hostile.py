@@ -150,7 +150,7 @@ def test_different_value_head_dim_is_supported(qkv, rng):
         (dict(seqlens_k=[1, 3]), TypeError, "seqlens_k"),
         (dict(layout="bsdh"), ValueError, "layout"),
         (dict(layout="BSHD"), ValueError, "layout"),
-        (dict(layout=None), ValueError, "layout"),
+        (dict(layout=None), TypeError, "layout"),
         (dict(out=np.empty((2, 9, 6, 4), np.float32)), ValueError, "out"),
         (dict(out=np.empty((2, 9, 6, 8), np.float64)), TypeError, "out"),
         (dict(out=np.empty((2, 6, 9, 8), np.float32)), ValueError, "out"),

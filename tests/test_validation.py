@@ -5,6 +5,8 @@ TypeError for dtypes and array kinds, and the message names the argument.  Empty
 valid and return correctly shaped results.
 """
 
+import warnings
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -142,10 +144,11 @@ def test_zero_head_dim():
         cuflash.attention(q, k, v)
 
 
-@pytest.mark.parametrize("layout", ["bsdh", "BSHD", "", None, 0])
+@pytest.mark.parametrize("layout", ["bsdh", "BSHD", "", None, 0, np.array(["bshd", "bhsd"])])
 def test_invalid_layout(layout):
+    """Unknown names are ValueErrors, other types TypeErrors (an array gave NumPy's ambiguous-truth error)."""
     q, k, v = make()
-    with pytest.raises(ValueError, match=r"layout must be 'bshd' or 'bhsd'"):
+    with pytest.raises(ValueError if isinstance(layout, str) else TypeError, match=r"layout must be 'bshd' or 'bhsd'"):
         cuflash.attention(q, k, v, layout=layout)
 
 
@@ -559,3 +562,31 @@ def test_empty_varlen():
 def test_empty_softmax():
     x = np.ones((0, 3), np.float32)
     assert cuflash.softmax(x).shape == (0, 3)
+
+
+def test_alibi_slopes_times_distance_must_fit_float32():
+    """Hostile pass 3: finite slopes of 2e38 overflowed slope x distance and emptied a row."""
+    q, k, v = make()
+    with pytest.raises(ValueError, match=r"alibi_slopes times the largest query-key distance"):
+        cuflash.attention(q, k, v, alibi_slopes=np.full(q.shape[2], 2e38, np.float32))
+
+
+@pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
+def test_huge_integer_scalars_are_value_errors(name):
+    """Hostile pass 3: 10**400 raised OverflowError from float()."""
+    q, k, v = make()
+    with pytest.raises(ValueError, match=rf"^{name} must be finite"):
+        cuflash.attention(q, k, v, **{name: 10**400})
+
+
+def test_tiny_softcap_with_large_scores_warns_nothing():
+    """Hostile pass 3: s / softcap overflowed to inf (the right tanh) with a RuntimeWarning."""
+    rng = np.random.default_rng(0)
+    q = (rng.standard_normal((1, 4, 1, 8)) * 3e4).clip(-6e4, 6e4).astype(np.float16)
+    k = (rng.standard_normal((1, 6, 1, 8)) * 3e4).clip(-6e4, 6e4).astype(np.float16)
+    v = rng.standard_normal((1, 6, 1, 8)).astype(np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = cuflash.attention(q, k, v, softcap=1e-30, return_lse=True)
+        cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, softcap=1e-30)
+    assert np.isfinite(out).all() and np.isfinite(lse).all()
