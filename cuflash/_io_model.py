@@ -172,10 +172,10 @@ def io_model(
 
     * Standard attention (Algorithm 0): read Q and K, write S; read S, write P; read P and V,
       write O.  ``Θ(N·d + N²)`` bytes: ``(Nq + Nk)·d + 4·Nq·Nk + Nk·dv + Nq·dv`` elements.
-    * Tiled attention: a query block holds ``B_r = ceil(M / (4d))`` rows (the size Algorithm 1,
+    * Tiled attention: a query block holds ``B_r = min(ceil(M / (4·max(d, dv))), Nq)`` rows (the size Algorithm 1,
       line 1, gives its outer-loop blocks, B_c there; here the outer loop runs over queries, as
       in FlashAttention-2), giving ``T_r = ceil(Nq / B_r)`` query blocks.  Q is read
-      once, O and the float32 LSE are written once, and K and V are read once per query block:
+      once, O and the LSE (float32; float64 for float64) are written once, and K and V are read once per query block:
       ``Nq·d + Nq·dv + T_r·Nk·(d + dv)`` elements plus the LSE, i.e. ``Θ(N²·d²/M)``.
     * The same count with the kernel's ``block_m`` instead of ``B_r`` gives ``kernel_hbm_bytes``.
     * One tile keeps a block_m×d Q tile, block_n×d K tile and block_n×dv V tile in ``dtype``,
@@ -225,7 +225,7 @@ def io_model(
     query_blocks = -(-nq // block_rows)
     tiled_steps = (
         ("read Q", q),
-        (f"read K, V {query_blocks} times", query_blocks * (k + v)),
+        (f"read K, V {times(query_blocks)}", query_blocks * (k + v)),
         ("write O, LSE", o + lse),
     )
     kernel_blocks = -(-nq // block_m)
@@ -263,15 +263,21 @@ def format_bytes(n: float) -> str:
     return f"{value:.2f} {unit}"
 
 
+def times(n: int) -> str:
+    """'once', 'twice', 'n times'."""
+    return {1: "once", 2: "twice"}.get(n, f"{n} times")
+
+
 def why_fast(m: IOModel) -> str:
     """One sentence on where the saving comes from, with this problem's numbers."""
     return (
-        ("Why it is fast" if m.hbm_ratio >= 1 else "Why tiling does not pay at this size") +
+        ("Why it is fast" if m.hbm_ratio >= 1.05 else "Why tiling does not pay at this size") +
         f": standard attention writes the {format_bytes(m.score_bytes)} score matrix "
         f"to HBM and reads it back, twice (S, then P): {format_bytes(m.standard_hbm_bytes)} moved; "
         f"the tiled algorithm keeps each score tile on chip and re-reads only K and V, once per "
-        f"block of {m.block_rows} query rows: {format_bytes(m.tiled_hbm_bytes)}, "
-        + (f"{m.hbm_ratio:.1f}x less." if m.hbm_ratio >= 1 else
+        f"block of {m.block_rows} query row{'s' * (m.block_rows != 1)}: {format_bytes(m.tiled_hbm_bytes)}, "
+        + ("about as much: at this size there is little score matrix to save." if 1 <= m.hbm_ratio < 1.05 else
+           f"{m.hbm_ratio:.1f}x less." if m.hbm_ratio >= 1 else
            f"{1 / m.hbm_ratio:.1f}x more: at this size the score matrix is small next to K and V re-read per block.")
     )
 

@@ -228,7 +228,7 @@ def attention_backward(
         score tiles at its accumulation precision (float32 for 16-bit inputs, float64
         otherwise), which keeps float16/bfloat16 gradients on short rows and float32 gradients
         with large scores within the exactness rule, and gives dq = dk = 0 exactly on rows that
-        see one key (the NumPy backward takes about 1.7x the time it took reading them).
+        see one key (at about 1.7 times the time of a NumPy backward that reads them).
         On the GPU, D from the rounded ``out`` and P rounded to the input dtype before dV = Pᵀ dO
         (as in FlashAttention-2) put dq, dk or dv just outside that rule on some tiny problems:
         on an H200, 0–12 of 60 random 4-query problems with 1–9 keys per head dim (4, 64, 128),
@@ -236,6 +236,7 @@ def attention_backward(
         sizes in the test suite meet it.
 {options}
     layout : {"bshd", "bhsd"}, default "bshd"
+        Axis order of dout, q, k, v, out and of the gradients, as in :func:`attention`.
     deterministic : bool, default False
         Bitwise-repeatable gradients.  By default the Hopper backward (head dims 33–64 and
         97–128 on compute capability 9.0) forms dQ inside the dK/dV kernel and adds it to an
@@ -374,6 +375,8 @@ def attention_varlen(
     return_lse : bool, default False
         Also return the log-sum-exp, shape (nheads, total_q).
     out : array of shape (total_q, nheads, headdim_v), optional
+        Preallocated output (q's dtype and array kind), writable and sharing no memory with q,
+        k, v, written in full (see Returns).
 
     Returns
     -------
@@ -644,7 +647,7 @@ def softmax(x, axis=-1):
     TypeError
         x is not a float array; ``axis`` is not an integer.
     numpy.exceptions.AxisError
-        ``axis`` out of range.
+        ``axis`` out of range (``numpy.AxisError`` before NumPy 1.25; both are ValueErrors).
 
     Notes
     -----

@@ -174,6 +174,7 @@ def info():
 # cuflash io
 
 _POSITIVE = click.IntRange(min=1)
+_SHORT_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # bench's spellings, accepted by io
 
 
 @main.command()
@@ -182,8 +183,8 @@ _POSITIVE = click.IntRange(min=1)
 @click.option("--seqlen", type=_POSITIVE, default=8192, show_default=True, help="Query length N.")
 @click.option("--seqlen-k", type=_POSITIVE, default=None, help="Key/value length [default: --seqlen].")
 @click.option("--headdim", type=_POSITIVE, default=128, show_default=True, help="Head dimension d.")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16",
-              show_default=True, help="Element type of Q, K, V, O.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", *_SHORT_DTYPES]), default="float16",
+              show_default=True, help="Element type of Q, K, V, O (fp16, bf16, fp32 also accepted).")
 @click.option("--block-m", type=_POSITIVE, default=128, show_default=True, help="Query rows per tile.")
 @click.option("--block-n", type=_POSITIVE, default=64, show_default=True, help="Key columns per tile.")
 @click.option("--sram-kib", type=_POSITIVE, default=228, show_default=True,
@@ -196,7 +197,7 @@ def io(batch, heads, seqlen, seqlen_k, headdim, dtype, block_m, block_n, sram_ki
     """
     m = _io_model.io_model(
         batch=batch, nheads=heads, seqlen_q=seqlen, seqlen_k=seqlen_k, headdim=headdim,
-        dtype=dtype, block_m=block_m, block_n=block_n, sram_bytes=sram_kib * 1024,
+        dtype=_SHORT_DTYPES.get(dtype, dtype), block_m=block_m, block_n=block_n, sram_bytes=sram_kib * 1024,
     )
     for line in io_report(m):
         click.echo(line)
@@ -240,13 +241,13 @@ def io_report(m: _io_model.IOModel) -> list[str]:
     lines += [row(f"  {label}", nbytes) for label, nbytes in m.standard_steps]
     lines += [
         row("tiled (FlashAttention)", m.tiled_hbm_bytes, "Theta(N^2 d^2 / M)"),
-        f"    {m.query_blocks} query blocks of B_r = min(ceil(M / 4d), N) = {m.block_rows} rows "
+        f"    {m.query_blocks} query block{'s' * (m.query_blocks != 1)} of B_r = min(ceil(M / 4 max(d, dv)), Nq) = {m.block_rows} row{'s' * (m.block_rows != 1)} "
         f"(M = {m.sram_elems} {e} elements)",
     ]
     lines += [row(f"  {label}", nbytes) for label, nbytes in m.tiled_steps]
     lines += [
         row(f"tiled, block_m = {m.block_m}", m.kernel_hbm_bytes,
-            f"K and V read {m.kernel_query_blocks} times"),
+            f"K and V read {_io_model.times(m.kernel_query_blocks)}"),
         f"  {'standard / tiled':<30} {m.hbm_ratio:>11.1f}x",
         "",
         _io_model.why_fast(m),
@@ -324,16 +325,24 @@ def demo():
 
 @main.command()
 @click.option("--quick", is_flag=True, help="A short sweep (two head dims, two lengths).")
-def check(quick):
-    """Correctness sweep against the float64 reference on this machine's GPU (or the CPU path)."""
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="Seed of the random inputs, to replay a run [default: fresh, printed].")
+def check(quick, seed):
+    """Correctness sweep against the float64 reference on this machine's GPU (or the CPU path).
+
+    The ratio is max|cuflash - ref64| / (2 max|naive - ref64| + 1e-5), ref64 the float64
+    reference and naive plain attention in the input dtype: <= 1 passes (docs/conventions.md).
+    """
     import numpy as np
 
     from . import _check
 
     xp, where = _array_module()
     cases = _check.cases(on_gpu=xp is not np, quick=quick)
-    click.echo(f"{where}; {len(cases)} cases, forward and backward, exactness rule (ratio <= 1 passes)")
-    rng = np.random.default_rng()
+    if seed is None:
+        seed = int(np.random.SeedSequence().entropy % (1 << 32))
+    click.echo(f"{where}; {len(cases)} cases, forward and backward, exactness rule (ratio <= 1 passes); seed {seed}")
+    rng = np.random.default_rng(seed)
     results = []
     with click.progressbar(cases, label="cuflash check", item_show_func=lambda c: c.label if c else "",
                            file=_progress_stream()) as bar:
@@ -373,14 +382,20 @@ def _check_writable(path: str, option: str):
 
 
 def _check_sweep(dtypes, headdims, seqlens):
-    """The comma lists of the standard sweep: known dtypes, head dims 1..256, positive lengths."""
+    """The comma lists of the standard sweep: known dtypes, head dims 1..256, positive lengths.
+    Returns the dtypes in bench's short spelling (bfloat16 and float16 are accepted too)."""
+    long_to_short = {"bfloat16": "bf16", "float16": "fp16"}
+    short = []
     for d in dtypes.split(","):
+        d = long_to_short.get(d, d)
         if d not in ("bf16", "fp16"):
-            raise click.BadParameter(f"{d!r} is not one of bf16, fp16", param_hint="--dtypes")
+            raise click.BadParameter(f"{d!r} is not one of bf16, fp16 (bfloat16, float16)", param_hint="--dtypes")
+        short.append(d)
     for name, text, low, high in (("--headdims", headdims, 1, 256), ("--seqlens", seqlens, 1, 1 << 24)):
         for item in text.split(","):
             if not item.strip().isascii() or not item.strip().isdigit() or not low <= int(item) <= high:
                 raise click.BadParameter(f"{item!r} is not an integer in [{low}, {high}]", param_hint=name)
+    return ",".join(short)
 
 
 @main.command()
@@ -400,7 +415,7 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     """Measure TF/s on this GPU, with the peers present on the machine in the same run."""
     from . import _arrays
 
-    _check_sweep(dtypes, headdims, seqlens)
+    dtypes = _check_sweep(dtypes, headdims, seqlens)
     if suite != "standard":
         ctx = click.get_current_context()
         given = [f"--{name.replace('_', '-')}" for name in ("backward", "dtypes", "headdims", "seqlens", "plot_path")

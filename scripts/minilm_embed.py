@@ -184,12 +184,16 @@ def main(argv=None):
     emb = encode(weights, ids, lengths, xp=xp, dtype=dtype)
     ref = encode_reference(weights, ids, lengths)
     cosine = (emb * ref).sum(axis=1)
-    print(f"{len(sentences)} sentences on the {'GPU (float16)' if on_gpu else 'CPU (float32)'}; "
+    print(f"{len(sentences)} sentence{'s' * (len(sentences) != 1)} on the {'GPU (float16)' if on_gpu else 'CPU (float32)'}; "
           f"cosine to the float64 twin: min {cosine.min():.6f}")
     for s, c in zip(sentences, cosine):
         print(f"  {c:.6f}  {s}")
+    sim = emb @ emb.T  # cosine similarities (the embeddings are unit vectors)
+    if args.sentences and len(sentences) > 1:
+        print("similarities:")
+        for i, row in enumerate(sim):
+            print("  " + " ".join(f"{x:6.3f}" for x in row) + f"   [{i}]")
     if not args.sentences:
-        sim = emb @ emb.T
         print(f"paraphrase {sim[PARAPHRASE]:.3f} > unrelated {sim[UNRELATED]:.3f}: {sim[PARAPHRASE] > sim[UNRELATED]}")
     return 0 if cosine.min() >= 0.9999 else 1
 

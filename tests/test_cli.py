@@ -47,7 +47,7 @@ def test_io_output_uses_the_model_numbers():
     for value in (m.q_bytes, m.k_bytes, m.score_bytes, m.tile_bytes, m.standard_hbm_bytes,
                   m.tiled_hbm_bytes, m.kernel_hbm_bytes):
         assert format_bytes(value) in result.output
-    assert f"{m.query_blocks} query blocks of B_r = min(ceil(M / 4d), N) = {m.block_rows} rows" in result.output
+    assert f"{m.query_blocks} query blocks of B_r = min(ceil(M / 4 max(d, dv)), Nq) = {m.block_rows} rows" in result.output
     assert "score matrix S (1000 x 3000)" in result.output
 
 
@@ -186,3 +186,10 @@ def test_info_names_the_kernel_family_per_gpu():
     assert kernel_family(8, 0, (13, 0), disabled=False).startswith("sm_80")
     assert kernel_family(12, 0, (13, 0), disabled=False).startswith("sm_80")  # sm_90a code runs on CC 9.0 only
     assert "8.0 or newer" in kernel_family(7, 5, (13, 0), disabled=False)
+
+
+def test_dtype_spellings_are_shared_by_io_and_bench():
+    """Fresh-user report (session 6): io took only float16/bfloat16, bench only fp16/bf16."""
+    long, short = (CliRunner().invoke(cli.main, ["io", "--dtype", d, "--seqlen", "1024"]) for d in ("bfloat16", "bf16"))
+    assert long.exit_code == 0 and long.output == short.output
+    assert cli._check_sweep("bfloat16,fp16", "64", "1024") == "bf16,fp16"

@@ -37,3 +37,10 @@ def test_check_cases_cover_every_option_and_dtype():
     assert {c.option for c in cpu} == {name for name, _ in _check.OPTIONS}
     gpu = _check.cases(on_gpu=True, quick=True)
     assert {c.dtype for c in gpu} == {"float16", "bfloat16"}
+
+
+def test_check_seed_replays_the_run():
+    """Fresh-user report (session 6): two runs could not be compared (fresh inputs, no seed)."""
+    first, second = (CliRunner().invoke(main, ["check", "--quick", "--seed", "7"]) for _ in range(2))
+    assert first.exit_code == 0 and "seed 7" in first.output
+    assert first.output == second.output
