@@ -79,8 +79,9 @@ def attention_with_kvcache(
         Shapes that do not match; ``k`` without ``v``; ``block_table`` together with
         ``cache_batch_idx``; cache lengths (plus new tokens) beyond the capacity; page or batch
         indices out of range, two new tokens sent to one cache slot, or a new token sent to a
-        slot another sequence reads (two appending sequences on one ``cache_batch_idx`` row, or a
-        shared page written where another sequence's keys are; checked for NumPy index arrays,
+        slot another position reads (two appending sequences on one ``cache_batch_idx`` row, a
+        shared page written where another sequence's keys are, or a page listed twice in one
+        sequence's ``block_table`` row and written where its earlier keys are; checked for NumPy index arrays,
         and for GPU ones with ``CUFLASH_DEBUG=1``); when appending, a read-only cache,
         k_cache and v_cache sharing memory, or q, k or v inside the cache.  Every check runs before
         the cache is written, so a refused call changes nothing.
@@ -277,8 +278,9 @@ def _pages_read(table, ends, page_size):
 
 
 def _check_shared_pages(table, ends, page_size, pages, pos):
-    """A page may be shared (a common prefix), but no sequence may write a slot that another
-    sequence reads: positions [0, ends[b]) of sequence b, through its block_table row."""
+    """A page may be shared (a common prefix), but no new token may land on a slot that another
+    sequence reads, or that its own sequence reads at another position: positions [0, ends[b])
+    of sequence b, through its block_table row."""
     owner, index = np.nonzero(_pages_read(table, ends, page_size))  # every (sequence, page entry) read
     page = table[owner, index].astype(np.int64)
     order = np.argsort(page, kind="stable")
@@ -288,14 +290,18 @@ def _check_shared_pages(table, ends, page_size, pages, pos):
     counts = hi - lo
     slot = np.repeat(np.arange(pages.size), counts)  # written slot of each pair
     entry = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(lo, counts)
-    writer, offset = slot // pages.shape[1], pos.ravel()[slot] % page_size
-    clash = (owner[entry] != writer) & (index[entry] * page_size + offset < ends[owner[entry]])
+    writer, written = slot // pages.shape[1], pos.ravel()[slot]
+    offset = written % page_size
+    read = index[entry] * page_size + offset  # the position of the slot in the reading sequence
+    clash = (read < ends[owner[entry]]) & ((owner[entry] != writer) | (read != written))
     if clash.any():
         i = np.flatnonzero(clash)[0]
         b, t = divmod(int(slot[i]), pages.shape[1])
+        reader = int(owner[entry[i]])
+        who = f"sequence {reader} reads" if reader != b else f"it also reads as its position {read[i]}"
         raise ValueError(f"block_table: sequence {b}'s new token {t} would overwrite page {pages[b, t]}, "
-                         f"slot {offset[i]}, which sequence {owner[entry[i]]} reads; each new token needs a slot "
-                         "no other sequence reads")
+                         f"slot {offset[i]}, which {who}; each new token needs a slot no other "
+                         "position reads")
 
 
 def _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, page_size, cache_batch_idx):

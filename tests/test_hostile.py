@@ -1067,19 +1067,20 @@ def test_defect_float32_backward_with_large_scores_meets_the_rule(rng, case):
 
 def test_paged_appends_are_refused_exactly_when_a_slot_is_shared(rng):
     """Random small page pools with pages shared between sequences: a call is refused iff some
-    new token lands on a slot that another sequence reads (or another new token takes), found
-    here by brute force; accepted calls write only the new slots and match the reference."""
+    new token lands on a slot that another position reads (of another sequence, or of its own
+    through a page listed twice; or another new token takes it), found here by brute force;
+    accepted calls write only the new slots and match the reference."""
     page_size, pages_per_seq, num_pages, d = 2, 3, 5, 4
     refused = accepted = 0
     for _ in range(150):
         batch, new = int(rng.integers(1, 4)), int(rng.integers(1, 3))
         table = rng.integers(0, num_pages, (batch, pages_per_seq))
         lengths = rng.integers(0, page_size * pages_per_seq - new + 1, batch)
-        reads = {}  # slot -> sequences reading it (positions [0, length + new))
+        reads = {}  # slot -> (sequence, position) pairs reading it (positions [0, length + new))
         for b in range(batch):
             for t in range(lengths[b] + new):
-                reads.setdefault((table[b, t // page_size], t % page_size), set()).add(b)
-        clash = any(reads[(table[b, t // page_size], t % page_size)] - {b}
+                reads.setdefault((table[b, t // page_size], t % page_size), set()).add((b, t))
+        clash = any(reads[(table[b, t // page_size], t % page_size)] - {(b, t)}
                     for b in range(batch) for t in range(lengths[b], lengths[b] + new))
         pool_k, pool_v = rnd(rng, num_pages, page_size, 1, d), rnd(rng, num_pages, page_size, 1, d)
         before_k, before_v = pool_k.copy(), pool_v.copy()
@@ -1087,7 +1088,7 @@ def test_paged_appends_are_refused_exactly_when_a_slot_is_shared(rng):
         call = lambda: cuflash.attention_with_kvcache(q, pool_k, pool_v, knew, vnew, cache_seqlens=lengths,  # noqa: E731
                                                       block_table=table)
         if clash:
-            with pytest.raises(ValueError, match="same page slot|no other sequence reads"):
+            with pytest.raises(ValueError, match="same page slot|no other position reads"):
                 call()
             assert np.array_equal(pool_k, before_k) and np.array_equal(pool_v, before_v)
             refused += 1

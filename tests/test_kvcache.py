@@ -248,3 +248,16 @@ def test_head_count_error_names_k_cache():
     q, kc, vc, _ = _small(hq=3)
     with pytest.raises(ValueError, match="^k_cache has 2 heads"):
         cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=2)
+
+
+def test_append_onto_own_earlier_key_is_refused():
+    """Hostile pass 3: a page listed twice in one block_table row let the new token replace the
+    sequence's own key 1 silently; now refused, with the cache untouched."""
+    rng = np.random.default_rng(0)
+    kc = rng.random((2, 4, 1, 4)).astype(np.float32)
+    vc, before = kc.copy(), kc.copy()
+    q, kn = np.zeros((1, 1, 1, 4), np.float32), np.full((1, 1, 1, 4), 9, np.float32)
+    with pytest.raises(ValueError, match=r"page 0, slot 1, which it also reads as its position 1"):
+        cuflash.attention_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=5, block_table=np.array([[0, 0]]))
+    np.testing.assert_array_equal(kc, before)
+    np.testing.assert_array_equal(vc, before)
