@@ -560,6 +560,20 @@ def merge_states(*args, layout="bshd"):
     -----
     The log-sum-exp merge used by split-KV decoding (Dao et al., "Flash-Decoding", 2023) and
     FlashInfer's cascade attention (Ye et al. 2024).
+
+    Examples
+    --------
+    Attending to two halves of the keys and merging equals attending to all of them:
+
+    >>> import numpy as np, cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 4, 2, 8)).astype(np.float32) for _ in range(3))
+    >>> out_a, lse_a = cuflash.attention(q, k[:, :2], v[:, :2], return_lse=True)
+    >>> out_b, lse_b = cuflash.attention(q, k[:, 2:], v[:, 2:], return_lse=True)
+    >>> out, lse = cuflash.merge_states(out_a, lse_a, out_b, lse_b)
+    >>> full, full_lse = cuflash.attention(q, k, v, return_lse=True)
+    >>> bool(np.allclose(out, full, atol=1e-6) and np.allclose(lse, full_lse, atol=1e-6))
+    True
     """
     layout = V.check_layout(layout)
     if len(args) == 4:
@@ -640,7 +654,9 @@ def softmax(x, axis=-1):
     Returns
     -------
     array of x's shape and dtype
-        ``exp(x - max) / sum(exp(x - max))`` along ``axis``; a slice of all -inf gives zeros.
+        ``exp(x - max) / sum(exp(x - max))`` along ``axis``; a slice of all -inf gives zeros;
+        a +inf entry gives NaN there and 0 elsewhere in its slice, a NaN a slice of NaN (as
+        ``scipy.special.softmax`` does).
 
     Raises
     ------

@@ -94,6 +94,25 @@ def attention_with_kvcache(
     ``return_lse`` (there ``return_softmax_lse``), and there is no rotary embedding
     (``rotary_cos``/``rotary_sin``), ``cache_leftpad``, ``layout=`` or ``out=``.  Split-KV
     decoding follows Flash-Decoding (Dao et al., 2023).
+
+    Examples
+    --------
+    One decode step of two sequences against a paged cache of 4 pages of 16 tokens: the new
+    token is written at position ``cache_seqlens[b]`` of each sequence, which then attends to
+    ``cache_seqlens[b] + 1`` keys.
+
+    >>> import numpy as np, cuflash
+    >>> rng = np.random.default_rng(0)
+    >>> k_cache = rng.standard_normal((4, 16, 2, 8)).astype(np.float16)  # (pages, page size, kv heads, d)
+    >>> v_cache = rng.standard_normal((4, 16, 2, 8)).astype(np.float16)
+    >>> block_table = np.array([[2, 0], [3, 1]], dtype=np.int32)  # sequence 0: pages 2, 0; sequence 1: 3, 1
+    >>> cache_seqlens = np.array([20, 5], dtype=np.int32)
+    >>> q = rng.standard_normal((2, 1, 4, 8)).astype(np.float16)  # 4 query heads share 2 kv heads
+    >>> k, v = (rng.standard_normal((2, 1, 2, 8)).astype(np.float16) for _ in range(2))
+    >>> out = cuflash.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens,
+    ...                                      block_table=block_table)
+    >>> out.shape, bool((k_cache[0, 4] == k[0, 0]).all())  # position 20 of sequence 0: page 0, slot 4
+    ((2, 1, 4, 8), True)
     """
     fast_key = None
     if k is None and v is None and cache_batch_idx is None and alibi_slopes is None and _arrays.is_gpu(q):

@@ -38,3 +38,17 @@ def test_returns_raises_and_source(fn):
         assert section in doc, f"{fn.__name__}: missing {section.splitlines()[0]}"
     assert any(word in doc for word in ("Dao", "Milakov", "FlashAttention", "Flash-Decoding")), \
         f"{fn.__name__}: no source (paper) named"
+
+
+@pytest.mark.parametrize("fn", [f for f in PUBLIC if "Examples\n--------" in (inspect.getdoc(f) or "")],
+                         ids=lambda f: f.__name__)
+def test_docstring_examples_run(fn):
+    """The Examples sections are doctests (NumPy inputs: they run without a GPU)."""
+    import doctest
+
+    finder, runner = doctest.DocTestFinder(recurse=False), doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    tests = finder.find(fn, fn.__name__, globs={})
+    assert tests and tests[0].examples
+    for test in tests:
+        runner.run(test)
+    assert runner.failures == 0, f"{fn.__name__}: {runner.failures} docstring example(s) failed"
