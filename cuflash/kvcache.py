@@ -205,6 +205,9 @@ def attention_with_kvcache(
         _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, row_len, cache_batch_idx)
     if not gpu and (paged or cache_batch_idx is not None):
         keys[...], values[...] = k_cache[rows, slots], v_cache[rows, slots]
+    elif gpu and cache_batch_idx is not None:  # the GPU kernels read contiguous sequences (or pages) only
+        rows = cache_batch_idx.astype(np.int64)
+        keys, values = k_cache[rows], v_cache[rows]
 
     out = xp.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=q.dtype)
     lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
