@@ -648,7 +648,7 @@ def softmax(x, axis=-1):
 
     Parameters
     ----------
-    x : NumPy or CuPy float array, any shape
+    x : NumPy or CuPy float array, any shape with at least one axis (a 0-d array has no ``axis``)
     axis : int, default -1
 
     Returns
