@@ -60,7 +60,7 @@ def as_array(x, name: str):
     if hasattr(x, "__dlpack__") and _dlpack_on_cpu(x):
         try:
             return np.from_dlpack(x)
-        except (TypeError, BufferError, RuntimeError, ValueError) as exc:
+        except Exception as exc:  # whatever the exporter raises, named as this argument's problem
             raise TypeError(f"{name} ({type(x).__name__}) is a CPU array NumPy cannot take through DLPack: {exc}") from exc
     if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
         cp = cupy_module()

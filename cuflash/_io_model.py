@@ -276,7 +276,7 @@ def why_fast(m: IOModel) -> str:
         f"to HBM and reads it back, twice (S, then P): {format_bytes(m.standard_hbm_bytes)} moved; "
         f"the tiled algorithm keeps each score tile on chip and re-reads only K and V, once per "
         f"block of {m.block_rows} query row{'s' * (m.block_rows != 1)}: {format_bytes(m.tiled_hbm_bytes)}, "
-        + ("about as much: at this size there is little score matrix to save." if 1 <= m.hbm_ratio < 1.05 else
+        + ("about as much: at this size there is little score matrix to save." if 0.95 < m.hbm_ratio < 1.05 else
            f"{m.hbm_ratio:.1f}x less." if m.hbm_ratio >= 1 else
            f"{1 / m.hbm_ratio:.1f}x more: at this size the score matrix is small next to K and V re-read per block.")
     )

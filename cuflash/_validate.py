@@ -241,7 +241,7 @@ def finish_problem(
         )
     slopes = None
     if alibi_slopes is not None:
-        slopes = check_alibi_slopes(alibi_slopes, q, batch, nheads_q, max_distance=seqlen_q + seqlen_k)
+        slopes = check_alibi_slopes(alibi_slopes, q, batch, nheads_q, max_distance=max(seqlen_q, seqlen_k, 1) - 1)
     if seqlens_k is not None:
         seqlens_k, values = check_index_array(seqlens_k, "seqlens_k", like=q, length=batch)
         if values is not None and values.size and (values.min() < 0 or values.max() > seqlen_k):
@@ -261,7 +261,8 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance:
     """ALiBi slopes of shape (nheads,) or (batch, nheads) -> (batch, nheads): float32 for the
     GPU kernels, float64 for the NumPy path (which casts them to its accumulation dtype, so
     float32 and float64 inputs keep the slopes' precision over long distances).  NumPy slopes
-    times ``max_distance`` (a bound on |i + offset - j|) must stay within float32's range."""
+    times ``max_distance`` (max(Sq, Sk) - 1, a bound on |i + offset - j| under either causal
+    alignment) must stay within float32's range."""
     if not _arrays.is_array(alibi_slopes):
         raise TypeError(f"alibi_slopes must be an array; got {type(alibi_slopes).__name__}")
     if not is_float_dtype(alibi_slopes.dtype):

@@ -395,7 +395,7 @@ def _check_sweep(dtypes, headdims, seqlens):
         for item in text.split(","):
             if not item.strip().isascii() or not item.strip().isdigit() or not low <= int(item) <= high:
                 raise click.BadParameter(f"{item!r} is not an integer in [{low}, {high}]", param_hint=name)
-    return ",".join(short)
+    return ",".join(dict.fromkeys(short))  # in order, each once
 
 
 @main.command()
@@ -405,7 +405,8 @@ def _check_sweep(dtypes, headdims, seqlens):
                    "decode: one token against a KV cache, TB/s; varlen: packed vs padded prefill; host: CPU "
                    "microseconds per call and cold compile seconds.")
 @click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard suite).")
-@click.option("--dtypes", default="bf16,fp16", show_default=True)
+@click.option("--dtypes", default="bf16,fp16", show_default=True,
+              help="Comma list of bf16, fp16 (bfloat16, float16 also accepted).")
 @click.option("--headdims", default="64,128,256", show_default=True)
 @click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True)
 @click.option("--no-peers", is_flag=True, help="Skip plain CuPy, torch and JAX.")

@@ -191,7 +191,8 @@ def attention_with_kvcache(
     if not gpu:
         # The CPU path reads the positions in use only, [0, longest length), through a copy
         # made after the append into buffers allocated before it (so that running out of
-        # memory refuses the call before the cache changes).
+        # memory for the copies refuses the call before the cache changes; the tiled forward's
+        # own working memory is allocated after).
         span = int(lengths.max()) if batch else 0
         p = dataclasses.replace(p, seqlen_k=span)
         if paged or cache_batch_idx is not None:
@@ -204,7 +205,8 @@ def attention_with_kvcache(
         _check_append_targets(q, k, v, k_cache, v_cache, host_lengths, new, row_len, host_table, host_rows)
         _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, row_len, cache_batch_idx)
     if not gpu and (paged or cache_batch_idx is not None):
-        keys[...], values[...] = k_cache[rows, slots], v_cache[rows, slots]
+        _gather_into(keys, k_cache, rows, slots)
+        _gather_into(values, v_cache, rows, slots)
     elif gpu and cache_batch_idx is not None:  # the GPU kernels read contiguous sequences (or pages) only
         rows = cache_batch_idx.astype(np.int64)
         keys, values = k_cache[rows], v_cache[rows]
@@ -240,6 +242,18 @@ def _cpu_rows_and_slots(lengths, span, block_table, page_size, cache_batch_idx):
         return rows, np.broadcast_to(positions, used.shape)
     pages = np.where(used, block_table.astype(np.int64)[:, positions // page_size], 0)
     return pages, np.where(used, positions % page_size, 0)
+
+
+def _gather_into(dst, cache, rows, slots):
+    """dst[b, t] = cache[rows[b, t], slots[b, t]], straight into dst where the cache's first two
+    axes merge without a copy (no temporary the size of dst)."""
+    flat = cache.view()
+    try:
+        flat.shape = (-1,) + tuple(cache.shape[2:])  # raises instead of copying
+    except AttributeError:
+        dst[...] = cache[rows, slots]
+        return
+    np.take(flat, rows * cache.shape[1] + slots, axis=0, out=dst, mode="clip")  # "raise" would buffer out
 
 
 def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
@@ -289,7 +303,7 @@ def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, ta
     pages = np.take_along_axis(table.astype(np.int64), pos // page_size, axis=1)
     slots = pages * page_size + pos % page_size
     if np.unique(slots).size != slots.size:
-        raise ValueError("block_table maps two sequences' new tokens to the same page slot; each new token "
+        raise ValueError("block_table maps two new tokens to the same page slot; each new token "
                          "needs its own slot")
     _check_shared_pages(table, lengths.astype(np.int64) + new, page_size, pages, pos)
 

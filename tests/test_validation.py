@@ -569,6 +569,10 @@ def test_alibi_slopes_times_distance_must_fit_float32():
     q, k, v = make()
     with pytest.raises(ValueError, match=r"alibi_slopes times the largest query-key distance"):
         cuflash.attention(q, k, v, alibi_slopes=np.full(q.shape[2], 2e38, np.float32))
+    # The bound is the largest |i + offset - j|, max(Sq, Sk) - 1: one query and one key is distance 0.
+    one = tuple(x[:, :1] for x in (q, k, v))
+    np.testing.assert_array_equal(cuflash.attention(*one, alibi_slopes=np.full(q.shape[2], 3e38, np.float32)),
+                                  cuflash.attention(*one))
 
 
 @pytest.mark.parametrize("name", ["softmax_scale", "softcap"])
