@@ -232,8 +232,9 @@ def attention_backward(
         On the GPU, D from the rounded ``out`` and P rounded to the input dtype before dV = Pᵀ dO
         (as in FlashAttention-2) put dq, dk or dv just outside that rule on some tiny problems:
         on an H200, 0–12 of 60 random 4-query problems with 1–9 keys per head dim (4, 64, 128),
-        dtype and mask, with errors of 1.0–1.5 times the bound (a few ulps); problems of the
-        sizes in the test suite meet it.
+        dtype and mask, with errors of 1.0–1.5 times the bound (a few ulps;
+        scripts/backward_short_rows.py measures it); problems of the sizes in the test suite
+        meet it.
 {options}
     layout : {"bshd", "bhsd"}, default "bshd"
         Axis order of dout, q, k, v, out and of the gradients, as in :func:`attention`.
