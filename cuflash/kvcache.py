@@ -240,8 +240,8 @@ def _cpu_rows_and_slots(lengths, span, block_table, page_size, cache_batch_idx):
     if block_table is None:
         rows = np.broadcast_to(cache_batch_idx.astype(np.int64)[:, None], used.shape)
         return rows, np.broadcast_to(positions, used.shape)
-    pages = np.where(used, block_table.astype(np.int64)[:, positions // page_size], 0)
-    return pages, np.where(used, positions % page_size, 0)
+    pages, slots = _page_slots(np, block_table, np.broadcast_to(positions, used.shape), page_size)
+    return np.where(used, pages, 0), np.where(used, slots, 0)
 
 
 def _gather_into(dst, cache, rows, slots):
@@ -300,12 +300,17 @@ def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, ta
     if table is None:
         return  # one cache row per sequence: distinct by construction
     pos = lengths.astype(np.int64)[:, None] + np.arange(new)[None, :]  # (batch, new) positions written
-    pages = np.take_along_axis(table.astype(np.int64), pos // page_size, axis=1)
-    slots = pages * page_size + pos % page_size
+    pages, in_page = _page_slots(np, table, pos, page_size)
+    slots = pages * page_size + in_page
     if np.unique(slots).size != slots.size:
         raise ValueError("block_table maps two new tokens to the same page slot; each new token "
                          "needs its own slot")
     _check_shared_pages(table, lengths.astype(np.int64) + new, page_size, pages, pos)
+
+
+def _page_slots(xp, table, pos, page_size):
+    """(page, slot in the page) of position pos[b, t] of sequence b, through its block_table row."""
+    return xp.take_along_axis(table.astype(np.int64), pos // page_size, axis=1), pos % page_size
 
 
 def _pages_read(table, ends, page_size):
@@ -345,9 +350,9 @@ def _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, page_size, c
     batch, new = k.shape[:2]
     pos = cache_seqlens.astype(np.int64)[:, None] + xp.arange(new)[None, :]  # (batch, new)
     if block_table is not None:
-        pages = xp.take_along_axis(block_table.astype(np.int64), pos // page_size, axis=1)
-        k_cache[pages, pos % page_size] = k
-        v_cache[pages, pos % page_size] = v
+        pages, slots = _page_slots(xp, block_table, pos, page_size)
+        k_cache[pages, slots] = k
+        v_cache[pages, slots] = v
     else:
         rows = xp.arange(batch) if cache_batch_idx is None else cache_batch_idx.astype(np.int64)
         k_cache[rows[:, None], pos] = k
