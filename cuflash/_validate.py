@@ -293,8 +293,8 @@ def check_out(out, name: str, shape: tuple, dtype, like):
         raise TypeError(f"{name} must be the same kind of array as q ({type(like).__name__}); got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(out.shape)}")
-    if np.dtype(out.dtype).name != np.dtype(dtype).name:  # by name, as check_qkv: byte order is free
-        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}; got {np.dtype(out.dtype).name}")
+    if dtype_name(out) != np.dtype(dtype).name:  # by name, as check_qkv: byte order is free
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}; got {dtype_name(out)}")
     return out
 
 

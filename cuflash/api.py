@@ -598,8 +598,8 @@ def merge_states(*args, layout="bshd"):
             raise TypeError("all outputs and LSEs must be NumPy arrays, or all GPU arrays")
         if not (V.is_float_dtype(o.dtype) and V.is_float_dtype(l_.dtype)):
             raise TypeError(f"part {i}: outputs and LSEs must be floating point; got {o.dtype}, {l_.dtype}")
-        if np.dtype(o.dtype).name != np.dtype(ref.dtype).name:  # by name: byte order is free
-            raise TypeError(f"part {i}: output dtype {np.dtype(o.dtype).name} differs from {np.dtype(ref.dtype).name}")
+        if V.dtype_name(o) != V.dtype_name(ref):  # by name: byte order is free
+            raise TypeError(f"part {i}: output dtype {V.dtype_name(o)} differs from {V.dtype_name(ref)}")
         if tuple(o.shape) != tuple(ref.shape):
             raise ValueError(f"part {i}: output shape {tuple(o.shape)} differs from {tuple(ref.shape)}")
         expected = _lse_shape(ref, layout)

@@ -384,13 +384,12 @@ def _check_writable(path: str, option: str):
 def _check_sweep(dtypes, headdims, seqlens):
     """The comma lists of the standard sweep: known dtypes, head dims 1..256, positive lengths.
     Returns the dtypes in bench's short spelling (bfloat16 and float16 are accepted too)."""
-    long_to_short = {"bfloat16": "bf16", "float16": "fp16"}
+    long_to_short = {long: short for short, long in _SHORT_DTYPES.items()}
     short = []
     for d in dtypes.split(","):
-        d = long_to_short.get(d, d)
-        if d not in ("bf16", "fp16"):
+        if long_to_short.get(d, d) not in ("bf16", "fp16"):
             raise click.BadParameter(f"{d!r} is not one of bf16, fp16 (bfloat16, float16)", param_hint="--dtypes")
-        short.append(d)
+        short.append(long_to_short.get(d, d))
     for name, text, low, high in (("--headdims", headdims, 1, 256), ("--seqlens", seqlens, 1, 1 << 24)):
         for item in text.split(","):
             if not item.strip().isascii() or not item.strip().isdigit() or not low <= int(item) <= high:
