@@ -168,17 +168,18 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         wgmma_pin(s_flat);
         wgmma_pin(dp_flat);
 
-        const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
+        with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                float dcap;
-                float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
-                if (masked && !seq.visible(i, j)) pr = 0.f;
-                s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
-            }
+                for (int e = 0; e < 4; ++e) {
+                    const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                    float dcap;
+                    float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
+                    if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
+                    s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
+                }
+        });
         u32 ds[kBN / 16][4];
         c_to_a<T, kBN>(ds, s);
         float (&dq_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dq);
@@ -296,33 +297,34 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
 
         const float* lse2 = sLse2 + stage * kBM;
         const float* dsum = sDsum + stage * kBM;
-        const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
-        // P of element e of column tile nt (query m0 + c, key j), and the softcap derivative.
-        auto prob_at = [&](int nt, int e, float& dcap) {
-            const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
-            const float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
-            return masked && !seq.visible(i, j) ? 0.f : pr;
-        };
         auto dsum_at = [&](int nt, int e) { return dsum[nt * 8 + (lane % 4) * 2 + e % 2]; };
-        if constexpr (kPDuringDp) {
+        // P of element e of column tile nt (query m0 + c, key j), and the softcap derivative.
+        with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
+            auto prob_at = [&](int nt, int e, float& dcap) {
+                const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                const float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
+                return decltype(tile)::value && !seq.visible(i, j) ? 0.f : pr;
+            };
+            if constexpr (kPDuringDp) {
+#pragma unroll
+                for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        float one;
+                        st[nt][e] = prob_at(nt, e, one);
+                    }
+                wgmma_wait<0>();
+            }
+            wgmma_pin(dpt_flat);
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    float one;
-                    st[nt][e] = prob_at(nt, e, one);
+                    float dcap = 1.f;
+                    if constexpr (!kPDuringDp) st[nt][e] = prob_at(nt, e, dcap);
+                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dsum_at(nt, e)) * dcap;  // dSᵀ, without the softmax scale
                 }
-            wgmma_wait<0>();
-        }
-        wgmma_pin(dpt_flat);
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float dcap = 1.f;
-                if constexpr (!kPDuringDp) st[nt][e] = prob_at(nt, e, dcap);
-                dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dsum_at(nt, e)) * dcap;  // dSᵀ, without the softmax scale
-            }
+        });
         u32 pa[kBM / 16][4], dsa[kBM / 16][4];
         c_to_a<T, kBM>(pa, st);
         c_to_a<T, kBM>(dsa, dpt);

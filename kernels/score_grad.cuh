@@ -25,3 +25,16 @@ __device__ __forceinline__ float prob(float qk, float scale, float softcap, floa
     if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
     return exp2f(s * kLog2e - lse2);
 }
+
+// Runs body(MaskedTile<true>{}) on tiles that need the per-element mask and body(MaskedTile<false>{})
+// on the others, so that the element loop of an unmasked tile is straight-line code: a mask test
+// inside the loop put every element's exp2 in a basic block of its own (docs/perf-notes.md, h6).
+template <bool kMasked>
+struct MaskedTile {
+    static constexpr bool value = kMasked;
+};
+template <class Body>
+__device__ __forceinline__ void with_tile_mask(bool masked, Body&& body) {
+    if (masked) body(MaskedTile<true>{});
+    else body(MaskedTile<false>{});
+}
