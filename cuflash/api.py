@@ -229,12 +229,15 @@ def attention_backward(
         otherwise), which keeps float16/bfloat16 gradients on short rows and float32 gradients
         with large scores within the exactness rule, and gives dq = dk = 0 exactly on rows that
         see one key (at about 1.7 times the time of a NumPy backward that reads them).
-        On the GPU, D from the rounded ``out`` and P rounded to the input dtype before dV = Pᵀ dO
-        (as in FlashAttention-2) put dq, dk or dv just outside that rule on some tiny problems:
-        on an H200, 0–12 of 60 random 4-query problems with 1–9 keys per head dim (4, 64, 128),
-        dtype and mask, with errors of 1.0–1.5 times the bound (a few ulps;
-        scripts/backward_short_rows.py measures it); problems of the sizes in the test suite
-        meet it.
+        On the GPU, D from the rounded ``out``, and P and dS rounded to the input dtype before
+        their products (as in FlashAttention-2), put dq, dk or dv past that rule on some
+        problems whose rows see only a few keys: on an H200, 0–12 of 60 random 4-query problems
+        with 1–9 keys per head dim (4, 64, 128), dtype and mask (full, causal, window (1, 0)),
+        with errors of up to 2.9 times the bound (scripts/backward_short_rows.py measures it);
+        problems of the sizes in the test suite meet it.  A NumPy model of the kernels' rounding
+        (scripts/backward_rounding_model.py) reproduces these counts and needs all three of
+        D = rowsum(P ∘ dP) from the recomputed P, P unrounded in dV and dS unrounded in dK and
+        dQ to meet the rule on them: about twice the work of this backward.
 {options}
     layout : {"bshd", "bhsd"}, default "bshd"
         Axis order of dout, q, k, v, out and of the gradients, as in :func:`attention`.

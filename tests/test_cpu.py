@@ -11,9 +11,10 @@ tiny problems) that rounding alone can exceed 2x the naive error, because the na
 dS = P ∘ (dP − rowsum(P ∘ dP)) is exactly 0 where P rounds to one-hot.  The NumPy path
 recomputes the LSE and D = rowsum(P ∘ dP) from its own tiles at its accumulation precision and
 stays within the rule there too (test_backward_exact_on_short_rows, test_hypothesis_shapes).
-On the GPU (session 6, H200) that test's problems broke the rule in 0–12 of 60 per head dim
-(4, 64, 128), dtype and mask, by 1.0–1.5x the bound, on dq and dk and, from P rounded before
-dV = Pᵀ dO, on dv too: documented in attention_backward's docstring, not a GPU test.
+On the GPU (H200) that test's problems break the rule in 0–12 of 60 per head dim (4, 64, 128),
+dtype and mask, by up to 2.9x the bound, on dq and dk and, from P rounded before dV = Pᵀ dO, on
+dv too: documented in attention_backward's docstring (scripts/backward_rounding_model.py models
+it), not a GPU test.
 """
 
 import dataclasses
