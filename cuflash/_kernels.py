@@ -113,22 +113,28 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
     return cfg
 
 
-def decode_tile(headdim: int) -> TileConfig:
-    """Split-KV (decode) block sizes: one warp and 16 query rows, since decoding has few rows
-    (GQA heads packed in); many small blocks keep enough K/V loads in flight per SM."""
-    return TileConfig(16, 128 if headdim <= 64 else 64 if headdim <= 128 else 32, 1)
+def decode_tile(headdim: int, paged: bool = False) -> TileConfig:
+    """Split-KV (decode) block sizes: 16 query rows, since decoding has few rows (GQA heads
+    packed in).  Contiguous caches: one warp per block, many small blocks.  Paged caches, whose
+    page lookups keep a warp busy: warps that split the keys of each tile (16 or 32 each) and
+    Q read from shared memory, so that registers allow four such blocks per SM
+    (docs/perf-notes.md, d5: +10-22 % on paged caches, -1-3 % on contiguous ones)."""
+    block_n = 128 if headdim <= 64 else 64 if headdim <= 128 else 32
+    if paged:
+        return TileConfig(16, block_n, min(4, block_n // 16), min_blocks=4, q_in_regs=False)
+    return TileConfig(16, block_n, 1)
 
 
 @functools.lru_cache(maxsize=None)
 def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False,
-                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+                paged: bool = False, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
 
     ``splitkv`` selects the decode variant (split key range, paged K/V, GQA packing) and its
-    ``<name>_combine`` kernel.
+    ``<name>_combine`` kernel; ``paged`` its tile for paged caches.
     """
     d = headdim_bucket(headdim)
-    t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
+    t = decode_tile(d, paged) if splitkv else fwd_tile(d, smem_limit)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv
     defines = (
@@ -250,7 +256,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for softcap in (False, True):
                 for alibi in (False, True):
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
-                    out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
+                    for paged in (False, True):
+                        out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, paged=paged, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     for hopper in (sm90_fwd_variant, sm90_bwd_variant):
                         v = hopper(dtype, d, softcap=softcap, alibi=alibi)

@@ -16,7 +16,9 @@
 // splits), each writing an fp32 partial output and its LSE that the _combine kernel merges; K/V
 // may be paged through p.block_table; and the p.pack_gqa query heads sharing one K/V head may be
 // folded into the row axis (row r = token r / g, head r % g) so each K/V tile is read once for
-// all of them.  Used with one warp and 16-row blocks, for the few query rows of decoding.
+// all of them.  Used with 16-row blocks, for the few query rows of decoding; with several warps
+// (paged caches) the warps split the keys of each tile instead of the rows (warp w takes keys
+// [w kBN / kWarps, (w + 1) kBN / kWarps)), and their softmax states are merged at the end.
 #include "mma.cuh"
 #include "params.cuh"
 #include "softmax_tile.cuh"
@@ -57,15 +59,81 @@
 #define CUFLASH_KERNEL_NAME cuflash_fwd
 #endif
 
+// Merge the softmax states of warps that saw different keys of the same rows into warp 0:
+// with M the largest running max of a row and f_w = 2^(m_w - M), warp 0 ends with m = M,
+// l = sum_w f_w l_w and O = sum_w f_w O_w (each thread its own columns, quad-summed later as
+// usual).  buf: shared memory no warp reads any more, (kWarps - 1) x 32 x (kMT kOT 4 + 2 kMT) floats.
+template <int kMT, int kOT, int kWarps>
+__device__ __forceinline__ void merge_key_warps(float (&o)[kMT][kOT][4], RowState (&row)[kMT][2], void* buf,
+                                                int warp, int lane) {
+    constexpr int kVals = kMT * kOT * 4 + 2 * kMT;  // O and l per thread
+    __shared__ float s_max[kWarps][kMT * 16];
+    if (lane % 4 == 0)
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) s_max[warp][mt * 16 + half * 8 + lane / 4] = row[mt][half].m;
+    __syncthreads();  // also: every warp is done with the K/V tiles that buf overlays
+    float f[kMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float m = s_max[0][mt * 16 + half * 8 + lane / 4];
+#pragma unroll
+            for (int w = 1; w < kWarps; ++w) m = fmaxf(m, s_max[w][mt * 16 + half * 8 + lane / 4]);
+            f[mt][half] = exp2f(row[mt][half].m - RowState::safe_max(m));  // 0 for a warp that saw no key
+            row[mt][half].m = m;
+        }
+    float* mine = static_cast<float*>(buf) + (warp - 1) * kVals * 32 + lane;  // value v at mine[32 v]
+    if (warp > 0) {
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+            for (int ot = 0; ot < kOT; ++ot)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) mine[32 * ((mt * kOT + ot) * 4 + e)] = f[mt][e / 2] * o[mt][ot][e];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) mine[32 * (kMT * kOT * 4 + mt * 2 + half)] = f[mt][half] * row[mt][half].l;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const float* other = static_cast<const float*>(buf) + lane;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+#pragma unroll
+            for (int ot = 0; ot < kOT; ++ot)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float acc = f[mt][e / 2] * o[mt][ot][e];
+#pragma unroll
+                    for (int w = 1; w < kWarps; ++w) acc += other[((w - 1) * kVals + (mt * kOT + ot) * 4 + e) * 32];
+                    o[mt][ot][e] = acc;
+                }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float l = f[mt][half] * row[mt][half].l;
+#pragma unroll
+                for (int w = 1; w < kWarps; ++w) l += other[((w - 1) * kVals + kMT * kOT * 4 + mt * 2 + half) * 32];
+                row[mt][half].l = l;
+            }
+        }
+    }
+}
+
 template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
-    constexpr int kMT = kBM / (16 * kWarps);  // 16-row MMA tiles per warp
-    constexpr int kNT = kBN / 8;              // 8-key column tiles of S
-    constexpr int kKS = kD / 16;              // 16-wide steps over the head dim
-    constexpr int kOT = kD / 8;               // 8-wide column tiles of O
-    constexpr int kStride = kD + 8;           // padded shared-memory row, in elements
-    static_assert(kBM % (16 * kWarps) == 0 && kBN % 16 == 0 && kD % 32 == 0, "bad tile shape");
+    // Warps split the rows of the block, or (split-KV) the keys of each tile.
+    constexpr int kRowWarps = kSplitKV ? 1 : kWarps, kKeyWarps = kSplitKV ? kWarps : 1;
+    constexpr int kMT = kBM / (16 * kRowWarps);  // 16-row MMA tiles per warp
+    constexpr int kBNW = kBN / kKeyWarps;        // keys of a tile per warp
+    constexpr int kNT = kBNW / 8;                // 8-key column tiles of S
+    constexpr int kKS = kD / 16;                 // 16-wide steps over the head dim
+    constexpr int kOT = kD / 8;                  // 8-wide column tiles of O
+    constexpr int kStride = kD + 8;              // padded shared-memory row, in elements
+    static_assert(kBM % (16 * kRowWarps) == 0 && kBNW % 16 == 0 && kD % 32 == 0, "bad tile shape");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kBM, kStride), reused to stage O
@@ -73,6 +141,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     u16* sV = sK + kBN * kStride;                // (kBN, kStride)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int row_warp = kSplitKV ? 0 : warp, key_warp = kSplitKV ? warp : 0;
     const int g = kSplitKV ? static_cast<int>(p.pack_gqa) : 1;  // query heads per row group
     const long long heads = p.nheads_q / g;                     // heads as the grid sees them
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
@@ -163,7 +232,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         cp_async_commit();
 
         u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKS : 1][4];
-        const u16* sQw = sQ + warp * kMT * 16 * kStride;  // this warp's rows
+        const u16* sQw = sQ + row_warp * kMT * 16 * kStride;  // this warp's rows
+        const u16* sKw = sK + key_warp * kBNW * kStride;      // this warp's keys, of K and V
+        const u16* sVw = sV + key_warp * kBNW * kStride;
 
         for (int nb = nb_hi - 1; nb >= nb_lo; --nb) {
             const int n0 = nb * kBN;
@@ -205,7 +276,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
                 for (int np = 0; np < kNT / 2; ++np) {
                     u32 kb[4];  // B fragments of key columns 16np..16np+7 (kb[0..1]) and +8..15 (kb[2..3])
-                    ldmatrix_x4(kb, sK + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
+                    ldmatrix_x4(kb, sKw + (np * 16 + (lane / 16) * 8 + lane % 8) * kStride + ks * 16 + ((lane / 8) % 2) * 8);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
                         mma_16x8x16<T>(s[mt][2 * np], a[mt], kb[0], kb[1]);
@@ -220,14 +291,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
 
             // Score pipeline, mask, online softmax; P is packed to 16 bits at once (half the registers of S).
-            u32 pk[kMT][kBN / 16][4];
+            u32 pk[kMT][kBNW / 16][4];
             float alpha[kMT][2];  // O rescale factor per row; 1 where the row max did not move
             const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
-                const int r = (warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
+                const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
                 const int qpos[2] = {token(r), token(r + 8)};
-                softmax_tile<T, kNT, kSoftcap, kAlibi>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0, masked, seq, score_args, lane);
+                softmax_tile<T, kNT, kSoftcap, kAlibi>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked, seq, score_args, lane);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
             // the max rarely moves, and multiplying by exactly 1 changes nothing (FlashAttention-4).
@@ -248,11 +319,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
             // O += P V, with P's registers as the A operand.
 #pragma unroll
-            for (int kk = 0; kk < kBN / 16; ++kk) {
+            for (int kk = 0; kk < kBNW / 16; ++kk) {
 #pragma unroll
                 for (int dp = 0; dp < kOT / 2; ++dp) {
                     u32 vb[4];  // B fragments of O columns 16dp..+7 (vb[0..1]) and +8..15 (vb[2..3])
-                    ldmatrix_x4_trans(vb, sV + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+                    ldmatrix_x4_trans(vb, sVw + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
                         mma_16x8x16<T>(o[mt][2 * dp], pk[mt][kk], vb[0], vb[1]);
@@ -263,6 +334,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
     }
 
+    static_assert((kKeyWarps - 1) * 32 * (kMT * kOT * 4 + 2 * kMT) * 4 <= 2 * kBN * kStride * 2, "merge buffer exceeds sK + sV");
+    if constexpr (kKeyWarps > 1) merge_key_warps<kMT, kOT, kKeyWarps>(o, row, sK, warp, lane);
+    const bool writer = kKeyWarps == 1 || warp == 0;  // warp 0 holds the merged state
+
     if constexpr (kSplitKV) {
         if (num_splits > 1) {  // partial result of this split, fp32, for the _combine kernel
 #pragma unroll
@@ -271,8 +346,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 for (int half = 0; half < 2; ++half) {
                     float lse;
                     const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
-                    const int r = (warp * kMT + mt) * 16 + lane / 4 + half * 8;  // row within the block
-                    if (r >= rows_valid) continue;
+                    const int r = (row_warp * kMT + mt) * 16 + lane / 4 + half * 8;  // row within the block
+                    if (!writer || r >= rows_valid) continue;
                     const long long acc_row = ((static_cast<long long>(split) * p.batch + b) * p.nheads_q + h + (m0 + r) % g) * p.seqlen_q + token(r);
                     if (lane % 4 == 0) p.lse_accum[acc_row] = lse;
                     float* acc = p.out_accum + acc_row * p.headdim_v + (lane % 4) * 2;
@@ -288,7 +363,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     // Epilogue: O /= l, LSE; stage this warp's rows of O in its own rows of sQ, then store 16-byte chunks.
     __syncthreads();  // all warps are done with sQ/sK/sV (also covers the empty-range path)
-    u16* sO = sQ + warp * kMT * 16 * kStride;
+    if (!writer) return;
+    u16* sO = sQ + row_warp * kMT * 16 * kStride;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -296,7 +372,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             float lse;
             const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
-            const int i = (warp * kMT) * 16 + r;          // row within the block
+            const int i = (row_warp * kMT) * 16 + r;      // row within the block
             if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;
 #pragma unroll
             for (int ot = 0; ot < kOT; ++ot) {
@@ -310,7 +386,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
     for (int c = lane; c < kMT * 16 * kChunks; c += 32) {
         const int r = c / kChunks, col = c % kChunks;
-        const int i = warp * kMT * 16 + r;
+        const int i = row_warp * kMT * 16 + r;
         if (i < rows_valid && col < v_chunks)
             *reinterpret_cast<uint4*>(gO + q_offset(i, p.o_row_stride, p.o_head_stride) + col * 8) =
                 *reinterpret_cast<const uint4*>(sO + r * kStride + col * 8);

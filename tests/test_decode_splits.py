@@ -40,3 +40,13 @@ def test_every_split_keeps_two_key_tiles_and_the_combine_limit(variant, paged):
 @pytest.mark.parametrize("paged", [False, True])
 def test_a_full_grid_is_not_split(variant, paged):
     assert _gpu._auto_splits(SMS * 5, 4096, variant, 0, paged=paged) == 1
+
+
+def test_registers_bound_the_resident_blocks(variant):
+    paged = _kernels.fwd_variant("bfloat16", 128, softcap=False, alibi=False, splitkv=True, paged=True)
+    assert paged.threads == 128 and paged.smem_bytes == variant.smem_bytes  # 4 warps, the same tiles
+    # 187 registers x 128 threads: two blocks of 24,576 fit in the 65,536 registers of an SM.
+    assert _gpu._auto_splits(8, 2048, paged, 0, paged=True, regs=187) == SMS * 2 // 8
+    # 128 (the kernel's bound for four blocks): four; 64: shared memory's five.
+    assert _gpu._auto_splits(8, 2048, paged, 0, paged=True, regs=128) == SMS * 4 // 8
+    assert _gpu._auto_splits(8, 2048, paged, 0, paged=True, regs=64) == min(SMS * 5 // 8, _gpu.MAX_SPLITS)
