@@ -77,7 +77,7 @@ class Variant:
 class TileConfig:
     block_m: int  # query rows per thread block
     block_n: int  # keys per inner-loop tile
-    warps: int  # query rows per warp = block_m / warps (16 or 32)
+    warps: int  # query rows per warp = block_m / warps (16 or 32); split-KV: warps splitting each tile's keys
     min_blocks: int = 1  # blocks per SM the register allocation must allow
     q_in_regs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
 

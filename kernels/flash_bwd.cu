@@ -112,18 +112,17 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         zero(dp);
         warp_gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
         warp_gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
-        with_tile_mask(!seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT), [&](auto tile) {
+        const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
 #pragma unroll
-            for (int nt = 0; nt < kT / 8; ++nt)
+        for (int nt = 0; nt < kT / 8; ++nt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                    float dcap;
-                    float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
-                    if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
-                    s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
-                }
-        });
+            for (int e = 0; e < 4; ++e) {
+                const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                float dcap;
+                float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
+                if (masked && !seq.visible(i, j)) pr = 0.f;
+                s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
+            }
         u32 ds[kT / 16][4];
         c_to_a<T, kT>(ds, s);
         warp_gemm_rb<T, kT, kD, kStride>(dq, ds, sK, lane);  // dQ += dS K
@@ -199,20 +198,19 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 zero(dpt);
                 warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
                 warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
-                with_tile_mask(!seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT), [&](auto tile) {
+                const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
 #pragma unroll
-                    for (int nt = 0; nt < kT / 8; ++nt)
+                for (int nt = 0; nt < kT / 8; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
-                            const int i = m0 + c;
-                            float dcap;
-                            float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
-                            if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
-                            st[nt][e] = pr;
-                            dpt[nt][e] = pr * (dpt[nt][e] - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
-                        }
-                });
+                    for (int e = 0; e < 4; ++e) {
+                        const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
+                        const int i = m0 + c;
+                        float dcap;
+                        float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
+                        if (masked && !seq.visible(i, j)) pr = 0.f;
+                        st[nt][e] = pr;
+                        dpt[nt][e] = pr * (dpt[nt][e] - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
+                    }
                 u32 pa[kT / 16][4], dsa[kT / 16][4];
                 c_to_a<T, kT>(pa, st);
                 c_to_a<T, kT>(dsa, dpt);

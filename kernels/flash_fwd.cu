@@ -3,7 +3,8 @@
 // Dao, "FlashAttention-2", ICLR 2024, Algorithm 1 and §3.2 (work partitioning).
 // Grid: x = query blocks of kBM rows (heaviest first, for causal balance), y/z = batch * heads
 // folded to stay under the 65535 limit.  Block: kWarps warps; warp w owns query rows
-// [16 kMT w, 16 kMT (w+1)) of the block, so the softmax of a row never leaves its warp.
+// [16 kMT w, 16 kMT (w+1)) of the block, so the softmax of a row never leaves its warp (the
+// split-KV variant below splits keys over its warps instead).
 // Per key tile of kBN keys: S = Q K^T (tensor cores, fp32), score pipeline and mask (only on tiles
 // that touch the band edges or the key tail), online softmax, O += P V with P kept in registers.
 // Shared memory: Q (kBM x kD), K (kBN x kD), V (kBN x kD), rows padded by 16 bytes so ldmatrix
@@ -253,7 +254,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 }
             }
 
-            // S = Q K^T for this warp's rows: (16 kMT, kBN), fp32.
+            // S = Q K^T for this warp's rows and keys: (16 kMT, kBNW), fp32.
             float s[kMT][kNT][4];
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)

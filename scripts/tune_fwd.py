@@ -47,12 +47,13 @@ def _forget_variants():
 
 
 def tile_function(tile):
-    """A stand-in for fwd_tile / decode_tile that always answers ``tile``."""
-    return lambda headdim, smem_limit=0: tile
+    """A stand-in for fwd_tile / decode_tile (whichever arguments they take) that always answers ``tile``."""
+    return lambda headdim, *args, **kwargs: tile
 
 
 def tune_decode(configs):
-    """Decode tiles (BMxBNxWARPS): TB/s of KV read for one query token, MHA and GQA caches."""
+    """Decode tiles (BMxBNxWARPS): TB/s of KV read for one query token, MHA and GQA contiguous
+    caches (the tile of decode_tile(paged=False); WARPS > 1 splits each tile's keys)."""
     for hq, hkv, batch, n in ((32, 32, 1, 131072), (32, 8, 8, 32768), (32, 8, 64, 4096)):
         k, v = (cp.random.standard_normal((batch, n, hkv, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
         q = cp.random.standard_normal((batch, 1, hq, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)

@@ -87,13 +87,9 @@ def test_long_cache_automatic_split_and_repeatable(rng):
     assert np.array_equal(out.view(np.uint16), again.view(np.uint16))
 
 
-@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
-@pytest.mark.parametrize("num_splits", [0, 1, 5])
-@pytest.mark.parametrize("seqlen_q", [1, 2])
-def test_paged_in_kernel(rng, page_size, num_splits, seqlen_q):
-    """Pages scattered through a pool; unused table entries are -1, unused slots NaN."""
-    dtype, hq, hkv, d = ml_dtypes.bfloat16, 8, 2, 128
-    lengths = np.array([0, 1, page_size, 3 * page_size + 5, 700], dtype=np.int32)
+def _paged(rng, dtype, lengths, page_size, hkv, d):
+    """Keys and values of each sequence, and the same in pages scattered through a pool:
+    (keys, values, k_pool, v_pool, table); unused table entries are -1, unused slots NaN."""
     batch = len(lengths)
     max_pages = int(-(-lengths.max() // page_size)) + 1
     num_pages = batch * max_pages + 3
@@ -107,9 +103,37 @@ def test_paged_in_kernel(rng, page_size, num_splits, seqlen_q):
             page, slot = table[b, pos // page_size], pos % page_size
             k_pool[page, slot], v_pool[page, slot] = keys[b, pos], values[b, pos]
         table[b, -(-n // page_size):] = -1
-    q = _rand(rng, (batch, seqlen_q, hq, d), dtype, 3.0)
+    return keys, values, k_pool, v_pool, table
+
+
+@pytest.mark.parametrize("page_size", [1, 16, 64, 256])
+@pytest.mark.parametrize("num_splits", [0, 1, 5])
+@pytest.mark.parametrize("seqlen_q", [1, 2])
+def test_paged_in_kernel(rng, page_size, num_splits, seqlen_q):
+    """Pages scattered through a pool; unused table entries are -1, unused slots NaN."""
+    dtype, hq, hkv, d = ml_dtypes.bfloat16, 8, 2, 128
+    lengths = np.array([0, 1, page_size, 3 * page_size + 5, 700], dtype=np.int32)
+    keys, values, k_pool, v_pool, table = _paged(rng, dtype, lengths, page_size, hkv, d)
+    q = _rand(rng, (len(lengths), seqlen_q, hq, d), dtype, 3.0)
     out, lse = _kvcache(q, k_pool, v_pool, lengths, block_table=table, num_splits=num_splits, causal=True)
     _check_per_sequence(out, lse, q, keys, values, lengths, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [32, 80, 160, 256])
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(20, 0)), dict(window_size=(3, 2)), dict(softcap=2.0)],
+                         ids=["causal", "window20", "window3-2", "softcap"])
+@pytest.mark.parametrize("num_splits", [0, 3])
+def test_paged_head_dims_and_masks(rng, dtype, headdim, opts, num_splits):
+    """The paged tiles (warps splitting each tile's keys, 16 or 32 keys per warp, two warps
+    above head dim 128) at every tile shape, with masks that leave some warps and some splits
+    without a visible key, and two GQA query rows per sequence."""
+    hq, hkv = 8, 2
+    lengths = np.array([0, 1, 17, 129, 300], dtype=np.int32)
+    keys, values, k_pool, v_pool, table = _paged(rng, dtype, lengths, 16, hkv, headdim)
+    q = _rand(rng, (len(lengths), 2, hq, headdim), dtype, 3.0)
+    out, lse = _kvcache(q, k_pool, v_pool, lengths, block_table=table, num_splits=num_splits, **opts)
+    _check_per_sequence(out, lse, q, keys, values, lengths, **opts)
 
 
 def test_prefill_rows_beyond_the_decode_block(rng):
