@@ -63,11 +63,12 @@
 // Merge the softmax states of warps that saw different keys of the same rows into warp 0:
 // with M the largest running max of a row and f_w = 2^(m_w - M), warp 0 ends with m = M,
 // l = sum_w f_w l_w and O = sum_w f_w O_w (each thread its own columns, quad-summed later as
-// usual).  buf: shared memory no warp reads any more, (kWarps - 1) x 32 x (kMT kOT 4 + 2 kMT) floats.
-template <int kMT, int kOT, int kWarps>
+// usual).  buf: kBufBytes of shared memory no warp reads any more.
+template <int kMT, int kOT, int kWarps, int kBufBytes>
 __device__ __forceinline__ void merge_key_warps(float (&o)[kMT][kOT][4], RowState (&row)[kMT][2], void* buf,
                                                 int warp, int lane) {
     constexpr int kVals = kMT * kOT * 4 + 2 * kMT;  // O and l per thread
+    static_assert((kWarps - 1) * 32 * kVals * 4 <= kBufBytes, "the merge buffer does not fit");
     __shared__ float s_max[kWarps][kMT * 16];
     if (lane % 4 == 0)
 #pragma unroll
@@ -335,8 +336,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
     }
 
-    static_assert((kKeyWarps - 1) * 32 * (kMT * kOT * 4 + 2 * kMT) * 4 <= 2 * kBN * kStride * 2, "merge buffer exceeds sK + sV");
-    if constexpr (kKeyWarps > 1) merge_key_warps<kMT, kOT, kKeyWarps>(o, row, sK, warp, lane);
+    if constexpr (kKeyWarps > 1) merge_key_warps<kMT, kOT, kKeyWarps, 2 * kBN * kStride * 2>(o, row, sK, warp, lane);  // over sK + sV
     const bool writer = kKeyWarps == 1 || warp == 0;  // warp 0 holds the merged state
 
     if constexpr (kSplitKV) {
