@@ -387,9 +387,10 @@ def _check_sweep(dtypes, headdims, seqlens):
     long_to_short = {long: short for short, long in _SHORT_DTYPES.items()}
     short = []
     for d in dtypes.split(","):
-        if long_to_short.get(d, d) not in ("bf16", "fp16"):
+        spelled = long_to_short.get(d, d)
+        if spelled not in ("bf16", "fp16"):
             raise click.BadParameter(f"{d!r} is not one of bf16, fp16 (bfloat16, float16)", param_hint="--dtypes")
-        short.append(long_to_short.get(d, d))
+        short.append(spelled)
     for name, text, low, high in (("--headdims", headdims, 1, 256), ("--seqlens", seqlens, 1, 1 << 24)):
         for item in text.split(","):
             if not item.strip().isascii() or not item.strip().isdigit() or not low <= int(item) <= high:
