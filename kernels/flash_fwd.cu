@@ -409,11 +409,13 @@ constexpr int kMaxSplits = 128;  // the host never asks for more
 
 // Merge the split partial results of one row: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s;
 // empty rows give 0 and -inf.  One 128-thread block per (batch, head, query) row, rows in out_accum
-// order, with every load of the row in flight at once: thread s reads split s's LSE, warp w sums
-// the partial outputs of splits w, w + 4, ... in batches of 8 independent loads, and the four
+// order, with every load of the row in flight at once: warp w loads the partial outputs of splits
+// w, w + 4, ... (kBatch of them, more in later rounds only past 4 kBatch splits) before the LSEs
+// are reduced, so that the two round trips to L2 overlap; thread s reads split s's LSE; the four
 // warps' sums meet in shared memory.
 extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _combine)(const FlashParams p) {
-    constexpr int kWarpsC = 4, kBatch = 8, kD4 = CUFLASH_HEADDIM / 4;
+    constexpr int kWarpsC = 4, kD4 = CUFLASH_HEADDIM / 4, kCols = (kD4 + 31) / 32;  // float4 columns per lane
+    constexpr int kBatch = kCols > 1 ? 8 : 16;  // partial outputs in flight per lane and column
     __shared__ float weight[kMaxSplits];
     __shared__ float red[2][kWarpsC];
     __shared__ float4 part[kWarpsC][kD4];
@@ -422,6 +424,17 @@ extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAM
     const long long row = blockIdx.x;
     const int splits = static_cast<int>(p.num_splits);
     const float kInf = __int_as_float(0x7f800000);
+    const int dv4 = static_cast<int>(p.headdim_v / 4);  // headdim_v is a multiple of 8
+    const float4* acc = reinterpret_cast<const float4*>(p.out_accum);
+    auto load_part = [&](int s, int c) {
+        return s < splits && c < dv4 ? __ldg(acc + (s * rows + row) * dv4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    };
+
+    float4 first[kCols][kBatch];  // splits warp + kWarpsC k of columns lane + 32 j, loaded before the weights are known
+#pragma unroll
+    for (int j = 0; j < kCols; ++j)
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) first[j][k] = load_part(warp + k * kWarpsC, lane + 32 * j);
 
     const float my = tid < splits ? p.lse_accum[tid * rows + row] : -kInf;
     float m = my;
@@ -438,29 +451,30 @@ extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAM
     if (tid < splits) weight[tid] = sum > 0.f ? __expf(my - lse) : 0.f;
     __syncthreads();
 
-    const int dv4 = static_cast<int>(p.headdim_v / 4);  // headdim_v is a multiple of 8
-    const float4* acc = reinterpret_cast<const float4*>(p.out_accum);
+    auto add = [&](float4& a, float w, const float4& v) {
+        a.x += w * v.x;
+        a.y += w * v.y;
+        a.z += w * v.z;
+        a.w += w * v.w;
+    };
 #pragma unroll
-    for (int c = lane; c < kD4; c += 32) {
+    for (int j = 0; j < kCols; ++j) {
+        const int c = lane + 32 * j;
+        if (c >= kD4) break;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (c < dv4) {
-            for (int s0 = warp; s0 < splits; s0 += kWarpsC * kBatch) {
-                float4 v[kBatch];
-                float w[kBatch];
 #pragma unroll
-                for (int k = 0; k < kBatch; ++k) {  // all loads first, then the sums
-                    const int s = s0 + k * kWarpsC;
-                    const bool ok = s < splits;
-                    v[k] = ok ? __ldg(acc + (s * rows + row) * dv4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-                    w[k] = ok ? weight[s] : 0.f;
-                }
+        for (int k = 0; k < kBatch; ++k) {
+            const int s = warp + k * kWarpsC;
+            add(a, s < splits ? weight[s] : 0.f, first[j][k]);
+        }
+        for (int s0 = warp + kWarpsC * kBatch; s0 < splits; s0 += kWarpsC * kBatch) {  // past 4 kBatch splits
+            float4 v[kBatch];
 #pragma unroll
-                for (int k = 0; k < kBatch; ++k) {
-                    a.x += w[k] * v[k].x;
-                    a.y += w[k] * v[k].y;
-                    a.z += w[k] * v[k].z;
-                    a.w += w[k] * v[k].w;
-                }
+            for (int k = 0; k < kBatch; ++k) v[k] = load_part(s0 + k * kWarpsC, c);  // all loads first, then the sums
+#pragma unroll
+            for (int k = 0; k < kBatch; ++k) {
+                const int s = s0 + k * kWarpsC;
+                add(a, s < splits ? weight[s] : 0.f, v[k]);
             }
         }
         part[warp][c] = a;

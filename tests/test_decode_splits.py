@@ -11,7 +11,7 @@ SMS, SMEM_PER_SM = 132, 233472  # H200: 132 SMs, 228 KB of shared memory per SM
 def variant(monkeypatch):
     monkeypatch.setattr(_gpu, "_sm_resources", lambda device: (SMS, SMEM_PER_SM))
     v = _kernels.fwd_variant("bfloat16", 128, softcap=False, alibi=False, splitkv=True)
-    assert SMEM_PER_SM // (v.smem_bytes + 2048) == 5  # resident decode blocks per SM at d128
+    assert SMEM_PER_SM // (v.smem_bytes + 1024 + _gpu.RESERVED_SMEM_PER_BLOCK) == 5  # resident blocks at d128
     return v
 
 
@@ -50,3 +50,14 @@ def test_registers_bound_the_resident_blocks(variant):
     # 128 (the kernel's bound for four blocks): four; 64: shared memory's five.
     assert _gpu._auto_splits(8, 2048, paged, 0, paged=True, regs=128) == SMS * 4 // 8
     assert _gpu._auto_splits(8, 2048, paged, 0, paged=True, regs=64) == min(SMS * 5 // 8, _gpu.MAX_SPLITS)
+
+
+def test_static_shared_memory_bounds_the_resident_blocks(monkeypatch):
+    # The paged head-dim-64 form keeps 2.25 KB in static shared memory (page slots of 128-key
+    # tiles, the warps' row maxima): on an A100 (164 KB per SM) three blocks of 38.25 + 2.25 + 1
+    # (reserved) KB fit, not the four that 1 KB of static memory would give.
+    monkeypatch.setattr(_gpu, "_sm_resources", lambda device: (108, 167936))
+    v = _kernels.fwd_variant("bfloat16", 64, softcap=False, alibi=False, splitkv=True, paged=True)
+    assert v.smem_bytes == 39168
+    assert _gpu._auto_splits(8, 4096, v, 0, paged=True, static_smem=2304) == 108 * 3 // 8
+    assert _gpu._auto_splits(8, 4096, v, 0, paged=True, static_smem=1024) == 108 * 4 // 8
