@@ -231,7 +231,9 @@ def _auto_splits(blocks: int, key_blocks: int, variant, device: int, paged: bool
     while the page lookups of a paged cache keep each warp busy and need every warp there is.
     Resident blocks are bounded by shared memory (the variant's dynamic bytes, the kernel's
     ``static_smem`` and CUDA's reserved kilobyte per block) and, given the kernel's ``regs`` per
-    thread, by the register file."""
+    thread, by the register file.  The launch passes both from the compiled kernel; the
+    defaults (no register bound, 1 KB of static memory: the page slots of 64-key tiles) are for
+    callers without one, such as tests."""
     sms, smem_per_sm = _sm_resources(device)
     per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + static_smem + RESERVED_SMEM_PER_BLOCK)))
     if regs:  # registers are allocated per thread in units of 8
