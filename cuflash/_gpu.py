@@ -20,7 +20,6 @@ from ._params import FlashParams
 _GRID_YZ_MAX = 65535
 DECODE_MAX_ROWS = 16  # query rows up to which the split-KV decode variant runs (its block height)
 MAX_SPLITS = 128  # the _combine kernel's limit
-CONTIGUOUS_DECODE_BLOCKS_PER_SM = 2  # what _auto_splits aims at on contiguous caches
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM on every GPU since sm_50
 RESERVED_SMEM_PER_BLOCK = 1024  # bytes of shared memory CUDA keeps per resident block (sm_80 and later)
 _ALIGN = 16  # bytes: cp.async moves 16-byte chunks
@@ -146,8 +145,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
         variant = _hopper_variant(device, dtype, max(d8, dv8), features) if not decode else None
         if variant is None:
-            variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, paged=decode and block_table is not None,
-                                           smem_limit=_smem_limit(device))
+            variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
                         cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
         if block_table is not None:
@@ -209,8 +207,7 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     blocks = m_blocks * p.batch * (p.nheads_q // pack)
     key_blocks = max(1, (p.seqlen_k + block_n - 1) // block_n)
     if num_splits == 0:
-        num_splits = _auto_splits(blocks, key_blocks, variant, device, paged=bool(prm.block_table),
-                                  regs=fn.num_regs, static_smem=fn.shared_size_bytes)
+        num_splits = _auto_splits(blocks, key_blocks, variant, device, regs=fn.num_regs, static_smem=fn.shared_size_bytes)
     num_splits = max(1, min(num_splits, key_blocks, MAX_SPLITS))
     prm.pack_gqa, prm.num_splits = pack, num_splits
     grid = (m_blocks * num_splits, *_grid_yz(p.batch * (p.nheads_q // pack)))
@@ -222,24 +219,21 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     return launches, ((num_splits, p.batch, p.nheads_q, p.seqlen_q, prm.headdim_v), (num_splits, p.batch, p.nheads_q, p.seqlen_q))
 
 
-def _auto_splits(blocks: int, key_blocks: int, variant, device: int, paged: bool, regs: int = 0,
-                 static_smem: int = 1024) -> int:
-    """Splits for one wave of about ``CONTIGUOUS_DECODE_BLOCKS_PER_SM`` blocks per SM on a
-    contiguous cache, or of every resident block on a paged one (never a second, nearly empty
-    wave), each split keeping at least two key tiles (so the combine stays a small fraction of
-    the work).  docs/perf-notes.md, d3: fewer, longer splits read a contiguous cache faster,
-    while the page lookups of a paged cache keep each warp busy and need every warp there is.
-    Resident blocks are bounded by shared memory (the variant's dynamic bytes, the kernel's
-    ``static_smem`` and CUDA's reserved kilobyte per block) and, given the kernel's ``regs`` per
-    thread, by the register file.  The launch passes both from the compiled kernel; the
-    defaults (no register bound, 1 KB of static memory: the page slots of 64-key tiles) are for
-    callers without one, such as tests."""
+def _auto_splits(blocks: int, key_blocks: int, variant, device: int, regs: int = 0, static_smem: int = 1024) -> int:
+    """Splits for one wave of every block the SMs can hold at once (never a second, nearly
+    empty wave), each split keeping at least two key tiles (so the combine stays a small
+    fraction of the work).  docs/perf-notes.md, d7: with the four-warp decode blocks, a wave of
+    every resident block reads contiguous and paged caches fastest.  Resident blocks are bounded
+    by shared memory (the variant's dynamic bytes, the kernel's ``static_smem`` and CUDA's
+    reserved kilobyte per block) and, given the kernel's ``regs`` per thread, by the register
+    file.  The launch passes both from the compiled kernel; the defaults (no register bound,
+    1 KB of static memory: the page slots of 64-key tiles) are for callers without one, such
+    as tests."""
     sms, smem_per_sm = _sm_resources(device)
     per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + static_smem + RESERVED_SMEM_PER_BLOCK)))
     if regs:  # registers are allocated per thread in units of 8
         per_sm = max(1, min(per_sm, REGISTERS_PER_SM // (-(-regs // 8) * 8 * variant.threads)))
-    wave = sms * (per_sm if paged else min(per_sm, CONTIGUOUS_DECODE_BLOCKS_PER_SM))
-    return max(1, min(wave // blocks, key_blocks // 2, MAX_SPLITS))
+    return max(1, min(sms * per_sm // blocks, key_blocks // 2, MAX_SPLITS))
 
 
 @functools.lru_cache(maxsize=None)

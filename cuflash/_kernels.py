@@ -80,10 +80,11 @@ class TileConfig:
     warps: int  # query rows per warp = block_m / warps (16 or 32); split-KV: warps splitting each tile's keys
     min_blocks: int = 1  # blocks per SM the register allocation must allow
     q_in_regs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
+    row_pad: int = 8  # elements of padding per shared-memory row: 8 (16 bytes) or 16 (kernels/flash_fwd.cu)
 
     def smem_bytes(self, headdim: int) -> int:
-        # Q (block_m rows) + K and V (block_n rows each), rows padded by 8 elements of 2 bytes.
-        return (self.block_m + 2 * self.block_n) * (headdim + 8) * 2
+        # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements of 2 bytes.
+        return (self.block_m + 2 * self.block_n) * (headdim + self.row_pad) * 2
 
 
 def headdim_bucket(headdim: int) -> int:
@@ -113,35 +114,33 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
     return cfg
 
 
-def decode_tile(headdim: int, paged: bool = False) -> TileConfig:
-    """Split-KV (decode) block sizes: 16 query rows, since decoding has few rows (GQA heads
-    packed in).  Contiguous caches: one warp per block, many small blocks.  Paged caches, whose
-    page lookups keep a warp busy: warps that split the keys of each tile (16 or 32 each) and
-    Q read from shared memory, so that registers allow four such blocks per SM
-    (docs/perf-notes.md, d5: +10-22 % on paged caches, -1-3 % on contiguous ones)."""
+def decode_tile(headdim: int) -> TileConfig:
+    """Split-KV (decode) block sizes, for contiguous and paged caches alike: 16 query rows,
+    since decoding has few rows (GQA heads packed in); warps that split the keys of each tile
+    (16 or 32 each) with Q read from shared memory, so that registers allow four blocks per SM;
+    rows padded by 32 bytes, which keeps the K/V copies' sector requests whole
+    (docs/perf-notes.md, d5 and d7)."""
     block_n = 128 if headdim <= 64 else 64 if headdim <= 128 else 32
-    if paged:
-        return TileConfig(16, block_n, min(4, block_n // 16), min_blocks=4, q_in_regs=False)
-    return TileConfig(16, block_n, 1)
+    return TileConfig(16, block_n, min(4, block_n // 16), min_blocks=4, q_in_regs=False, row_pad=16)
 
 
 @functools.lru_cache(maxsize=None)
 def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False,
-                paged: bool = False, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
 
     ``splitkv`` selects the decode variant (split key range, paged K/V, GQA packing) and its
-    ``<name>_combine`` kernel; ``paged`` its tile for paged caches.
+    ``<name>_combine`` kernel.
     """
     d = headdim_bucket(headdim)
-    t = decode_tile(d, paged) if splitkv else fwd_tile(d, smem_limit)
+    t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
-        ("CUFLASH_SPLITKV", int(splitkv)),
+        ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -256,8 +255,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for softcap in (False, True):
                 for alibi in (False, True):
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
-                    for paged in (False, True):
-                        out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, paged=paged, smem_limit=smem_limit))
+                    out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     for hopper in (sm90_fwd_variant, sm90_bwd_variant):
                         v = hopper(dtype, d, softcap=softcap, alibi=alibi)

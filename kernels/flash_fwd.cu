@@ -7,9 +7,12 @@
 // split-KV variant below splits keys over its warps instead).
 // Per key tile of kBN keys: S = Q K^T (tensor cores, fp32), score pipeline and mask (only on tiles
 // that touch the band edges or the key tail), online softmax, O += P V with P kept in registers.
-// Shared memory: Q (kBM x kD), K (kBN x kD), V (kBN x kD), rows padded by 16 bytes so ldmatrix
-// reads are free of bank conflicts.  V_j is loaded while S_j is computed and K_{j+1} while the
-// softmax of S_j runs.  Head dims below kD are zero-filled on load and never stored.
+// Shared memory: Q (kBM x kD), K (kBN x kD), V (kBN x kD), rows padded by kRowPad elements: 8 (16
+// bytes) makes ldmatrix reads free of bank conflicts; 16 (32 bytes, split-KV) keeps every global
+// 32-byte sector in one 32-byte unit of shared memory, so cp.async asks L2 for each sector once
+// (at 16 bytes odd rows take two requests per sector), at the price of 2-way ldmatrix conflicts
+// that the many warps of a decode SM hide (docs/perf-notes.md, d7).  V_j is loaded while S_j is
+// computed and K_{j+1} while the softmax of S_j runs.  Head dims below kD are zero-filled on load and never stored.
 // Not handled here: head dims that are not multiples of 8 (the caller pads), fp32/fp64 inputs.
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
@@ -17,9 +20,9 @@
 // splits), each writing an fp32 partial output and its LSE that the _combine kernel merges; K/V
 // may be paged through p.block_table; and the p.pack_gqa query heads sharing one K/V head may be
 // folded into the row axis (row r = token r / g, head r % g) so each K/V tile is read once for
-// all of them.  Used with 16-row blocks, for the few query rows of decoding; with several warps
-// (paged caches) the warps split the keys of each tile instead of the rows (warp w takes keys
-// [w kBN / kWarps, (w + 1) kBN / kWarps)), and their softmax states are merged at the end.
+// all of them.  Used with 16-row blocks, for the few query rows of decoding, whose warps split the
+// keys of each tile instead of the rows (warp w takes keys [w kBN / kWarps, (w + 1) kBN / kWarps)),
+// their softmax states merged at the end; its K/V copies ask L2 for whole 128-byte lines.
 #include "mma.cuh"
 #include "params.cuh"
 #include "softmax_tile.cuh"
@@ -55,6 +58,9 @@
 #endif
 #ifndef CUFLASH_SPLITKV
 #define CUFLASH_SPLITKV 0
+#endif
+#ifndef CUFLASH_ROW_PAD
+#define CUFLASH_ROW_PAD 8
 #endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
@@ -124,7 +130,7 @@ __device__ __forceinline__ void merge_key_warps(float (&o)[kMT][kOT][4], RowStat
     }
 }
 
-template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV>
+template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV, int kRowPad>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
@@ -134,8 +140,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kNT = kBNW / 8;                // 8-key column tiles of S
     constexpr int kKS = kD / 16;                 // 16-wide steps over the head dim
     constexpr int kOT = kD / 8;                  // 8-wide column tiles of O
-    constexpr int kStride = kD + 8;              // padded shared-memory row, in elements
+    constexpr int kStride = kD + kRowPad;        // padded shared-memory row, in elements
     static_assert(kBM % (16 * kRowWarps) == 0 && kBNW % 16 == 0 && kD % 32 == 0, "bad tile shape");
+    static_assert(kRowPad == 8 || kRowPad == 16, "rows padded by 16 or 32 bytes");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kBM, kStride), reused to stage O
@@ -198,11 +205,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         if (paged) {
             const u16* g_head = static_cast<const u16*>(base) + hk * head_stride;
             const int2* rows = s_page_slot[nb & 1];
-            load_tile_rows<kBN, kD, kThreads>(
+            load_tile_rows<kBN, kD, kThreads, kStride, kSplitKV>(
                 smem, [&](int r) { return g_head + rows[r].x * batch_stride + rows[r].y * row_stride; },
                 g_head, seq.sk - n0, chunks, tid);
         } else {
-            load_tile<kBN, kD, kThreads>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
+            load_tile<kBN, kD, kThreads, kStride, kSplitKV>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
         }
     };
     auto load_k = [&](int nb) { load_kv(sK, p.k, gK, p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks); };
@@ -222,10 +229,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     if (nb_lo < nb_hi) {
         if constexpr (kSplitKV)
-            load_tile_rows<kBM, kD, kThreads>(sQ, [&](int r) { return gQ + q_offset(r, p.q_row_stride, p.q_head_stride); },
+            load_tile_rows<kBM, kD, kThreads, kStride>(sQ, [&](int r) { return gQ + q_offset(r, p.q_row_stride, p.q_head_stride); },
                                               static_cast<const u16*>(p.q), rows_valid, qk_chunks, tid);
         else
-            load_tile<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
+            load_tile<kBM, kD, kThreads, kStride>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
         if (paged) {
             page_rows(nb_hi - 1);
             __syncthreads();
@@ -399,7 +406,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLOCKS)
 CUFLASH_KERNEL_NAME(const FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
-              CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0>(p);
+              CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0,
+              CUFLASH_ROW_PAD>(p);
 }
 
 #if CUFLASH_SPLITKV

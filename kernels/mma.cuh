@@ -69,9 +69,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
 
 // 16-byte global -> shared copy that bypasses L1; bytes past src_bytes (0 or 16) are zero-filled,
 // which is how tail rows and padded head-dim columns become zeros without a branch.
+// kFetchLine: L2 fetches the whole 128-byte line from DRAM on a miss, for tiles streamed once
+// (decode K/V rows: +4-5 % of DRAM throughput, docs/perf-notes.md, d7).
+template <bool kFetchLine = false>
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-                 :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+    if constexpr (kFetchLine)
+        asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;"
+                     :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                     :: "r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {

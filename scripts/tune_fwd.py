@@ -9,6 +9,7 @@ Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPS
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -53,13 +54,13 @@ def tile_function(tile):
 
 def tune_decode(configs):
     """Decode tiles (BMxBNxWARPS): TB/s of KV read for one query token, MHA and GQA contiguous
-    caches (the tile of decode_tile(paged=False); WARPS > 1 splits each tile's keys)."""
+    caches (decode_tile's other fields kept; WARPS > 1 splits each tile's keys)."""
     for hq, hkv, batch, n in ((32, 32, 1, 131072), (32, 8, 8, 32768), (32, 8, 64, 4096)):
         k, v = (cp.random.standard_normal((batch, n, hkv, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16) for _ in range(2))
         q = cp.random.standard_normal((batch, 1, hq, 128), dtype=cp.float32).astype(ml_dtypes.bfloat16)
         for cfg in configs.split(","):
             bm, bn, w = map(int, cfg.split("x"))
-            with overridden(vars(_kernels), "decode_tile", tile_function(_kernels.TileConfig(bm, bn, w))):
+            with overridden(vars(_kernels), "decode_tile", tile_function(dataclasses.replace(_kernels.decode_tile(128), block_m=bm, block_n=bn, warps=w))):
                 try:
                     out = cuflash.attention(q, k, v)
                     check_against_plain(q, k, v, False, out)
