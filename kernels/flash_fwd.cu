@@ -465,25 +465,24 @@ extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAM
         a.z += w * v.z;
         a.w += w * v.w;
     };
+    auto accumulate = [&](float4& a, int s0, const float4 (&v)[kBatch]) {  // v[k]: split s0 + kWarpsC k
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) {
+            const int s = s0 + k * kWarpsC;
+            add(a, s < splits ? weight[s] : 0.f, v[k]);
+        }
+    };
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
         const int c = lane + 32 * j;
         if (c >= kD4) break;
         float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-            const int s = warp + k * kWarpsC;
-            add(a, s < splits ? weight[s] : 0.f, first[j][k]);
-        }
+        accumulate(a, warp, first[j]);
         for (int s0 = warp + kWarpsC * kBatch; s0 < splits; s0 += kWarpsC * kBatch) {  // past 4 kBatch splits
             float4 v[kBatch];
 #pragma unroll
             for (int k = 0; k < kBatch; ++k) v[k] = load_part(s0 + k * kWarpsC, c);  // all loads first, then the sums
-#pragma unroll
-            for (int k = 0; k < kBatch; ++k) {
-                const int s = s0 + k * kWarpsC;
-                add(a, s < splits ? weight[s] : 0.f, v[k]);
-            }
+            accumulate(a, s0, v);
         }
         part[warp][c] = a;
     }
@@ -499,12 +498,7 @@ extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAM
             if (c < dv4) {
                 float4 a = part[0][c];
 #pragma unroll
-                for (int w = 1; w < kWarpsC; ++w) {
-                    a.x += part[w][c].x;
-                    a.y += part[w][c].y;
-                    a.z += part[w][c].z;
-                    a.w += part[w][c].w;
-                }
+                for (int w = 1; w < kWarpsC; ++w) add(a, 1.f, part[w][c]);  // 1 * x is exact: the plain sum
                 *reinterpret_cast<uint2*>(out + 4 * c) = make_uint2(pack2<CUFLASH_DTYPE>(a.x, a.y), pack2<CUFLASH_DTYPE>(a.z, a.w));
             }
         }
