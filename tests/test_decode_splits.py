@@ -28,17 +28,29 @@ def test_every_split_keeps_two_key_tiles_and_the_combine_limit(variant):
     assert _gpu._auto_splits(1, 10**6, variant, 0) == _gpu.MAX_SPLITS
 
 
+def test_no_split_is_left_without_key_tiles(variant):
+    # GQA 32/8, batch 1, 64k tokens: a wave would be 82 splits of 1024 key tiles, 13 tiles each
+    # (the kernel rounds up), so the last 3 would be empty; 79 get 13 tiles but the last.
+    assert _gpu._auto_splits(8, 1024, variant, 0) == 79
+    for blocks in (1, 3, 8, 32, 64, 100):
+        for key_blocks in (2, 3, 10, 63, 65, 257, 1024, 4096):
+            splits = _gpu._auto_splits(blocks, key_blocks, variant, 0)
+            per_split = -(-key_blocks // splits)
+            assert (splits - 1) * per_split < key_blocks  # the last split has a tile
+
+
 def test_a_full_grid_is_not_split(variant):
     assert _gpu._auto_splits(SMS * 5, 4096, variant, 0) == 1
 
 
 def test_registers_bound_the_resident_blocks(variant):
     assert variant.threads == 128  # 4 warps splitting each tile's keys
+    # (10**5 key tiles: so many that no split count below is lowered to avoid empty splits)
     # 187 registers x 128 threads: two blocks of 24,576 fit in the 65,536 registers of an SM.
-    assert _gpu._auto_splits(8, 2048, variant, 0, regs=187) == SMS * 2 // 8
+    assert _gpu._auto_splits(8, 10**5, variant, 0, regs=187) == SMS * 2 // 8
     # 128 (the kernel's bound for four blocks): four; 64: shared memory's five.
-    assert _gpu._auto_splits(8, 2048, variant, 0, regs=128) == SMS * 4 // 8
-    assert _gpu._auto_splits(8, 2048, variant, 0, regs=64) == min(SMS * 5 // 8, _gpu.MAX_SPLITS)
+    assert _gpu._auto_splits(8, 10**5, variant, 0, regs=128) == SMS * 4 // 8
+    assert _gpu._auto_splits(8, 10**5, variant, 0, regs=64) == min(SMS * 5 // 8, _gpu.MAX_SPLITS)
 
 
 def test_static_shared_memory_bounds_the_resident_blocks(monkeypatch):
