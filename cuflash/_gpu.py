@@ -222,13 +222,13 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
 def _auto_splits(blocks: int, key_blocks: int, variant, device: int, regs: int = 0, static_smem: int = 1024) -> int:
     """Splits for one wave of every block the SMs can hold at once (never a second, nearly
     empty wave), each split keeping at least two key tiles (so the combine stays a small
-    fraction of the work) and none left without one.  docs/perf-notes.md, d7: with the four-warp
-    decode blocks, a wave of every resident block reads contiguous and paged caches fastest.  Resident blocks are bounded
-    by shared memory (the variant's dynamic bytes, the kernel's ``static_smem`` and CUDA's
-    reserved kilobyte per block) and, given the kernel's ``regs`` per thread, by the register
-    file.  The launch passes both from the compiled kernel; the defaults (no register bound,
-    1 KB of static memory: the page slots of 64-key tiles) are for callers without one, such
-    as tests."""
+    fraction of the work) and none left without one.  docs/perf-notes.md, d7: with the
+    four-warp decode blocks, a wave of every resident block reads contiguous and paged caches
+    fastest.  Resident blocks are bounded by shared memory (the variant's dynamic bytes, the
+    kernel's ``static_smem`` and CUDA's reserved kilobyte per block) and, given the kernel's
+    ``regs`` per thread, by the register file.  The launch passes both from the compiled
+    kernel; the defaults (no register bound, 1 KB of static memory: the page slots of 64-key
+    tiles) are for callers without one, such as tests."""
     sms, smem_per_sm = _sm_resources(device)
     per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + static_smem + RESERVED_SMEM_PER_BLOCK)))
     if regs:  # registers are allocated per thread in units of 8

@@ -12,7 +12,8 @@
 // 32-byte sector in one 32-byte unit of shared memory, so cp.async asks L2 for each sector once
 // (at 16 bytes odd rows take two requests per sector), at the price of 2-way ldmatrix conflicts
 // that the many warps of a decode SM hide (docs/perf-notes.md, d7).  V_j is loaded while S_j is
-// computed and K_{j+1} while the softmax of S_j runs.  Head dims below kD are zero-filled on load and never stored.
+// computed and K_{j+1} while the softmax of S_j runs.  Head dims below kD are zero-filled on load
+// and never stored.
 // Not handled here: head dims that are not multiples of 8 (the caller pads), fp32/fp64 inputs.
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
