@@ -54,7 +54,16 @@ def _dlpack_on_cpu(x) -> bool:
 
 
 def as_array(x, name: str):
-    """Return x as a NumPy or CuPy array; foreign arrays are wrapped zero-copy."""
+    """Return x as a NumPy or CuPy array; foreign arrays are wrapped zero-copy.
+
+    NumPy subclasses (np.matrix, np.memmap, ...) become plain ndarray views of the same memory,
+    since their overridden methods (np.matrix's reductions) do not follow ndarray's signatures;
+    a masked array is refused, as its mask would be silently ignored."""
+    if isinstance(x, np.ndarray) and type(x) is not np.ndarray:
+        if isinstance(x, np.ma.MaskedArray):
+            raise TypeError(f"{name} is a masked array, whose mask cuflash would ignore; pass {name}.filled(value) "
+                            f"or {name}.data")
+        return x.view(np.ndarray)
     if is_array(x):
         return x
     if hasattr(x, "__dlpack__") and _dlpack_on_cpu(x):

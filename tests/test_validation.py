@@ -68,6 +68,24 @@ def test_cpu_dlpack_inputs_take_the_numpy_path():
     np.testing.assert_array_equal(out, cuflash.attention(q, k, v, causal=True))
 
 
+@pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix's own
+def test_numpy_subclasses_are_taken_as_plain_arrays():
+    """Session 6's hostile inputs: softmax of an np.matrix failed inside np.matrix.max."""
+    x = np.random.default_rng(0).standard_normal((3, 5))
+    for sub in (np.asmatrix(x), x.view(np.recarray)):
+        out = cuflash.softmax(sub)
+        assert type(out) is np.ndarray
+        np.testing.assert_array_equal(out, cuflash.softmax(x))
+    q, k, v = make()
+    np.testing.assert_array_equal(cuflash.attention(q.view(np.recarray), k, v), cuflash.attention(q, k, v))
+
+
+def test_masked_arrays_are_type_errors():
+    q, k, v = make()
+    with pytest.raises(TypeError, match=r"^k is a masked array"):
+        cuflash.attention(q, np.ma.masked_array(k, mask=k > 1), v)
+
+
 @pytest.mark.parametrize(
     "dtypes",
     [(np.float16, np.float32, np.float32), (np.float32, np.float32, np.float64),
