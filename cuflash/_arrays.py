@@ -75,14 +75,19 @@ def as_array(x, name: str):
         cp = cupy_module()
         if cp is None:
             raise TypeError(f"{name} is a GPU array ({type(x).__name__}) but CuPy is not installed")
+        failure = (TypeError, BufferError, RuntimeError, ValueError)  # CuPy's CUDA errors are RuntimeErrors
         try:
             if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "__dlpack__"):
                 return cp.asarray(x)
             return cp.from_dlpack(x)
-        except (TypeError, BufferError, RuntimeError, ValueError) as exc:
-            if not hasattr(x, "__cuda_array_interface__"):
-                raise TypeError(f"{name} ({type(x).__name__}) could not be taken as a GPU array: {exc}") from exc
-            return cp.asarray(x)
+        except failure as exc:
+            error = exc
+        if hasattr(x, "__cuda_array_interface__") and hasattr(x, "__dlpack__"):
+            try:  # DLPack refused: the CUDA array interface may still do
+                return cp.asarray(x)
+            except failure as exc:
+                error = exc
+        raise TypeError(f"{name} ({type(x).__name__}) could not be taken as a GPU array: {error}") from error
     raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack GPU array); got {type(x).__name__}")
 
 

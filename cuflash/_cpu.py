@@ -197,8 +197,9 @@ def _online_step(m, l, s, acc):
 
 
 def _final_lse(m, l, acc):
-    """log-sum-exp of the rows from their max and sum; -inf on rows that saw no key."""
-    seen = l > 0
+    """log-sum-exp of the rows from their max and sum; -inf on rows that saw no key (l = 0), NaN
+    on rows whose scores were NaN or overflowed (l = NaN), so that merge_states keeps them NaN."""
+    seen = l != 0
     return np.where(seen, m + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))
 
 
@@ -228,7 +229,8 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
             s, _ = _score_tile(p, band, slopes, q_t, k_all[..., j0:j1, :], i0, i1, j0, j1)
             m, l, alpha, p_t = _online_step(m, l, s, acc)  # p_t: (B, Hkv, G, m, n)
             o = alpha * o + _group_matmul(p_t, v_all[..., j0:j1, :])
-        out[:, i0:i1] = heads.rows(o / np.where(l > 0, l, acc.type(1)))  # rows that saw no key: 0
+        empty = l == 0  # rows that saw no key: exactly 0, even where 0 * inf in V made o NaN
+        out[:, i0:i1] = heads.rows(np.where(empty, acc.type(0), o / np.where(empty, acc.type(1), l)))
         lse[:, :, i0:i1] = _final_lse(m, l, acc)[..., 0].reshape(p.batch, p.nheads_q, i1 - i0)
 
 
@@ -279,6 +281,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     # S = -inf (whereas -inf - -inf would be NaN).
     lse_all = _final_lse(m, l, acc)
     lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
+    do_all = np.where(l == 0, acc.type(0), do_all)  # rows that see no key take no part (see _weighted)
 
     def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh)
         for i0, i1, s, tanh in query_tiles(j0, j1, k_t):
@@ -288,7 +291,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     delta = np.zeros(rows, dtype=acc)  # D, (B, Hkv, G, Sq, 1)
     for j0, j1, k_t, v_t in key_tiles:
         for i0, i1, p_t, dp, _ in grad_tiles(j0, j1, k_t, v_t):
-            delta[..., i0:i1, :] += (p_t * dp).sum(axis=-1, keepdims=True)
+            delta[..., i0:i1, :] += _weighted(p_t, dp).sum(axis=-1, keepdims=True)
     dq_all = np.zeros_like(q_all)
     scale = acc.type(p.softmax_scale)
     for j0, j1, k_t, v_t in key_tiles:
@@ -297,14 +300,21 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
         for i0, i1, p_t, dp, tanh in grad_tiles(j0, j1, k_t, v_t):
             q_t, do_t = q_all[..., i0:i1, :], do_all[..., i0:i1, :]
             dv_t += _sum_over_group(p_t, do_t)
-            ds = p_t * (dp - delta[..., i0:i1, :])
+            ds = _weighted(p_t, dp - delta[..., i0:i1, :])
             if tanh is not None:
                 ds *= 1 - tanh * tanh
             dq_all[..., i0:i1, :] += scale * _group_matmul(ds, k_t)
             dk_t += scale * _sum_over_group(ds, q_t)
         dk[:, j0:j1] = dk_t.transpose(0, 2, 1, 3)
         dv[:, j0:j1] = dv_t.transpose(0, 2, 1, 3)
-    dq[...] = heads.rows(dq_all)
+    dq[...] = heads.rows(np.where(l == 0, acc.type(0), dq_all))  # rows that see no key: 0 (not 0 * inf in K)
+
+
+def _weighted(p_t, x):
+    """p_t * x, exactly 0 where p_t is 0 (masked keys, rows that see no key): every gradient term
+    there is 0, and forming it as 0 * x would turn a non-finite dO, K or V there into NaN."""
+    with np.errstate(invalid="ignore"):
+        return np.where(p_t == 0, p_t.dtype.type(0), p_t * x)
 
 
 def _sum_over_group(a, x):

@@ -117,7 +117,8 @@ def attention(
         q's dtype and layout; accumulated in float32 (float64 on the CPU path for float32 and
         float64 inputs).
     lse : array of shape (batch, nheads, seqlen_q), float32 (float64 for float64 inputs)
-        Only when ``return_lse``; -inf on rows that see no key.
+        Only when ``return_lse``; -inf on rows that see no key.  On the NumPy path a row whose
+        scores are NaN or overflow has a NaN LSE (the GPU kernels still give -inf there).
 
     Raises
     ------
@@ -621,9 +622,10 @@ def merge_states(*args, layout="bshd"):
     total = sum(weights)
     with np.errstate(invalid="ignore", over="ignore"):  # 0 * NaN of empty parts, then discarded
         merged = sum(xp.where(w > 0, w * o.astype(acc_t), 0) for w, o in zip(weights, outs))
-    safe_total = xp.where(total > 0, total, 1)
+    # total = 0: every part empty (0, -inf); NaN (a NaN or +inf LSE): the row stays NaN.
+    safe_total = xp.where(total != 0, total, 1)
     out = (merged / safe_total).astype(ref.dtype)
-    lse_rows = xp.where(total > 0, m_safe + xp.log(safe_total), -np.inf)[..., 0]
+    lse_rows = xp.where(total != 0, m_safe + xp.log(safe_total), -np.inf)[..., 0]
     return out, _rows_as_lse(lse_rows.astype(lse_t), ref.ndim, layout)
 
 

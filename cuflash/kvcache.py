@@ -271,7 +271,8 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
         bad = _pages_read(table, lengths.astype(np.int64) + new, page_size) & ((table < 0) | (table >= num_rows))
         if bad.any():
             b, j = np.argwhere(bad)[0]
-            raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache (0..{num_rows - 1})")
+            pages = f"0..{num_rows - 1}" if num_rows else "it has no pages"
+            raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache ({pages})")
     if rows is not None and (rows.min() < 0 or rows.max() >= num_rows):
         raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
 
