@@ -247,13 +247,12 @@ def _cpu_rows_and_slots(lengths, span, block_table, page_size, cache_batch_idx):
 def _gather_into(dst, cache, rows, slots):
     """dst[b, t] = cache[rows[b, t], slots[b, t]], straight into dst where the cache's first two
     axes merge without a copy (no temporary the size of dst)."""
-    flat = cache.view()
-    try:
-        flat.shape = (-1,) + tuple(cache.shape[2:])  # raises instead of copying
-    except AttributeError:
+    n, s = cache.shape[:2]
+    if n > 1 and s > 1 and cache.strides[0] != s * cache.strides[1]:  # reshaping would copy the cache
         dst[...] = cache[rows, slots]
         return
-    np.take(flat, rows * cache.shape[1] + slots, axis=0, out=dst, mode="clip")  # "raise" would buffer out
+    flat = cache.reshape((-1,) + tuple(cache.shape[2:]))  # a view: the first two axes merge
+    np.take(flat, rows * s + slots, axis=0, out=dst, mode="clip")  # "raise" would buffer out
 
 
 def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
