@@ -281,7 +281,8 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     # S = -inf (whereas -inf - -inf would be NaN).
     lse_all = _final_lse(m, l, acc)
     lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
-    do_all = np.where(l == 0, acc.type(0), do_all)  # rows that see no key take no part (see _weighted)
+    empty = l == 0  # rows that see no key: no part in any gradient (see _weighted), dq exactly 0
+    do_all = np.where(empty, acc.type(0), do_all)
 
     def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh)
         for i0, i1, s, tanh in query_tiles(j0, j1, k_t):
@@ -307,7 +308,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
             dk_t += scale * _sum_over_group(ds, q_t)
         dk[:, j0:j1] = dk_t.transpose(0, 2, 1, 3)
         dv[:, j0:j1] = dv_t.transpose(0, 2, 1, 3)
-    dq[...] = heads.rows(np.where(l == 0, acc.type(0), dq_all))  # rows that see no key: 0 (not 0 * inf in K)
+    dq[...] = heads.rows(np.where(empty, acc.type(0), dq_all))  # not 0 * inf where K is not finite
 
 
 def _weighted(p_t, x):
