@@ -19,7 +19,8 @@ from ._params import FlashParams
 
 _GRID_YZ_MAX = 65535
 DECODE_MAX_ROWS = 16  # query rows up to which the split-KV decode variant runs (its block height)
-MAX_SPLITS = 128  # the _combine kernel's limit
+MAX_SPLITS = 128  # the split kernel's merge reads at most this many partial results per row
+COMBINE_BYTES = 64 << 10  # partial results one merging block reads in two rounds of its loads (d8)
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM on every GPU since sm_50
 RESERVED_SMEM_PER_BLOCK = 1024  # bytes of shared memory CUDA keeps per resident block (sm_80 and later)
 _ALIGN = 16  # bytes: cp.async moves 16-byte chunks
@@ -190,16 +191,35 @@ def execute(prm, launches, accum):
     """Run the recorded launches: allocate the split partial results (if any), then launch in order."""
     cp = _cp()
     if accum is not None:  # freed on return: CuPy's pool reuses memory in stream order, after these launches
-        out_accum, lse_accum = cp.empty(accum[0], dtype=cp.float32), cp.empty(accum[1], dtype=cp.float32)
+        out_shape, lse_shape, groups = accum
+        out_accum, lse_accum = cp.empty(out_shape, dtype=cp.float32), cp.empty(lse_shape, dtype=cp.float32)
         prm.out_accum, prm.lse_accum = out_accum.data.ptr, lse_accum.data.ptr
+        prm.split_counters = _split_counters(groups)
     arg = _pointer(prm)
     for fn, grid, block, smem in launches:
         fn(grid, block, (arg,), shared_mem=smem)
 
 
+_SPLIT_COUNTERS = {}  # (device, stream) -> zeroed int32 counters of the split kernel
+
+
+def _split_counters(groups: int) -> int:
+    """Pointer to at least ``groups`` int32 counters, zero between launches, for the split kernel's
+    row groups on the current device and stream.  The last block of each group resets its counter,
+    so they are zeroed only when allocated; one set per stream, since launches on one stream never
+    overlap and launches on two may."""
+    cp = _cp()
+    key = (cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr)
+    counters = _SPLIT_COUNTERS.get(key)
+    if counters is None or counters.size < groups:
+        counters = _SPLIT_COUNTERS[key] = cp.zeros(max(groups, 1024), dtype=cp.int32)
+    return counters.data.ptr
+
+
 def _decode_launches(p, prm, variant, fn, device, num_splits):
-    """The split-KV variant: GQA heads packed into rows, the key range cut across blocks, then
-    the _combine kernel (Flash-Decoding).  Returns (launches, partial-result shapes or None)."""
+    """The split-KV variant: GQA heads packed into rows, the key range cut across blocks whose last
+    one per row group merges their partial results (Flash-Decoding).  Returns (launches, the
+    partial results' shapes and the number of row groups, or None without splits)."""
     pack = p.group_size if p.alibi_slopes is None else 1  # ALiBi slopes differ per head: no packing
     defines = dict(variant.defines)
     block_m, block_n = defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"]
@@ -207,35 +227,45 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     blocks = m_blocks * p.batch * (p.nheads_q // pack)
     key_blocks = max(1, (p.seqlen_k + block_n - 1) // block_n)
     if num_splits == 0:
-        num_splits = _auto_splits(blocks, key_blocks, variant, device, regs=fn.num_regs, static_smem=fn.shared_size_bytes)
+        group_rows = min(block_m, p.seqlen_q * pack)  # rows whose partial results one block merges
+        paged = bool(prm.block_table)  # paged blocks need every resident block whatever the merge costs (d3, d8)
+        num_splits = _auto_splits(blocks, key_blocks, variant, device, regs=fn.num_regs, static_smem=fn.shared_size_bytes,
+                                  partial_bytes=0 if paged else group_rows * prm.headdim_v * 4)
     num_splits = max(1, min(num_splits, key_blocks, MAX_SPLITS))
     prm.pack_gqa, prm.num_splits = pack, num_splits
     grid = (m_blocks * num_splits, *_grid_yz(p.batch * (p.nheads_q // pack)))
     launches = [(fn, grid, (variant.threads,), variant.smem_bytes)]
     if num_splits == 1:
         return launches, None
-    rows = p.batch * p.nheads_q * p.seqlen_q
-    launches.append((_kernels.get_function(variant, device, "_combine"), (rows,), (128,), 0))  # a block per row
-    return launches, ((num_splits, p.batch, p.nheads_q, p.seqlen_q, prm.headdim_v), (num_splits, p.batch, p.nheads_q, p.seqlen_q))
+    partials = (num_splits, p.batch, p.nheads_q, p.seqlen_q)
+    return launches, ((*partials, prm.headdim_v), partials, blocks)
 
 
-def _auto_splits(blocks: int, key_blocks: int, variant, device: int, regs: int = 0, static_smem: int = 1024) -> int:
+def _auto_splits(blocks: int, key_blocks: int, variant, device: int, regs: int = 0, static_smem: int = 1024,
+                 partial_bytes: int = 0) -> int:
     """Splits for one wave of every block the SMs can hold at once (never a second, nearly
-    empty wave), each split keeping at least two key tiles (so the combine stays a small
+    empty wave), each split keeping at least two key tiles (so the merge stays a small
     fraction of the work) and none left without one.  docs/perf-notes.md, d7: with the
     four-warp decode blocks, a wave of every resident block reads contiguous and paged caches
     fastest.  Resident blocks are bounded by shared memory (the variant's dynamic bytes, the
     kernel's ``static_smem`` and CUDA's reserved kilobyte per block) and, given the kernel's
-    ``regs`` per thread, by the register file.  The launch passes both from the compiled
-    kernel; the defaults (no register bound, 1 KB of static memory: the page slots of 64-key
-    tiles) are for callers without one, such as tests."""
+    ``regs`` per thread, by the register file.  The last block of a row group reads every
+    split's partial result, ``partial_bytes`` each: past COMBINE_BYTES in all, a wave of half
+    the resident blocks reads a contiguous cache faster (d8: GQA 32/8 at batch 1, 32 splits
+    against 64, +2-4 %; on a paged cache -14 %: its blocks, busy with page lookups, need every
+    resident one, d3, so the launch passes 0 there).  The launch passes all three from the
+    compiled kernel and the call; the defaults (no register bound, 1 KB of static memory: the
+    page slots of 64-key tiles, no merge bound) are for callers without them, such as tests."""
     sms, smem_per_sm = _sm_resources(device)
     per_sm = max(1, min(32, smem_per_sm // (variant.smem_bytes + static_smem + RESERVED_SMEM_PER_BLOCK)))
     if regs:  # registers are allocated per thread in units of 8
         per_sm = max(1, min(per_sm, REGISTERS_PER_SM // (-(-regs // 8) * 8 * variant.threads)))
-    splits = max(1, min(sms * per_sm // blocks, key_blocks // 2, MAX_SPLITS))
+    splits = sms * per_sm // blocks
+    if partial_bytes:
+        splits = min(splits, max(COMBINE_BYTES // partial_bytes, sms * per_sm // (2 * blocks)))
+    splits = max(1, min(splits, key_blocks // 2, MAX_SPLITS))
     per_split = -(-key_blocks // splits)  # key tiles per split, as the kernel cuts them
-    return -(-key_blocks // per_split)  # only splits that get key tiles: no empty block, less to combine
+    return -(-key_blocks // per_split)  # only splits that get key tiles: no empty block, less to merge
 
 
 @functools.lru_cache(maxsize=None)

@@ -129,8 +129,8 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
 
-    ``splitkv`` selects the decode variant (split key range, paged K/V, GQA packing) and its
-    ``<name>_combine`` kernel.
+    ``splitkv`` selects the decode variant (split key range merged by the last block of each
+    row group, paged K/V, GQA packing).
     """
     d = headdim_bucket(headdim)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)

@@ -10,7 +10,7 @@ import ctypes
 _POINTERS = (
     "q", "k", "v", "out", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k",
     "dout", "dq", "dk", "dv", "dsum", "dq_accum",
-    "block_table", "out_accum", "lse_accum",
+    "block_table", "out_accum", "lse_accum", "split_counters",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",

@@ -117,8 +117,8 @@ def attention(
         q's dtype and layout; accumulated in float32 (float64 on the CPU path for float32 and
         float64 inputs).
     lse : array of shape (batch, nheads, seqlen_q), float32 (float64 for float64 inputs)
-        Only when ``return_lse``; -inf on rows that see no key.  On the NumPy path a row whose
-        scores are NaN or overflow has a NaN LSE (the GPU kernels still give -inf there).
+        Only when ``return_lse``; -inf on rows that see no key (their ``out`` is exactly 0), NaN
+        on a row whose scores are NaN or overflow.
 
     Raises
     ------

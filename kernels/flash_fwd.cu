@@ -18,7 +18,8 @@
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
 // each query block is cut into p.num_splits parts run by separate blocks (grid x = query blocks x
-// splits), each writing an fp32 partial output and its LSE that the _combine kernel merges; K/V
+// splits), each writing an fp32 partial output and its LSE, which the last of them to finish
+// merges (one launch: no second kernel, whose start and L2 round trips cost 4-5 us a call, d8); K/V
 // may be paged through p.block_table; and the p.pack_gqa query heads sharing one K/V head may be
 // folded into the row axis (row r = token r / g, head r % g) so each K/V tile is read once for
 // all of them.  Used with 16-row blocks, for the few query rows of decoding, whose warps split the
@@ -131,6 +132,96 @@ __device__ __forceinline__ void merge_key_warps(float (&o)[kMT][kOT][4], RowStat
     }
 }
 
+constexpr int kMaxSplits = 128;  // the host never asks for more
+
+// True in every thread of the block that is the last of `splits` blocks to arrive at *counter,
+// which that block resets to 0 for the next launch (the host zeroes counters once, at
+// allocation).  Each block fences its partial results before arriving, and the last one after,
+// so it sees every block's writes (the CUDA programming guide's last-block reduction).
+__device__ __forceinline__ bool arrive_last(int* counter, int splits) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == splits - 1;
+        if (last) *counter = 0;  // every block of the group has arrived
+        __threadfence();
+    }
+    __syncthreads();
+    return last;
+}
+
+// Merge the p.num_splits partial results of one row in one warp (Flash-Decoding's reduction):
+// lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.  A row no split saw gives 0
+// and -inf; a NaN partial LSE gives NaN.  Lane l reads the LSEs of splits l, l + 32, ...; the
+// first kBatch partial outputs are loaded before those LSEs are reduced, so that the two round
+// trips to L2 overlap.  __ldcg: other blocks of this launch wrote the partials (not read-only
+// data).  row: the row in out_accum / lse_accum order, of rows_all per split; weights: kMaxSplits
+// floats of shared memory for this warp.
+template <class T, int kD>
+__device__ __forceinline__ void combine_row(const FlashParams& p, long long row, long long rows_all, u16* out, float* lse_out,
+                                            float* weights, int lane) {
+    constexpr int kD4 = kD / 4, kCols = (kD4 + 31) / 32;  // float4 columns per lane
+    constexpr int kBatch = kCols > 1 ? 8 : 16;             // partial outputs in flight per lane and column
+    const float kInf = __int_as_float(0x7f800000);
+    const int splits = static_cast<int>(p.num_splits), dv4 = static_cast<int>(p.headdim_v / 4);  // headdim_v: multiple of 8
+    const float4* acc = reinterpret_cast<const float4*>(p.out_accum) + row * dv4;
+    auto load_part = [&](int s, int c) {
+        return s < splits && c < dv4 ? __ldcg(acc + s * rows_all * dv4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+    };
+    auto add = [](float4& a, float w, const float4& v) {
+        a.x += w * v.x;
+        a.y += w * v.y;
+        a.z += w * v.z;
+        a.w += w * v.w;
+    };
+
+    float4 first[kCols][kBatch];  // splits 0 .. kBatch - 1, loaded before their weights are known
+#pragma unroll
+    for (int j = 0; j < kCols; ++j)
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) first[j][k] = load_part(k, lane + 32 * j);
+
+    float lse_s[kMaxSplits / 32], m = -kInf;
+#pragma unroll
+    for (int k = 0; k < kMaxSplits / 32; ++k) {
+        const int s = lane + 32 * k;
+        lse_s[k] = s < splits ? __ldcg(p.lse_accum + s * rows_all + row) : -kInf;
+        m = fmaxf(m, lse_s[k]);  // fmaxf drops NaN; the sum below keeps it
+    }
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    m = RowState::safe_max(m);  // no split saw a key: every exp below is exactly 0
+    float sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMaxSplits / 32; ++k) sum += __expf(lse_s[k] - m);
+    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    const bool empty = sum == 0.f;
+    const float lse = empty ? -kInf : m + __logf(sum);
+#pragma unroll
+    for (int k = 0; k < kMaxSplits / 32; ++k)
+        if (lane + 32 * k < splits) weights[lane + 32 * k] = empty ? 0.f : __expf(lse_s[k] - lse);
+    __syncwarp();
+
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+        const int c = lane + 32 * j;
+        if (c >= kD4) break;
+        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int k = 0; k < kBatch; ++k) add(a, k < splits ? weights[k] : 0.f, first[j][k]);
+        for (int s0 = kBatch; s0 < splits; s0 += kBatch) {  // past kBatch splits
+            float4 v[kBatch];
+#pragma unroll
+            for (int k = 0; k < kBatch; ++k) v[k] = load_part(s0 + k, c);  // all loads first, then the sums
+#pragma unroll
+            for (int k = 0; k < kBatch; ++k) add(a, s0 + k < splits ? weights[s0 + k] : 0.f, v[k]);
+        }
+        if (c < dv4) *reinterpret_cast<uint2*>(out + 4 * c) = make_uint2(pack2<T>(a.x, a.y), pack2<T>(a.z, a.w));
+    }
+    if (lane == 0) *lse_out = lse;
+    __syncwarp();  // the next row's weights overwrite these
+}
+
 template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV, int kRowPad>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
@@ -145,7 +236,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     static_assert(kBM % (16 * kRowWarps) == 0 && kBNW % 16 == 0 && kD % 32 == 0, "bad tile shape");
     static_assert(kRowPad == 8 || kRowPad == 16, "rows padded by 16 or 32 bytes");
 
-    extern __shared__ __align__(16) unsigned char smem_raw[];
+    // 128-byte aligned: dynamic shared memory follows the static variables, and a base off a
+    // 32-byte unit would undo the whole-sector rows of split-KV (16 bytes of static data cost 15 %, d8).
+    extern __shared__ __align__(128) unsigned char smem_raw[];
     u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kBM, kStride), reused to stage O
     u16* sK = sQ + kBM * kStride;                // (kBN, kStride)
     u16* sV = sK + kBN * kStride;                // (kBN, kStride)
@@ -348,7 +441,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const bool writer = kKeyWarps == 1 || warp == 0;  // warp 0 holds the merged state
 
     if constexpr (kSplitKV) {
-        if (num_splits > 1) {  // partial result of this split, fp32, for the _combine kernel
+        if (num_splits > 1) {  // partial result of this split, fp32; the group's last block merges them
+            const long long rows_all = p.batch * p.nheads_q * p.seqlen_q;  // rows of one split's partials
+            auto acc_row = [&](int r) { return (b * p.nheads_q + h + (m0 + r) % g) * p.seqlen_q + token(r); };
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
@@ -357,15 +452,22 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
                     const int r = (row_warp * kMT + mt) * 16 + lane / 4 + half * 8;  // row within the block
                     if (!writer || r >= rows_valid) continue;
-                    const long long acc_row = ((static_cast<long long>(split) * p.batch + b) * p.nheads_q + h + (m0 + r) % g) * p.seqlen_q + token(r);
-                    if (lane % 4 == 0) p.lse_accum[acc_row] = lse;
-                    float* acc = p.out_accum + acc_row * p.headdim_v + (lane % 4) * 2;
+                    const long long at = split * rows_all + acc_row(r);
+                    if (lane % 4 == 0) p.lse_accum[at] = lse;
+                    float* acc = p.out_accum + at * p.headdim_v + (lane % 4) * 2;
 #pragma unroll
                     for (int ot = 0; ot < kOT; ++ot)
                         if (ot * 8 < p.headdim_v)
-                            *reinterpret_cast<float2*>(acc + ot * 8) = make_float2(o[mt][ot][half * 2] * inv_l, o[mt][ot][half * 2 + 1] * inv_l);
+                            *reinterpret_cast<float2*>(acc + ot * 8) =
+                                make_float2(RowState::normalize(o[mt][ot][half * 2], inv_l), RowState::normalize(o[mt][ot][half * 2 + 1], inv_l));
                 }
             }
+            const long long group = (b * heads + h / g) * m_blocks + static_cast<int>(blockIdx.x) / num_splits;  // blocks sharing these rows
+            if (!arrive_last(p.split_counters + group, num_splits)) return;
+            float* weights = reinterpret_cast<float*>(sK) + warp * kMaxSplits;  // sK is free now: a warp's scratch
+            for (int r = warp; r < rows_valid; r += kWarps)
+                combine_row<T, kD>(p, acc_row(r), rows_all, gO + q_offset(r, p.o_row_stride, p.o_head_stride),
+                                   gLse + q_offset(r, 1, p.lse_head_stride), weights, lane);
             return;
         }
     }
@@ -385,7 +487,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;
 #pragma unroll
             for (int ot = 0; ot < kOT; ++ot) {
-                u32 packed = pack2<T>(o[mt][ot][half * 2] * inv_l, o[mt][ot][half * 2 + 1] * inv_l);
+                u32 packed = pack2<T>(RowState::normalize(o[mt][ot][half * 2], inv_l), RowState::normalize(o[mt][ot][half * 2 + 1], inv_l));
                 *reinterpret_cast<u32*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = packed;
             }
         }
@@ -410,100 +512,3 @@ CUFLASH_KERNEL_NAME(const FlashParams p) {
               CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0,
               CUFLASH_ROW_PAD>(p);
 }
-
-#if CUFLASH_SPLITKV
-#define CUFLASH_CAT2(a, b) a##b
-#define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
-constexpr int kMaxSplits = 128;  // the host never asks for more
-
-// Merge the split partial results of one row: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s;
-// empty rows give 0 and -inf.  One 128-thread block per (batch, head, query) row, rows in out_accum
-// order, with every load of the row in flight at once: warp w loads the partial outputs of splits
-// w, w + 4, ... (kBatch of them, more in later rounds only past 4 kBatch splits) before the LSEs
-// are reduced, so that the two round trips to L2 overlap; thread s reads split s's LSE; the four
-// warps' sums meet in shared memory.
-extern "C" __global__ void __launch_bounds__(128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _combine)(const FlashParams p) {
-    constexpr int kWarpsC = 4, kD4 = CUFLASH_HEADDIM / 4, kCols = (kD4 + 31) / 32;  // float4 columns per lane
-    constexpr int kBatch = kCols > 1 ? 8 : 16;  // partial outputs in flight per lane and column
-    __shared__ float weight[kMaxSplits];
-    __shared__ float red[2][kWarpsC];
-    __shared__ float4 part[kWarpsC][kD4];
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const long long rows = p.batch * p.nheads_q * p.seqlen_q;
-    const long long row = blockIdx.x;
-    const int splits = static_cast<int>(p.num_splits);
-    const float kInf = __int_as_float(0x7f800000);
-    const int dv4 = static_cast<int>(p.headdim_v / 4);  // headdim_v is a multiple of 8
-    const float4* acc = reinterpret_cast<const float4*>(p.out_accum);
-    auto load_part = [&](int s, int c) {
-        return s < splits && c < dv4 ? __ldg(acc + (s * rows + row) * dv4 + c) : make_float4(0.f, 0.f, 0.f, 0.f);
-    };
-
-    float4 first[kCols][kBatch];  // splits warp + kWarpsC k of columns lane + 32 j, loaded before the weights are known
-#pragma unroll
-    for (int j = 0; j < kCols; ++j)
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) first[j][k] = load_part(warp + k * kWarpsC, lane + 32 * j);
-
-    const float my = tid < splits ? p.lse_accum[tid * rows + row] : -kInf;
-    float m = my;
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (lane == 0) red[0][warp] = m;
-    __syncthreads();
-    m = fmaxf(fmaxf(red[0][0], red[0][1]), fmaxf(red[0][2], red[0][3]));
-    float sum = (tid < splits && m > -kInf) ? __expf(my - m) : 0.f;
-    for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    if (lane == 0) red[1][warp] = sum;
-    __syncthreads();
-    sum = (red[1][0] + red[1][1]) + (red[1][2] + red[1][3]);
-    const float lse = sum > 0.f ? m + __logf(sum) : -kInf;
-    if (tid < splits) weight[tid] = sum > 0.f ? __expf(my - lse) : 0.f;
-    __syncthreads();
-
-    auto add = [&](float4& a, float w, const float4& v) {
-        a.x += w * v.x;
-        a.y += w * v.y;
-        a.z += w * v.z;
-        a.w += w * v.w;
-    };
-    auto accumulate = [&](float4& a, int s0, const float4 (&v)[kBatch]) {  // v[k]: split s0 + kWarpsC k
-#pragma unroll
-        for (int k = 0; k < kBatch; ++k) {
-            const int s = s0 + k * kWarpsC;
-            add(a, s < splits ? weight[s] : 0.f, v[k]);
-        }
-    };
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) {
-        const int c = lane + 32 * j;
-        if (c >= kD4) break;
-        float4 a = make_float4(0.f, 0.f, 0.f, 0.f);
-        accumulate(a, warp, first[j]);
-        for (int s0 = warp + kWarpsC * kBatch; s0 < splits; s0 += kWarpsC * kBatch) {  // past 4 kBatch splits
-            float4 v[kBatch];
-#pragma unroll
-            for (int k = 0; k < kBatch; ++k) v[k] = load_part(s0 + k * kWarpsC, c);  // all loads first, then the sums
-            accumulate(a, s0, v);
-        }
-        part[warp][c] = a;
-    }
-    __syncthreads();
-
-    const int i = static_cast<int>(row % p.seqlen_q);
-    const long long bh = row / p.seqlen_q;
-    const int h = static_cast<int>(bh % p.nheads_q), b = static_cast<int>(bh / p.nheads_q);
-    if (warp == 0) {
-        u16* out = static_cast<u16*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-#pragma unroll
-        for (int c = lane; c < kD4; c += 32) {
-            if (c < dv4) {
-                float4 a = part[0][c];
-#pragma unroll
-                for (int w = 1; w < kWarpsC; ++w) add(a, 1.f, part[w][c]);  // 1 * x is exact: the plain sum
-                *reinterpret_cast<uint2*>(out + 4 * c) = make_uint2(pack2<CUFLASH_DTYPE>(a.x, a.y), pack2<CUFLASH_DTYPE>(a.z, a.w));
-            }
-        }
-        if (lane == 0) p.lse[b * p.lse_batch_stride + h * p.lse_head_stride + i] = lse;
-    }
-}
-#endif

@@ -148,7 +148,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
 #pragma unroll
         for (int ot = 0; ot < kOT; ++ot)
             *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
-                pack2<T>(o[ot][half * 2] * inv_l, o[ot][half * 2 + 1] * inv_l);
+                pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
     }
     __syncthreads();
     constexpr int kChunks = kD / 8;

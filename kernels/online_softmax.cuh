@@ -26,11 +26,18 @@ struct RowState {
     }
 
     // l must already be summed over the threads sharing the row.  Returns 1/l (0 for an empty row)
-    // and writes the natural-log LSE (-inf for an empty row).
+    // and writes the natural-log LSE: -inf for an empty row, NaN for a row whose scores held a NaN
+    // (or overflowed), whose l is then NaN too.
     __device__ __forceinline__ float finalize(float l_row, float& lse) const {
         constexpr float kLn2 = 0.6931471805599453f;
-        bool empty = !(l_row > 0.f);
+        bool empty = l_row == 0.f;
         lse = empty ? -__int_as_float(0x7f800000) : (m + log2f(l_row)) * kLn2;
         return empty ? 0.f : 1.f / l_row;
+    }
+
+    // An output value o / l from finalize's 1/l: exactly 0 for an empty row, whose accumulator
+    // may hold 0 * inf = NaN from a non-finite V at keys it cannot see.
+    __device__ __forceinline__ static float normalize(float o, float inv_l) {
+        return inv_l == 0.f ? 0.f : o * inv_l;
     }
 };

@@ -26,6 +26,7 @@ struct FlashParams {
     const int* block_table;        // (batch, max_pages) page of each page_size keys; k/v batch stride = page stride
     float* out_accum;              // (num_splits, batch, nheads_q, seqlen_q, headdim_v) fp32 partial outputs
     float* lse_accum;              // (num_splits, batch, nheads_q, seqlen_q) their natural-log LSE
+    int* split_counters;           // one per group of blocks sharing rows, 0 between launches (the last block resets it)
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;

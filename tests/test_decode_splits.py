@@ -62,3 +62,16 @@ def test_static_shared_memory_bounds_the_resident_blocks(monkeypatch):
     assert v.smem_bytes == 43520
     assert _gpu._auto_splits(8, 4096, v, 0, static_smem=2304) == SMS * 4 // 8
     assert _gpu._auto_splits(8, 4096, v, 0, static_smem=1024) == SMS * 5 // 8
+
+
+def test_merge_bytes_bound_the_splits_down_to_half_a_wave(variant):
+    # The last block of a row group reads every split's partial result.  GQA 32/8, batch 1, 64k
+    # tokens, d128: 4 rows x 2 KB per split; 64 KB allow 32 splits, half a wave allows 82 // 2 = 41.
+    assert _gpu._auto_splits(8, 1024, variant, 0) == 79
+    four_rows = 4 * 128 * 4
+    assert _gpu._auto_splits(8, 1024, variant, 0, partial_bytes=four_rows) == 41
+    # MHA 32 heads, batch 1: one row of 512 B per split, far under the bound: every resident block.
+    assert _gpu._auto_splits(32, 256, variant, 0, partial_bytes=512) == SMS * 5 // 32
+    # 16 rows per group: the bound would leave 8 splits, fewer than half a wave (41).
+    assert _gpu._auto_splits(8, 1024, variant, 0, partial_bytes=16 * 512) == 41
+    assert _gpu._auto_splits(8, 1024, variant, 0, partial_bytes=1 << 20) == 41

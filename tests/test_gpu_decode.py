@@ -183,3 +183,30 @@ def test_split_counts_with_masks(rng, opts, num_splits):
     q = _rand(rng, (batch, 2, hq, d), ml_dtypes.bfloat16, 3.0)
     out, lse = _kvcache(q, kc, vc, lengths, num_splits=num_splits, **opts)
     _check_per_sequence(out, lse, q, kc, vc, lengths, **opts)
+
+
+def test_split_counters_between_calls_and_streams(rng):
+    """The last block of each row group merges the splits and resets the group's counter: calls
+    with other split counts, more row groups than the first counters held (48 x 32 > 1024), one
+    after another and on two streams at once, each give the reference answer."""
+    cp = _cp()
+    cases = []
+    for batch, hq, hkv, n, splits in [(2, 8, 2, 3000, 7), (48, 32, 32, 300, 2), (1, 32, 8, 5000, 0), (3, 4, 4, 900, 128)]:
+        kc = _rand(rng, (batch, n, hkv, 128), ml_dtypes.bfloat16)
+        vc = _rand(rng, (batch, n, hkv, 128), ml_dtypes.bfloat16)
+        q = _rand(rng, (batch, 1, hq, 128), ml_dtypes.bfloat16, 3.0)
+        lengths = rng.integers(0, n + 1, batch).astype(np.int32)
+        cases.append((q, kc, vc, lengths, splits))
+    device_cases = [tuple(cp.asarray(x) for x in case[:4]) + (case[4],) for case in cases]
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    results = []
+    for _ in range(2):
+        for stream in streams:
+            for i, (q, kc, vc, lengths, splits) in enumerate(device_cases):
+                with stream:
+                    results.append((i, cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lengths, num_splits=splits,
+                                                                       return_lse=True)))
+    cp.cuda.Device().synchronize()
+    for i, (out, lse) in results:
+        q, kc, vc, lengths, _ = cases[i]
+        _check_per_sequence(out.get(), lse.get(), q, kc, vc, lengths)

@@ -295,3 +295,45 @@ def test_varlen_rows_of_no_sequence_are_cleared(rng, headdim, index_dtype, max_g
             assert_exact(lse[None, :, qs], ref[1], naive[1], f"lse of sequence {b}")
         assert not got[cu_q[-1]:].astype(np.float32).any()
         assert np.all(lse[:, cu_q[-1]:] == -np.inf)
+
+
+def _gpu_attention(q, k, v, **opts):
+    cp = _cp()
+    out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True, **opts)
+    return out.get(), lse.get()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seqlen_q", [1, 3, 70])  # 1, 3: the split-KV decode kernel (8 splits here); 70: the prefill kernel
+def test_nan_score_rows_have_nan_out_and_lse(rng, dtype, seqlen_q):
+    """A NaN score is not an empty row (conventions): that row's out and LSE are NaN, not 0 and
+    -inf (which merge_states would read as "no key"), as on the NumPy path; other rows exact."""
+    q = _rand(rng, (2, seqlen_q, 4, 64), dtype, 3.0)
+    k, v = _rand(rng, (2, 2000, 4, 64), dtype), _rand(rng, (2, 2000, 4, 64), dtype)
+    ref_out, ref_lse = attention_ref(q, k, v)
+    naive_out, naive_lse = naive_attention(q, k, v, return_lse=True)
+    q[1, -1, 2, 5] = np.nan
+    out, lse = _gpu_attention(q, k, v)
+    assert np.isnan(out[1, -1, 2].astype(np.float32)).all() and np.isnan(lse[1, 2, -1])
+    out[1, -1, 2], lse[1, 2, -1] = ref_out[1, -1, 2], ref_lse[1, 2, -1]
+    assert_exact(out, ref_out, naive_out, "out")
+    assert_exact(lse, ref_lse, naive_lse, "lse")
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("shape", [(3, 1), (70, 60), (200, 100)], ids=lambda s: f"{s[0]}x{s[1]}")  # decode, prefill kernels
+def test_empty_rows_stay_zero_next_to_non_finite_values(rng, bad, shape):
+    """Causal (bottom-right) with Sq > Sk: the first Sq - Sk rows see no key and give exactly 0
+    and -inf (conventions), even with a non-finite V or K at the keys they cannot see, whose
+    products reach their accumulators as 0 * inf."""
+    sq, sk = shape
+    q = _rand(rng, (1, sq, 2, 64), np.float16, 3.0)
+    k, v = _rand(rng, (1, sk, 2, 64), np.float16), _rand(rng, (1, sk, 2, 64), np.float16)
+    empty = sq - sk
+    for name in ("v", "k"):
+        kb, vb = k.copy(), v.copy()
+        (vb if name == "v" else kb)[0, sk // 2, 1, :3] = bad
+        with np.errstate(invalid="ignore"):
+            out, lse = _gpu_attention(q, kb, vb, causal=True)
+        assert (out[0, :empty].astype(np.float32) == 0).all(), name
+        assert np.isneginf(lse[0, :, :empty]).all(), name

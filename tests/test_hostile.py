@@ -1141,9 +1141,11 @@ def test_defect_one_visible_key_gives_exactly_zero_dq_dk(rng, dtype, case):
     assert not dq.astype(np.float32).any() and not dk.astype(np.float32).any()
 
 
-# Session 9's hostile run (NumPy path).  The GPU kernels do not follow yet (closing note).  Left as
-# is: a non-finite K or V at a key that a row with other visible keys cannot see still reaches it,
-# as 0 * inf inside the P V and dS K products (every tiled kernel shares this).
+# Session 9's hostile run (NumPy path).  The GPU forward kernels follow since session 10
+# (tests/test_gpu_forward.py: NaN-score rows, empty rows next to non-finite values); the GPU
+# backward does not yet give exactly 0 dq on empty rows next to a non-finite K or dO.  Left as is
+# everywhere: a non-finite K or V at a key that a row with other visible keys cannot see still
+# reaches it, as 0 * inf inside the P V and dS K products (every tiled kernel shares this).
 
 
 def test_defect_nan_score_rows_have_nan_lse_and_stay_nan_through_merge_states():
