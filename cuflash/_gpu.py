@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 
 import numpy as np
 
@@ -200,7 +201,8 @@ def execute(prm, launches, accum):
         fn(grid, block, (arg,), shared_mem=smem)
 
 
-_SPLIT_COUNTERS = {}  # (device, stream) -> zeroed int32 counters of the split kernel
+_SPLIT_COUNTERS = {}  # (device, stream, thread of a per-thread default stream) -> zeroed int32 counters
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream in every host thread
 
 
 def _split_counters(groups: int) -> int:
@@ -209,7 +211,8 @@ def _split_counters(groups: int) -> int:
     so they are zeroed only when allocated; one set per stream, since launches on one stream never
     overlap and launches on two may."""
     cp = _cp()
-    key = (cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream().ptr)
+    stream = cp.cuda.get_current_stream().ptr
+    key = (cp.cuda.runtime.getDevice(), stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0)
     counters = _SPLIT_COUNTERS.get(key)
     if counters is None or counters.size < groups:
         counters = _SPLIT_COUNTERS[key] = cp.zeros(max(groups, 1024), dtype=cp.int32)

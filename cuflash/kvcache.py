@@ -60,7 +60,11 @@ def attention_with_kvcache(
     cache_batch_idx : int32/int64 array of shape (batch,), optional
         Row of the contiguous cache that holds sequence b (not with ``block_table``).
     num_splits : int, default 0
-        Split-KV hint for the GPU (0 = choose automatically); results do not depend on it.
+        Split-KV hint for the GPU (0 = choose automatically; at most 128 and one split per
+        key tile are used); results do not depend on it beyond rounding.  The splits of a row
+        are merged by the last of their blocks to finish, through counters kept per device and
+        stream: a captured CUDA graph that holds such a call must not run at the same time as
+        other calls on the stream it was captured on.
     return_lse : bool, default False
         Also return the log-sum-exp, shape (batch, nheads, seqlen_q).
 {options}

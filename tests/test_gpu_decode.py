@@ -210,3 +210,37 @@ def test_split_counters_between_calls_and_streams(rng):
     for i, (out, lse) in results:
         q, kc, vc, lengths, _ = cases[i]
         _check_per_sequence(out.get(), lse.get(), q, kc, vc, lengths)
+
+
+def test_split_counters_of_per_thread_default_streams(rng):
+    """The per-thread default stream has one handle but is a different stream in each host
+    thread: two threads decoding at once on it keep separate counters."""
+    import threading
+
+    cp = _cp()
+    q = _rand(rng, (2, 1, 32, 128), ml_dtypes.bfloat16, 3.0)
+    kc, vc = (_rand(rng, (2, 3000, 8, 128), ml_dtypes.bfloat16) for _ in range(2))
+    lengths = np.array([3000, 1777], dtype=np.int32)
+    args = [cp.asarray(x) for x in (q, kc, vc, lengths)]
+    results, errors = [], []
+
+    def decode():
+        try:
+            with cp.cuda.Stream.ptds:
+                for _ in range(20):
+                    results.append(cuflash.attention_with_kvcache(*args[:3], cache_seqlens=args[3], num_splits=16,
+                                                                  return_lse=True))
+                cp.cuda.Stream.ptds.synchronize()
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=decode) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(results) == 40
+    for out, lse in results[::7]:
+        _check_per_sequence(out.get(), lse.get(), q, kc, vc, lengths)
+    first = results[0][0].get()
+    assert all(np.array_equal(out.get(), first) for out, _ in results)  # the same answer every time
