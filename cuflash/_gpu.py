@@ -194,29 +194,36 @@ def execute(prm, launches, accum):
     if accum is not None:  # freed on return: CuPy's pool reuses memory in stream order, after these launches
         out_shape, lse_shape, groups = accum
         out_accum, lse_accum = cp.empty(out_shape, dtype=cp.float32), cp.empty(lse_shape, dtype=cp.float32)
-        prm.out_accum, prm.lse_accum = out_accum.data.ptr, lse_accum.data.ptr
-        prm.split_counters = _split_counters(groups)
+        counters = _split_counters(groups)
+        prm.out_accum, prm.lse_accum, prm.split_counters = out_accum.data.ptr, lse_accum.data.ptr, counters.data.ptr
     arg = _pointer(prm)
     for fn, grid, block, smem in launches:
         fn(grid, block, (arg,), shared_mem=smem)
 
 
-_SPLIT_COUNTERS = {}  # (device, stream, thread of a per-thread default stream) -> zeroed int32 counters
-_PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a different stream in every host thread
+# The split kernel's counters: one per row group, 0 between launches, since the last block of each
+# group resets its own.  Kept per (device, stream) and zeroed only when allocated, because launches
+# on one stream never overlap (those on two may).  A call being captured into a CUDA graph, or on
+# the per-thread default stream (one handle for a different stream in each host thread), gets
+# counters zeroed for the call instead: a stream's counters are never allocated inside a capture,
+# where their memset would not run.
+_STREAM_COUNTERS = {}
+_COUNTERS_LOCK = threading.Lock()
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread
 
 
-def _split_counters(groups: int) -> int:
-    """Pointer to at least ``groups`` int32 counters, zero between launches, for the split kernel's
-    row groups on the current device and stream.  The last block of each group resets its counter,
-    so they are zeroed only when allocated; one set per stream, since launches on one stream never
-    overlap and launches on two may."""
+def _split_counters(groups: int):
+    """At least ``groups`` int32 counters that are 0 when the next launch on the current stream starts."""
     cp = _cp()
     stream = cp.cuda.get_current_stream().ptr
-    key = (cp.cuda.runtime.getDevice(), stream, threading.get_ident() if stream == _PER_THREAD_STREAM else 0)
-    counters = _SPLIT_COUNTERS.get(key)
-    if counters is None or counters.size < groups:
-        counters = _SPLIT_COUNTERS[key] = cp.zeros(max(groups, 1024), dtype=cp.int32)
-    return counters.data.ptr
+    if stream == _PER_THREAD_STREAM or cp.cuda.runtime.streamIsCapturing(stream) != 0:
+        return cp.zeros(groups, dtype=cp.int32)
+    key = (cp.cuda.runtime.getDevice(), stream)
+    with _COUNTERS_LOCK:
+        counters = _STREAM_COUNTERS.get(key)
+        if counters is None or counters.size < groups:  # an outgrown set is freed in stream order
+            counters = _STREAM_COUNTERS[key] = cp.zeros(max(groups, 1024), dtype=cp.int32)
+    return counters
 
 
 def _decode_launches(p, prm, variant, fn, device, num_splits):

@@ -63,8 +63,8 @@ def attention_with_kvcache(
         Split-KV hint for the GPU (0 = choose automatically; at most 128 and one split per
         key tile are used); results do not depend on it beyond rounding.  The splits of a row
         are merged by the last of their blocks to finish, through counters kept per device and
-        stream: a captured CUDA graph that holds such a call must not run at the same time as
-        other calls on the stream it was captured on.
+        stream.  Replaying a CUDA graph that captured such a call is not supported: the call
+        frees its scratch (partial results, counters) on return.
     return_lse : bool, default False
         Also return the log-sum-exp, shape (batch, nheads, seqlen_q).
 {options}
