@@ -280,15 +280,18 @@ def _progress_stream():
 
 def _progress_steps(labels):
     """A click progress bar advanced by name; returns (bar, step)."""
-    bar = click.progressbar(length=len(labels), label="cuflash demo", show_pos=True, file=_progress_stream())
+    stream = _progress_stream()
+    bar = click.progressbar(length=len(labels), label="cuflash demo", show_pos=True, file=stream)
+    on_terminal = getattr(stream, "isatty", lambda: False)()  # off one click prints each new label as a line
     seen = []
 
     def step(label):
         if seen:
             bar.update(1)
         seen.append(label)
-        bar.label = f"cuflash demo: {label}"
-        bar.render_progress()
+        if on_terminal:
+            bar.label = f"cuflash demo: {label}"
+            bar.render_progress()
     return bar, step
 
 

@@ -267,8 +267,9 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
         raise ValueError(f"cache_seqlens must be >= 0; got min {lengths.min()}")
     longest = int(lengths.max()) + new  # a Python int: no wrap-around near the dtype's maximum
     if longest > capacity:
+        where = "" if table is None else f" (block_table rows of {table.shape[1]} pages of {page_size} slots)"
         raise ValueError(
-            f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}; got max length {longest}"
+            f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}{where}; got max length {longest}"
         )
     if table is not None:
         bad = _pages_read(table, lengths.astype(np.int64) + new, page_size) & ((table < 0) | (table >= num_rows))

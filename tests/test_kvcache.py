@@ -138,7 +138,7 @@ def test_errors(rng):
     pool = np.zeros((3, 4, 2, 8), np.float16)
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 7 is not a page"):
         call(q, pool, pool.copy(), cache_seqlens=np.array([2, 6]), block_table=np.array([[0, -1], [1, 7]]))
-    with pytest.raises(ValueError, match="exceed the cache capacity 8"):
+    with pytest.raises(ValueError, match=r"exceed the cache capacity 8 \(block_table rows of 2 pages of 4 slots\)"):
         call(q, pool, pool.copy(), cache_seqlens=np.array([2, 9]), block_table=np.array([[0, 1], [1, 2]]))
     with pytest.raises(ValueError, match="cache_batch_idx entries must lie in"):
         call(q, kc, kc.copy(), cache_seqlens=np.array([1, 4]), cache_batch_idx=np.array([0, 2]))
