@@ -462,7 +462,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                                 make_float2(RowState::normalize(o[mt][ot][half * 2], inv_l), RowState::normalize(o[mt][ot][half * 2 + 1], inv_l));
                 }
             }
-            const long long group = (b * heads + h / g) * m_blocks + static_cast<int>(blockIdx.x) / num_splits;  // blocks sharing these rows
+            // The blocks sharing these rows.  b * heads + h / g is bh, rebuilt from values live here:
+            // keeping bh itself live across the key loop made ptxas spill 40 bytes at d128 (d8).
+            const long long group = (b * heads + h / g) * m_blocks + static_cast<int>(blockIdx.x) / num_splits;
             if (!arrive_last(p.split_counters + group, num_splits)) return;
             float* weights = reinterpret_cast<float*>(sK) + warp * kMaxSplits;  // sK is free now: a warp's scratch
             for (int r = warp; r < rows_valid; r += kWarps)
