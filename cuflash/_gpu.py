@@ -189,47 +189,58 @@ def _is_hopper(device_id: int) -> bool:
 
 
 def execute(prm, launches, accum):
-    """Run the recorded launches: allocate the split partial results (if any), then launch in order."""
-    cp = _cp()
-    if accum is not None:  # freed on return: CuPy's pool reuses memory in stream order, after these launches
-        out_shape, lse_shape, groups = accum
-        out_accum, lse_accum = cp.empty(out_shape, dtype=cp.float32), cp.empty(lse_shape, dtype=cp.float32)
-        counters = _split_counters(groups)
-        prm.out_accum, prm.lse_accum, prm.split_counters = out_accum.data.ptr, lse_accum.data.ptr, counters.data.ptr
+    """Run the recorded launches: point the split kernel at its scratch (if any), then launch in order."""
+    if accum is not None:
+        out_floats, lse_floats, groups = accum
+        counters, partials = _split_scratch(groups, out_floats + lse_floats)
+        base = partials.data.ptr  # partial outputs, then their LSEs (out_floats is a multiple of 8: aligned)
+        prm.out_accum, prm.lse_accum, prm.split_counters = base, base + 4 * out_floats, counters.data.ptr
     arg = _pointer(prm)
     for fn, grid, block, smem in launches:
         fn(grid, block, (arg,), shared_mem=smem)
 
 
-# The split kernel's counters: one per row group, 0 between launches, since the last block of each
-# group resets its own.  Kept per (device, stream) and zeroed only when allocated, because launches
-# on one stream never overlap (those on two may).  A call being captured into a CUDA graph, or on
-# the per-thread default stream (one handle for a different stream in each host thread), gets
-# counters zeroed for the call instead: a stream's counters are never allocated inside a capture,
-# where their memset would not run.
-_STREAM_COUNTERS = {}
-_COUNTERS_LOCK = threading.Lock()
+# The split kernel's scratch, kept per (device, stream): counters, one per row group, 0 between
+# launches since the last block of each group resets its own (zeroed only when allocated), and
+# the partial results, which every launch writes before it reads them.  Launches on one stream
+# never overlap (those on two may), so one set per stream serves every call on it without an
+# allocation per call (d9).  A call being captured into a CUDA graph, or on the per-thread
+# default stream (one handle for a different stream in each host thread), gets scratch of its
+# own instead, freed on return: a stream's scratch is never allocated inside a capture, where the
+# counters' memset would not run.  An outgrown set, or that of a stream not used among the last
+# _MAX_SCRATCH_STREAMS, is freed in stream order: CuPy's pool hands its memory only to later work
+# on the same stream.
+_STREAM_SCRATCH = {}  # in order of last use
+_MAX_SCRATCH_STREAMS = 64
+_SCRATCH_LOCK = threading.Lock()
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread
 
 
-def _split_counters(groups: int):
-    """At least ``groups`` int32 counters that are 0 when the next launch on the current stream starts."""
+def _split_scratch(groups: int, partial_floats: int):
+    """(counters, partials) for the next launch on the current stream: at least ``groups`` int32
+    counters, all 0, and ``partial_floats`` float32 of uninitialised memory."""
     cp = _cp()
     stream = cp.cuda.get_current_stream().ptr
     if stream == _PER_THREAD_STREAM or cp.cuda.runtime.streamIsCapturing(stream) != 0:
-        return cp.zeros(groups, dtype=cp.int32)
+        return cp.zeros(groups, dtype=cp.int32), cp.empty(partial_floats, dtype=cp.float32)
     key = (cp.cuda.runtime.getDevice(), stream)
-    with _COUNTERS_LOCK:
-        counters = _STREAM_COUNTERS.get(key)
-        if counters is None or counters.size < groups:  # an outgrown set is freed in stream order
-            counters = _STREAM_COUNTERS[key] = cp.zeros(max(groups, 1024), dtype=cp.int32)
-    return counters
+    with _SCRATCH_LOCK:
+        counters, partials = _STREAM_SCRATCH.pop(key, (None, None))
+        if counters is None or counters.size < groups:
+            counters = cp.zeros(max(groups, 1024), dtype=cp.int32)
+        if partials is None or partials.size < partial_floats:
+            partials = cp.empty(partial_floats, dtype=cp.float32)
+        _STREAM_SCRATCH[key] = counters, partials
+        if len(_STREAM_SCRATCH) > _MAX_SCRATCH_STREAMS:
+            del _STREAM_SCRATCH[next(iter(_STREAM_SCRATCH))]
+    return counters, partials
 
 
 def _decode_launches(p, prm, variant, fn, device, num_splits):
     """The split-KV variant: GQA heads packed into rows, the key range cut across blocks whose last
     one per row group merges their partial results (Flash-Decoding).  Returns (launches, the
-    partial results' shapes and the number of row groups, or None without splits)."""
+    floats of the partial outputs and of their LSEs and the number of row groups, or None
+    without splits)."""
     pack = p.group_size if p.alibi_slopes is None else 1  # ALiBi slopes differ per head: no packing
     defines = dict(variant.defines)
     block_m, block_n = defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"]
@@ -247,8 +258,8 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     launches = [(fn, grid, (variant.threads,), variant.smem_bytes)]
     if num_splits == 1:
         return launches, None
-    partials = (num_splits, p.batch, p.nheads_q, p.seqlen_q)
-    return launches, ((*partials, prm.headdim_v), partials, blocks)
+    partial_rows = num_splits * p.batch * p.nheads_q * p.seqlen_q  # (splits, batch, heads, seqlen_q) each
+    return launches, (partial_rows * prm.headdim_v, partial_rows, blocks)
 
 
 def _auto_splits(blocks: int, key_blocks: int, variant, device: int, regs: int = 0, static_smem: int = 1024,

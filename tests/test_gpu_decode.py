@@ -212,6 +212,30 @@ def test_split_counters_between_calls_and_streams(rng):
         _check_per_sequence(out.get(), lse.get(), q, kc, vc, lengths)
 
 
+def test_split_scratch_of_many_streams(rng):
+    """Each stream keeps its split scratch (counters, partial results) until 64 others were used
+    after it: decoding on 70 streams, then again on the first ones (whose scratch was dropped and
+    is allocated anew), gives the reference answer every time."""
+    from cuflash import _gpu
+
+    cp = _cp()
+    q = _rand(rng, (2, 1, 32, 128), ml_dtypes.bfloat16, 3.0)
+    kc, vc = (_rand(rng, (2, 2000, 8, 128), ml_dtypes.bfloat16) for _ in range(2))
+    lengths = np.array([2000, 1333], dtype=np.int32)
+    args = [cp.asarray(x) for x in (q, kc, vc, lengths)]
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(70)]
+    results = []
+    for stream in streams + streams[:3]:
+        with stream:
+            results.append(cuflash.attention_with_kvcache(*args[:3], cache_seqlens=args[3], num_splits=8, return_lse=True))
+    cp.cuda.Device().synchronize()
+    assert len(_gpu._STREAM_SCRATCH) <= _gpu._MAX_SCRATCH_STREAMS
+    for out, lse in results[::9] + results[-3:]:
+        _check_per_sequence(out.get(), lse.get(), q, kc, vc, lengths)
+    first = results[0][0].get()
+    assert all(np.array_equal(out.get(), first) for out, _ in results)
+
+
 def test_split_counters_of_per_thread_default_streams(rng):
     """The per-thread default stream has one handle but is a different stream in each host
     thread: calls on it zero counters of their own, so two threads decoding at once on it do not
