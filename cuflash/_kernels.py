@@ -247,6 +247,12 @@ def varlen_tail_variant() -> Variant:
     return Variant("varlen_tail.cu", "cuflash_varlen_tail", (), 256)
 
 
+@functools.lru_cache(maxsize=None)
+def read_bandwidth_variant() -> Variant:
+    """The decode benchmark's reference: a kernel that only reads two buffers (not attention)."""
+    return Variant("read_bandwidth.cu", "cuflash_read_bandwidth", (), 1024)
+
+
 def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
     """Every variant the dispatcher can ask for on a GPU with this shared-memory limit."""
     out = []
@@ -261,7 +267,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                         v = hopper(dtype, d, softcap=softcap, alibi=alibi)
                         if v is not None:
                             out.append(v)
-    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant()]
+    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), read_bandwidth_variant()]
     return out
 
 

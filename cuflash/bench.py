@@ -395,6 +395,7 @@ def _decode_row(name, batch, n, peers, page_size):
         kp, vp = (x.reshape(pages, page_size, hkv, 128) for x in (k, v))
         row[f"cuflash-paged{page_size}"] = kv_bytes / time_gpu(lambda: cuflash.attention_with_kvcache(
             q, kp, vp, cache_seqlens=lengths, block_table=table)) / 1e9
+    row["read-only"] = kv_bytes / time_gpu(_read_only(k, v)) / 1e9
     for peer, make in peers.items():
         try:
             row[peer] = kv_bytes / time_gpu(make(q, k, v), reps=10) / 1e9
@@ -406,20 +407,33 @@ def _decode_row(name, batch, n, peers, page_size):
     return row
 
 
+def _read_only(k, v):
+    """A call that only reads the contiguous arrays k and v (kernels/read_bandwidth.cu): the
+    reference for what a kernel that must read the whole cache can reach, launch included."""
+    from . import _kernels
+
+    fn = _kernels.get_function(_kernels.read_bandwidth_variant(), k.device.id)
+    sink = cp.zeros(1, dtype=cp.uint32)
+    grid = (2 * cp.cuda.Device(k.device.id).attributes["MultiProcessorCount"],)  # two 1024-thread blocks per SM
+    args = (k, np.int64(k.nbytes // 16), v, np.int64(v.nbytes // 16), sink)
+    return lambda: fn(grid, (1024,), args)
+
+
 def decode_markdown(rows, env):
     fixed = ("heads", "batch", "kv_len", "kv_mb")
     names = _systems(rows, fixed)
     lines = [
         f"Decode, q length 1, bf16, head dim 128, TB/s of KV cache read (GPU {env['gpu']}, {env['date']})",
         "",
-        "| heads (q/kv) | batch | kv len | KV MB | " + " | ".join(names) + " | cuflash / torch-cudnn |",
-        "|---|---|---|---|" + "---|" * len(names) + "---|",
+        "| heads (q/kv) | batch | kv len | KV MB | " + " | ".join(names) + " | cuflash / read-only | cuflash / torch-cudnn |",
+        "|---|---|---|---|" + "---|" * len(names) + "---|---|",
     ]
+    ratio = lambda r, peer: f"{r['cuflash'] / r[peer]:.2f}" if r.get(peer) else "–"
     for r in rows:
         vals = [f"{r[n]:.2f}" if r.get(n) else "–" for n in names]
-        ratio = f"{r['cuflash'] / r['torch-cudnn']:.2f}" if r.get("torch-cudnn") else "–"
         hq, hkv = DECODE_HEADS[r["heads"]]
-        lines.append(f"| {hq}/{hkv} | {r['batch']} | {r['kv_len']} | {r['kv_mb']:.0f} | " + " | ".join(vals) + f" | {ratio} |")
+        lines.append(f"| {hq}/{hkv} | {r['batch']} | {r['kv_len']} | {r['kv_mb']:.0f} | " + " | ".join(vals)
+                     + f" | {ratio(r, 'read-only')} | {ratio(r, 'torch-cudnn')} |")
     return "\n".join(lines)
 
 

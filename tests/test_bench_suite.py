@@ -74,3 +74,15 @@ def test_sweep_driver_with_and_without_progress_bar(monkeypatch, capsys):
     bench.main(argv, progress=lambda items, label: click.progressbar(items, label=label))
     out = capsys.readouterr().out
     assert '"cuflash": 100.0' not in out and "| bf16 | 64 | True | 512 | 100 |" in out
+
+
+@pytest.mark.skipif(_arrays.cupy_module() is None, reason="cuflash.bench imports CuPy")
+def test_decode_table_gives_cuflash_against_the_read_only_kernel_and_cudnn():
+    from cuflash import bench
+
+    rows = [dict(heads="gqa", batch=8, kv_len=4096, kv_mb=134.2, cuflash=3.2, **{"read-only": 4.0, "torch-cudnn": 2.5}),
+            dict(heads="mha", batch=1, kv_len=16384, kv_mb=268.4, cuflash=3.8)]
+    md = bench.decode_markdown(rows, {"gpu": "X", "date": "2026-12-01"}).splitlines()
+    assert md[2] == "| heads (q/kv) | batch | kv len | KV MB | cuflash | read-only | torch-cudnn | cuflash / read-only | cuflash / torch-cudnn |"
+    assert md[4] == "| 32/8 | 8 | 4096 | 134 | 3.20 | 4.00 | 2.50 | 0.80 | 1.28 |"
+    assert md[5] == "| 32/32 | 1 | 16384 | 268 | 3.80 | – | – | – | – |"
