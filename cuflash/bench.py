@@ -410,11 +410,11 @@ def _decode_row(name, batch, n, peers, page_size):
 def _read_only(k, v):
     """A call that only reads the contiguous arrays k and v (kernels/read_bandwidth.cu): the
     reference for what a kernel that must read the whole cache can reach, launch included."""
-    from . import _kernels
+    from . import _gpu, _kernels
 
     fn = _kernels.get_function(_kernels.read_bandwidth_variant(), k.device.id)
     sink = cp.zeros(1, dtype=cp.uint32)
-    grid = (2 * cp.cuda.Device(k.device.id).attributes["MultiProcessorCount"],)  # two 1024-thread blocks per SM
+    grid = (2 * _gpu._sm_resources(k.device.id)[0],)  # two 1024-thread blocks per SM
     args = (k, np.int64(k.nbytes // 16), v, np.int64(v.nbytes // 16), sink)
     return lambda: fn(grid, (1024,), args)
 

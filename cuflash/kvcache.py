@@ -64,8 +64,8 @@ def attention_with_kvcache(
         key tile are used); results do not depend on it beyond rounding.  The splits of a row
         are merged by the last of their blocks to finish, through counters and partial results
         kept per device and stream (for the 64 streams used last: 4 * (headdim_v + 1) bytes
-        per split and query row).  Replaying a CUDA graph that captured such a call is not supported: a call
-        being captured gets scratch of its own, freed on return.
+        per split and query row).  Replaying a CUDA graph that captured such a call is not
+        supported: a call being captured gets scratch of its own, freed on return.
     return_lse : bool, default False
         Also return the log-sum-exp, shape (batch, nheads, seqlen_q).
 {options}
