@@ -14,6 +14,7 @@ from .api import (
     softmax,
 )
 from .kvcache import attention_with_kvcache
+from ._guard import InvalidIndexError, release_graph_memory, synchronize
 from . import reference  # noqa: E402  (the float64 oracle, documented as cuflash.reference)
 
 __version__ = "0.1.0"
@@ -27,5 +28,8 @@ __all__ = [
     "attention_with_kvcache",
     "merge_states",
     "softmax",
+    "synchronize",
+    "release_graph_memory",
+    "InvalidIndexError",
     "__version__",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays, _gpu, _validate
+from . import _arrays, _gpu, _guard, _validate
 from ._params import FlashParams
 
 PLANS: dict = {}
@@ -87,7 +87,7 @@ class Plan:
             end = op + self.out_span
             if op % 16 or any(op < p + n and p < end for p, n in zip((qp, kp, vp), self.spans)):
                 return None  # the full path explains the problem
-        if need_lse:
+        if need_lse or _guard.capturing():  # a captured call keeps its own LSE buffer for the graph
             lse = cp.empty(self.lse_shape, dtype=np.float32)
         else:
             if self.scratch_lse is None:

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from . import _kernels
+from . import _guard, _kernels
 from ._arrays import cupy_module
 from ._params import FlashParams
 
@@ -90,15 +90,40 @@ def _round8(n: int) -> int:
     return (n + 7) // 8 * 8
 
 
-def _int32(x):
+# Bits of FlashParams.index_64bit (kernels/metadata.cuh, kIndex*).
+_INDEX_BITS = dict(cu_seqlens_q=1, cu_seqlens_k=2, seqlens_k=4, block_table=8, cache_batch_idx=16)
+
+
+def _index_arrays(indices):
+    """Pointers and the index_64bit mask of int32/int64 index arrays (None where absent), as the
+    kernels read them: in place when contiguous, else a contiguous copy of the same dtype.  Values
+    are never converted (an int64 past 2^31 must not wrap into a valid int32); the kernels check
+    them (kernels/metadata.cuh)."""
     cp = _cp()
-    return None if x is None else cp.ascontiguousarray(x, dtype=cp.int32)
+    arrays, bits = {}, 0
+    for name, x in indices.items():
+        if x is not None:
+            x = x if x.flags.c_contiguous else cp.ascontiguousarray(x)
+            bits |= _INDEX_BITS[name] * (x.dtype.itemsize == 8)
+        arrays[name] = x
+    return arrays, bits
 
 
-def _fill_params(p, pointers, strided, *, packed, lse_strides, d8, dv8, scale):
+def _report_to(prm, device, call, **extents):
+    """Point the kernels' metadata checks at the device's error word (cuflash/_guard.py), with
+    the description of this launch."""
+    prm.error_word = _guard.error_word(device)
+    prm.error_call = _guard.call_code(call, **extents)
+
+
+def _fill_params(p, pointers, strided, *, packed, lse_strides, d8, dv8, scale, indices=None):
     """The FlashParams every kernel reads: ``pointers`` maps fields to arrays (or None),
-    ``strided`` maps stride prefixes ("q", "k", ...) to the arrays whose strides they take."""
+    ``strided`` maps stride prefixes ("q", "k", ...) to the arrays whose strides they take,
+    ``indices`` maps index-array fields to int32/int64 arrays (or None)."""
     prm = FlashParams()
+    if indices:
+        arrays, prm.index_64bit = _index_arrays(indices)
+        pointers = {**pointers, **arrays}
     for field, x in pointers.items():
         setattr(prm, field, None if x is None else x.data.ptr)
     for prefix, x in strided.items():
@@ -132,11 +157,13 @@ def _grid_yz(bh: int):
     return grid_y, (bh + grid_y - 1) // grid_y
 
 
-def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None, lse_strides,
-                          block_table=None, num_splits=0, record=None):
+def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None, lse_strides, call,
+                          block_table=None, cache_batch_idx=None, seq_bad=None, seqlen_new=0, num_splits=0,
+                          record=None):
     cp = _cp()
     dtype = _check_gpu_dtype(q)
-    device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table])
+    device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table, cache_batch_idx,
+                           seq_bad])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
         q, scale, _ = _positive_scale(p, q)
@@ -148,14 +175,14 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         variant = _hopper_variant(device, dtype, max(d8, dv8), features) if not decode else None
         if variant is None:
             variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
-        pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
-                        cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
-        if block_table is not None:
-            pointers["block_table"] = _int32(block_table)
+        pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, alibi_slopes=p.alibi_slopes, seq_bad=seq_bad)
+        indices = dict(seqlens_k=p.seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=block_table,
+                       cache_batch_idx=cache_batch_idx)
         prm = _fill_params(p, pointers, dict(q=qx, k=kx, v=vx, o=ox), packed=packed, lse_strides=lse_strides,
-                           d8=d8, dv8=dv8, scale=scale)
-        if block_table is not None:  # k/v are (num_pages, page_size, Hk, D): the batch stride is the page stride
-            prm.block_table_batch_stride, prm.page_size = pointers["block_table"].shape[1], kx.shape[1]
+                           d8=d8, dv8=dv8, scale=scale, indices=indices)
+        _set_extents(prm, p, q, k, packed, block_table, cache_batch_idx)
+        if any(x is not None for x in indices.values()):
+            _report_to(prm, device, call, **_extents(prm, seqlen_new))
         fn = _kernels.get_function(variant, device)
         if decode:
             launches, accum = _decode_launches(p, prm, variant, fn, device, num_splits)
@@ -171,6 +198,24 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             out[...] = ox[..., : out.shape[-1]]
         if record is not None:
             record.append(dict(device=device, template=bytes(prm), launches=launches, accum=accum))
+
+
+def _set_extents(prm, p, q, k, packed, block_table=None, cache_batch_idx=None):
+    """The extents the kernels bound metadata-derived indices by: packed rows of q and k, and
+    the rows (or pages) of a cache indexed through ``cache_batch_idx`` (or ``block_table``)."""
+    if packed:
+        prm.total_q, prm.total_k = q.shape[0], k.shape[0]
+    if block_table is not None or cache_batch_idx is not None:
+        prm.kv_rows = k.shape[0]
+    if block_table is not None:  # k/v are (num_pages, page_size, Hk, D): the batch stride is the page stride
+        prm.block_table_batch_stride, prm.page_size = block_table.shape[1], k.shape[1]
+
+
+def _extents(prm, seqlen_new=0):
+    """What an error message needs to say what the values were checked against (_guard.describe)."""
+    return dict(total_q=prm.total_q, total_k=prm.total_k, seqlen_k=prm.seqlen_k, seqlen_new=seqlen_new,
+                kv_rows=prm.kv_rows, table_stride=prm.block_table_batch_stride, max_seqlen_q=prm.seqlen_q,
+                max_seqlen_k=prm.seqlen_k)
 
 
 def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, family=_kernels.sm90_fwd_variant):
@@ -304,37 +349,85 @@ def _pointer(prm):
     return _cpointer()(ctypes.addressof(prm))
 
 
-def forward(p, q, k, v, out, lse, *, block_table=None, num_splits=0, record=None):
+def forward(p, q, k, v, out, lse, *, block_table=None, cache_batch_idx=None, seq_bad=None, seqlen_new=0,
+            num_splits=0, record=None, call="attention"):
     """Padded batch: q (B, Sq, H, D), out (B, Sq, H, Dv) views; lse (B, H, Sq) contiguous.
 
-    With ``block_table`` (B, max_pages), k and v are paged caches (num_pages, page_size, Hk, D)
-    and ``p.seqlens_k`` gives each sequence's length.  ``record`` (a list) receives the
-    parameters and launches, for cuflash._fastpath to replay.
+    With ``block_table`` (B, max_pages), k and v are paged caches (num_pages, page_size, Hk, D);
+    with ``cache_batch_idx`` (B,), sequence b reads row cache_batch_idx[b] of k and v; then
+    ``p.seqlens_k`` gives each sequence's length, ``seq_bad`` (B,) int32 marks the sequences an
+    append refused (:func:`append_kv`), and ``seqlen_new`` is the tokens appended (for messages).
+    ``record`` (a list) receives the parameters and launches, for cuflash._fastpath to replay;
+    ``call`` names the public function in error messages.
     """
     if p.seqlen_k == 0 or p.nheads_k == 0:
         out[...] = 0
         lse[...] = -np.inf
         return
     _launch_attention_fwd(p, q, k, v, out, lse, packed=False, lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q),
-                          block_table=block_table, num_splits=num_splits, record=record)
+                          block_table=block_table, cache_batch_idx=cache_batch_idx, seq_bad=seq_bad,
+                          seqlen_new=seqlen_new, num_splits=num_splits, record=record, call=call)
 
 
-def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=None):
-    """Packed: q (total_q, H, D); lse (H, total_q); rows past cu_q[-1] get out = 0, lse = -inf.
-    ``record`` as in :func:`forward`."""
+def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=None, call="attention_varlen"):
+    """Packed: q (total_q, H, D); lse (H, total_q); rows past cu_q[-1] get out = 0, lse = -inf,
+    rows of sequences with malformed offsets NaN (kernels/varlen_tail.cu).  ``record`` as in
+    :func:`forward`."""
     if p.seqlen_q == 0 or k.shape[0] == 0:
         out[...] = 0
         lse[...] = -np.inf
         return
     _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]),
-                          record=record)
+                          record=record, call=call)
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, capacity, *, block_table=None, cache_batch_idx=None,
+              call="attention_with_kvcache"):
+    """Write the new tokens k, v (B, new, Hk, D) at positions cache_seqlens[b] + t of each
+    sequence's cache row or pages (kernels/kv_append.cu), refusing a sequence whose metadata names
+    a slot it may not write.  Returns the (B,) int32 flags of the refused sequences, for
+    :func:`forward`'s ``seq_bad``.  The caches' last axis must be contiguous (checked by the caller)."""
+    cp = _cp()
+    device = _same_device([k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx])
+    with cp.cuda.Device(device):
+        batch, new = k.shape[:2]
+        seq_bad = cp.empty(batch, dtype=cp.int32)
+        k, v = (x if x.strides[-1] == x.itemsize else cp.ascontiguousarray(x) for x in (k, v))
+        prm = _fill_params_append(k_cache, v_cache, k, v, capacity)
+        arrays, prm.index_64bit = _index_arrays(dict(seqlens_k=cache_seqlens, block_table=block_table,
+                                                     cache_batch_idx=cache_batch_idx))
+        for field, x in arrays.items():
+            setattr(prm, field, None if x is None else x.data.ptr)
+        prm.seq_bad = seq_bad.data.ptr
+        if block_table is not None:
+            prm.block_table_batch_stride, prm.page_size = block_table.shape[1], k_cache.shape[1]
+        _report_to(prm, device, call, **_extents(prm, new))
+        fn = _kernels.get_function(_kernels.kv_append_variant(), device)
+        fn((batch,), (256,), (_pointer(prm),))
+    return seq_bad
+
+
+def _fill_params_append(k_cache, v_cache, k, v, capacity):
+    """The FlashParams of kv_append.cu: caches as k/v, new tokens as k_new/v_new (strides in elements)."""
+    prm = FlashParams()
+    prm.k, prm.v, prm.k_new, prm.v_new = (x.data.ptr for x in (k_cache, v_cache, k, v))
+    for prefix, x in (("k", k_cache), ("v", v_cache), ("knew", k), ("vnew", v)):
+        bs, rs, hs = _strides(x, False)
+        setattr(prm, f"{prefix}_batch_stride", bs)
+        setattr(prm, f"{prefix}_row_stride", rs)
+        setattr(prm, f"{prefix}_head_stride", hs)
+    prm.batch, prm.seqlen_new, prm.nheads_k = k.shape[0], k.shape[1], k.shape[2]
+    prm.headdim_qk, prm.headdim_v, prm.elem_bytes = k.shape[3], v.shape[3], k.itemsize
+    prm.seqlen_k, prm.kv_rows = capacity, k_cache.shape[0]
+    return prm
 
 
 def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides,
-                          deterministic):
+                          deterministic, call):
     """dsum pre-pass, then the dq and dkdv kernels, or on Hopper unless ``deterministic`` one dkdv
     kernel that adds dQ atomically to an fp32 buffer and a kernel rounding it into dq;
-    grads = (dq, dk, dv) views, written in full."""
+    grads = (dq, dk, dv) views, written in full (packed: pre-zeroed, and the rows of sequences
+    with malformed offsets set to NaN first, kernels/varlen_tail.cu)."""
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
@@ -353,10 +446,18 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, smem_limit=_smem_limit(device))
         main = _hopper_variant(device, dtype, max(d8, dv8), features, _kernels.sm90_bwd_variant) or variant
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
-                        alibi_slopes=p.alibi_slopes, seqlens_k=_int32(p.seqlens_k),
-                        cu_seqlens_q=_int32(cu_q), cu_seqlens_k=_int32(cu_k))
+                        alibi_slopes=p.alibi_slopes)
+        indices = dict(seqlens_k=p.seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
         strided = dict(q=qx, k=kx, v=vx, o=ox, do=dox, dq=gx[0], dk=gx[1], dv=gx[2])
-        prm = _fill_params(p, pointers, strided, packed=packed, lse_strides=lse_strides, d8=d8, dv8=dv8, scale=scale)
+        prm = _fill_params(p, pointers, strided, packed=packed, lse_strides=lse_strides, d8=d8, dv8=dv8, scale=scale,
+                           indices=indices)
+        _set_extents(prm, p, q, k, packed)
+        if any(x is not None for x in indices.values()):
+            _report_to(prm, device, call, **_extents(prm))
+        if packed:  # rows no well-formed sequence owns: NaN where the offsets are malformed
+            tail = _kernels.varlen_tail_variant()
+            for suffix in ("_dq", "_dkdv"):
+                _kernels.get_function(tail, device, suffix)((2 * _sm_resources(device)[0],), (256,), (_pointer(prm),))
 
         # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
         pre = FlashParams.from_buffer_copy(prm)
@@ -387,18 +488,19 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             grads[0][...] = -grads[0] if q_sign < 0 else 0
 
 
-def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic):
+def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="attention_backward"):
     """Padded batch: bshd views; lse (B, H, Sq).  ``deterministic``: no atomics (bitwise repeatable)."""
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=False,
-                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q), deterministic=deterministic)
+                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q), deterministic=deterministic, call=call)
 
 
-def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic):
+def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic,
+                    call="attention_varlen_backward"):
     """Packed: (total, H, D) arrays; lse (H, total_q); grads pre-zeroed by the caller."""
     if p.seqlen_q == 0 or k.shape[0] == 0:
         return
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
-                          lse_strides=(0, q.shape[0]), deterministic=deterministic)
+                          lse_strides=(0, q.shape[0]), deterministic=deterministic, call=call)
 
 
 def softmax(x, axis):

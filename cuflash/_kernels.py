@@ -243,8 +243,16 @@ def softmax_variant(dtype: str) -> Variant:
 
 @functools.lru_cache(maxsize=None)
 def varlen_tail_variant() -> Variant:
-    """out = 0, lse = -inf on the packed rows past cu_seqlens_q[-1] (any 16-bit dtype)."""
+    """The packed rows no well-formed sequence owns (any 16-bit dtype): ``cuflash_varlen_tail``
+    (out = 0 and lse = -inf past cu_seqlens_q[-1], NaN where the offsets are malformed or a
+    sequence outgrows max_seqlen_q), ``..._dq`` and ``..._dkdv`` (NaN, the backward's)."""
     return Variant("varlen_tail.cu", "cuflash_varlen_tail", (), 256)
+
+
+@functools.lru_cache(maxsize=None)
+def kv_append_variant() -> Variant:
+    """The checked KV-cache append (any element size of 2, 4 or 8 bytes)."""
+    return Variant("kv_append.cu", "cuflash_kv_append", (), 256)
 
 
 @functools.lru_cache(maxsize=None)
@@ -267,7 +275,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                         v = hopper(dtype, d, softcap=softcap, alibi=alibi)
                         if v is not None:
                             out.append(v)
-    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), read_bandwidth_variant()]
+    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant()]
     return out
 
 

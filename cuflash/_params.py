@@ -9,8 +9,9 @@ import ctypes
 
 _POINTERS = (
     "q", "k", "v", "out", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k",
+    "cache_batch_idx", "seq_bad", "error_word",
     "dout", "dq", "dk", "dv", "dsum", "dq_accum",
-    "block_table", "out_accum", "lse_accum", "split_counters",
+    "block_table", "out_accum", "lse_accum", "split_counters", "k_new", "v_new",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",
@@ -22,11 +23,14 @@ _INTEGERS = (
     "dq_batch_stride", "dq_row_stride", "dq_head_stride",
     "dk_batch_stride", "dk_row_stride", "dk_head_stride",
     "dv_batch_stride", "dv_row_stride", "dv_head_stride",
+    "knew_batch_stride", "knew_row_stride", "knew_head_stride",
+    "vnew_batch_stride", "vnew_row_stride", "vnew_head_stride",
     "batch", "nheads_q", "nheads_k",
     "seqlen_q", "seqlen_k",
     "headdim_qk", "headdim_v",
     "window_left", "window_right",
     "top_left",
+    "total_q", "total_k", "kv_rows", "index_64bit", "error_call", "seqlen_new", "elem_bytes",
     "block_table_batch_stride", "page_size", "num_splits", "pack_gqa",
 )
 _REALS = ("softmax_scale", "softcap")

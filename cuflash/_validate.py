@@ -364,6 +364,12 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k has head dim {k.shape[2]}; it must equal q's head dim {q.shape[2]}")
     batch = cu_q.shape[0] - 1
+    # max_seqlen_* = None needs the offsets on the host (one small copy, the caller's choice):
+    # then they are checked there too, before anything runs.
+    if host_q is None and max_seqlen_q is None:
+        host_q = _arrays.to_numpy(cu_q)
+    if host_k is None and max_seqlen_k is None:
+        host_k = _arrays.to_numpy(cu_k)
     for name, values, total in (("cu_seqlens_q", host_q, q.shape[0]), ("cu_seqlens_k", host_k, k.shape[0])):
         if values is None:
             continue
@@ -374,17 +380,13 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         if values[-1] > total:
             raise ValueError(f"{name}[-1] = {values[-1]} exceeds the {total} packed tokens")
     # A sequence is never longer than the packed total: larger values are a bound, kept in range.
-    max_q = min(_max_seqlen(cu_q, host_q, max_seqlen_q, "max_seqlen_q"), q.shape[0])
-    max_k = min(_max_seqlen(cu_k, host_k, max_seqlen_k, "max_seqlen_k"), k.shape[0])
+    max_q = min(_max_seqlen(host_q, max_seqlen_q, "max_seqlen_q"), q.shape[0])
+    max_k = min(_max_seqlen(host_k, max_seqlen_k, "max_seqlen_k"), k.shape[0])
     return batch, cu_q, cu_k, max_q, max_k
 
 
-def _max_seqlen(cu, values, given, name):
-    if given is None:
-        if values is None:
-            # Reading device-resident offsets needs one small copy; it is the caller's choice to
-            # avoid it by passing max_seqlen_*.
-            values = _arrays.to_numpy(cu)
+def _max_seqlen(values, given, name):
+    if given is None:  # values: on the host (check_varlen copied GPU offsets)
         return int(np.diff(values).max()) if values.size > 1 else 0
     given = _check_int(given, name, minimum=0)
     if values is not None and values.size > 1 and int(np.diff(values).max()) > given:

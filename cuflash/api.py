@@ -16,7 +16,7 @@ try:
 except ImportError:  # NumPy < 2
     from numpy.core.multiarray import normalize_axis_index
 
-from . import _arrays, _cpu
+from . import _arrays, _cpu, _guard
 from . import _validate as V
 
 _OPTIONS_DOC = """\
@@ -73,6 +73,7 @@ def lse_dtype(dtype) -> np.dtype:
     return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)  # any byte order
 
 
+@_guard.entry
 @_doc
 def attention(
     q,
@@ -192,6 +193,7 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+@_guard.entry
 @_doc
 def attention_backward(
     dout,
@@ -303,6 +305,7 @@ def attention_backward(
     return tuple(grads)
 
 
+@_guard.entry
 def attention_vjp(q, k, v, **options):
     """Forward pass plus a closure for its vector-Jacobian product.
 
@@ -341,6 +344,7 @@ def attention_vjp(q, k, v, **options):
     return out, vjp
 
 
+@_guard.entry
 @_doc
 def attention_varlen(
     q,
@@ -446,6 +450,7 @@ def attention_varlen(
     return (out, lse) if return_lse else out
 
 
+@_guard.entry
 @_doc
 def attention_varlen_backward(
     dout,
@@ -528,6 +533,7 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     return p, cu_q, cu_k
 
 
+@_guard.entry
 def merge_states(*args, layout="bshd"):
     """Combine partial attention results over disjoint key sets through their LSE.
 
@@ -649,6 +655,7 @@ def _rows_as_lse(rows, ndim, layout):
     return _lse_as_rows(rows, ndim, layout)
 
 
+@_guard.entry
 def softmax(x, axis=-1):
     """Softmax along one axis in a single streaming pass (online normaliser).
 

@@ -15,11 +15,12 @@ import dataclasses
 
 import numpy as np
 
-from . import _arrays, _cpu
+from . import _arrays, _cpu, _guard
 from . import _validate as V
 from .api import _doc, lse_dtype
 
 
+@_guard.entry
 @_doc
 def attention_with_kvcache(
     q,
@@ -131,6 +132,56 @@ def attention_with_kvcache(
         if result is not None:
             return result if return_lse else result[0]
 
+    c = _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, num_splits)
+    p = V.finish_problem(
+        c.q, c.batch, c.q.shape[1], c.capacity, c.q.shape[2], c.k_cache.shape[2], c.q.shape[3], c.v_cache.shape[3],
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes, seqlens_k=c.lengths, k_name="k_cache",
+    )
+    return_lse = V.check_bool(return_lse, "return_lse")
+    if c.new:
+        _check_append_targets(c)
+    # Every check comes before the cache is written: a refused call changes nothing.  The CPU
+    # path's copies of the positions in use are allocated before the append too, so that running
+    # out of memory for them refuses the call before the cache changes.
+    gather = _cpu_gather_buffers(c) if not c.gpu else None
+    seq_bad = _append(c) if c.new else None
+    out, lse = _attend(p, c, gather, seq_bad, num_splits, fast_key)
+    return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass
+class _Call:
+    """The checked arrays of one call, and the index values where the host has them (else None)."""
+
+    q: object
+    k_cache: object
+    v_cache: object
+    k: object  # new tokens, or None
+    v: object
+    cache_seqlens: object  # (batch,) int32/int64, on q's side
+    lengths: object  # keys each sequence attends to: cache_seqlens + new
+    block_table: object
+    cache_batch_idx: object
+    batch: int
+    new: int
+    capacity: int  # positions a sequence can hold
+    page_size: int  # page size (paged), or the row length
+    host_lengths: object
+    host_table: object
+    host_rows: object
+
+    @property
+    def gpu(self) -> bool:
+        return _arrays.is_gpu(self.q)
+
+    @property
+    def paged(self) -> bool:
+        return self.block_table is not None
+
+
+def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, num_splits) -> _Call:
+    """Step 1: shapes, dtypes and (where the host has them) index values; nothing is written."""
     q, k_cache, v_cache = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
     V.check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
@@ -140,7 +191,6 @@ def attention_with_kvcache(
     if num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0 = automatic); got {num_splits!r}")
     batch, _, _, headdim = q.shape
-    xp = _arrays.module_of(q)
     paged = block_table is not None
     if paged and cache_batch_idx is not None:
         raise ValueError("block_table and cache_batch_idx cannot be combined")
@@ -181,59 +231,74 @@ def attention_with_kvcache(
                 f"({batch}, seqlen_new, {nheads_k}, {v_cache.shape[3]}); got {tuple(k.shape)} and {tuple(v.shape)}"
             )
     _check_ranges(host_lengths, new, capacity, row_len, host_table, capacity_rows, host_rows)
-
     # Keys each sequence attends to (the caller's int32 array itself when nothing is appended).
     lengths = cache_seqlens if not new and cache_seqlens.dtype == np.int32 else cache_seqlens.astype(np.int64) + new
-    # Every check comes before the cache is written: a refused call changes nothing.
-    p = V.finish_problem(
-        q, batch, q.shape[1], capacity, q.shape[2], nheads_k, headdim, v_cache.shape[3],
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, seqlens_k=lengths, k_name="k_cache",
-    )
-    return_lse = V.check_bool(return_lse, "return_lse")
-    gpu = _arrays.is_gpu(q)
-    keys, values = k_cache, v_cache
-    if not gpu:
-        # The CPU path reads the positions in use only, [0, longest length), through a copy
-        # made after the append into buffers allocated before it (so that running out of
-        # memory for the copies refuses the call before the cache changes; the tiled forward's
-        # own working memory is allocated after).
-        span = int(lengths.max()) if batch else 0
-        p = dataclasses.replace(p, seqlen_k=span)
-        if paged or cache_batch_idx is not None:
-            rows, slots = _cpu_rows_and_slots(lengths, span, block_table, row_len, cache_batch_idx)
-            keys = np.empty((batch, span) + tuple(k_cache.shape[2:]), dtype=k_cache.dtype)
-            values = np.empty((batch, span) + tuple(v_cache.shape[2:]), dtype=v_cache.dtype)
-        else:
-            keys, values = k_cache[:, :span], v_cache[:, :span]
-    if new:
-        _check_append_targets(q, k, v, k_cache, v_cache, host_lengths, new, row_len, host_table, host_rows)
-        _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, row_len, cache_batch_idx)
-    if not gpu and (paged or cache_batch_idx is not None):
-        _gather_into(keys, k_cache, rows, slots)
-        _gather_into(values, v_cache, rows, slots)
-    elif gpu and cache_batch_idx is not None:  # the GPU kernels read contiguous sequences (or pages) only
-        rows = cache_batch_idx.astype(np.int64)
-        keys, values = k_cache[rows], v_cache[rows]
+    return _Call(q, k_cache, v_cache, k, v, cache_seqlens, lengths, block_table, cache_batch_idx, batch, new,
+                 capacity, row_len, host_lengths, host_table, host_rows)
 
-    out = xp.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=q.dtype)
-    lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(q.dtype))
-    if p.is_empty:
-        pass
-    elif gpu:
+
+def _cpu_gather_buffers(c: _Call):
+    """The CPU path reads the positions in use only, [0, longest length): (span, rows, slots,
+    keys, values), with key/value buffers of the gathered copies for paged or indexed caches
+    (None for a contiguous cache, read through views)."""
+    span = int(c.lengths.max()) if c.batch else 0
+    if not (c.paged or c.cache_batch_idx is not None):
+        return span, None, None, None, None
+    rows, slots = _cpu_rows_and_slots(c.lengths, span, c.block_table, c.page_size, c.cache_batch_idx)
+    keys = np.empty((c.batch, span) + tuple(c.k_cache.shape[2:]), dtype=c.k_cache.dtype)
+    values = np.empty((c.batch, span) + tuple(c.v_cache.shape[2:]), dtype=c.v_cache.dtype)
+    return span, rows, slots, keys, values
+
+
+def _append(c: _Call):
+    """Step 2: write the new tokens at positions cache_seqlens[b] + t (in place).  The GPU kernel
+    checks the index values itself and writes nothing for a sequence whose slots are not legal;
+    it returns their flags, for step 3 (None on the CPU, whose values were checked on the host)."""
+    if c.gpu:
         from . import _gpu
 
-        record = []
-        _gpu.forward(p, q, keys, values, out, lse, block_table=block_table if paged else None,
-                     num_splits=int(num_splits), record=record)
-        if fast_key is not None and record:
-            from . import _fastpath
-
-            _fastpath.remember(fast_key, record[0], ("q", "k", "v", "seqlens_k", "block_table"),
-                               (q, k_cache, v_cache, cache_seqlens, block_table), out, False, lse.shape)
+        return _gpu.append_kv(c.k_cache, c.v_cache, c.k, c.v, c.cache_seqlens, c.capacity, block_table=c.block_table,
+                              cache_batch_idx=c.cache_batch_idx)
+    pos = c.cache_seqlens.astype(np.int64)[:, None] + np.arange(c.new)[None, :]  # (batch, new)
+    if c.paged:
+        pages, slots = _page_slots(np, c.block_table, pos, c.page_size)
+        c.k_cache[pages, slots] = c.k
+        c.v_cache[pages, slots] = c.v
     else:
-        _cpu.forward(p, q, keys, values, out, lse)
-    return (out, lse) if return_lse else out
+        rows = np.arange(c.batch) if c.cache_batch_idx is None else c.cache_batch_idx.astype(np.int64)
+        c.k_cache[rows[:, None], pos] = c.k
+        c.v_cache[rows[:, None], pos] = c.v
+    return None
+
+
+def _attend(p, c: _Call, gather, seq_bad, num_splits, fast_key):
+    """Step 3: attention of each sequence to its valid prefix; returns (out, lse)."""
+    xp = _arrays.module_of(c.q)
+    out = xp.empty((p.batch, p.seqlen_q, p.nheads_q, p.headdim_v), dtype=c.q.dtype)
+    lse = xp.empty((p.batch, p.nheads_q, p.seqlen_q), dtype=lse_dtype(c.q.dtype))
+    if p.is_empty:
+        return out, lse
+    if not c.gpu:
+        span, rows, slots, keys, values = gather
+        if keys is None:
+            keys, values = c.k_cache[:, :span], c.v_cache[:, :span]
+        else:
+            _gather_into(keys, c.k_cache, rows, slots)
+            _gather_into(values, c.v_cache, rows, slots)
+        _cpu.forward(dataclasses.replace(p, seqlen_k=span), c.q, keys, values, out, lse)
+        return out, lse
+    from . import _gpu
+
+    record = []
+    _gpu.forward(p, c.q, c.k_cache, c.v_cache, out, lse, block_table=c.block_table, cache_batch_idx=c.cache_batch_idx,
+                 seq_bad=seq_bad, seqlen_new=c.new, num_splits=int(num_splits), record=record,
+                 call="attention_with_kvcache")
+    if fast_key is not None and record:
+        from . import _fastpath
+
+        _fastpath.remember(fast_key, record[0], ("q", "k", "v", "seqlens_k", "block_table"),
+                           (c.q, c.k_cache, c.v_cache, c.cache_seqlens, c.block_table), out, False, lse.shape)
+    return out, lse
 
 
 def _cpu_rows_and_slots(lengths, span, block_table, page_size, cache_batch_idx):
@@ -282,19 +347,24 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
         raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
 
 
-def _check_append_targets(q, k, v, k_cache, v_cache, lengths, new, page_size, table, rows):
+def _check_append_targets(c: _Call):
     """Appending writes the caches in place: they must be writable and distinct, q, k and v must
-    not live in them (k_cache is written before v is read, and q is read after both), and (where
-    the index values are on the host) no new token may land on a slot that another new token
-    or another sequence's keys occupy."""
-    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+    not live in them (k_cache is written before v is read, and q is read after both), GPU caches
+    need a contiguous last axis (the append kernel copies whole rows), and (where the index values
+    are on the host) no new token may land on a slot that another new token or another sequence's
+    keys occupy."""
+    for name, cache in (("k_cache", c.k_cache), ("v_cache", c.v_cache)):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"{name} is read-only (or a broadcast view); new tokens are written into it in place")
-    if V.shares_memory(k_cache, v_cache):
+        if c.gpu and cache.size and cache.strides[-1] != cache.itemsize:
+            raise ValueError(f"{name} has a strided last axis (stride {cache.strides[-1]} bytes); appending on the "
+                             "GPU needs its head dim contiguous (pass a contiguous cache)")
+    if V.shares_memory(c.k_cache, c.v_cache):
         raise ValueError("k_cache and v_cache share memory; new tokens for both would overwrite each other")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.size and any(V.shares_memory(x, c) for c in (k_cache, v_cache) if c.size):
+    for name, x in (("q", c.q), ("k", c.k), ("v", c.v)):
+        if x.size and any(V.shares_memory(x, cache) for cache in (c.k_cache, c.v_cache) if cache.size):
             raise ValueError(f"{name} shares memory with the cache, which this call writes before it reads {name}")
+    lengths, table, rows, new, page_size = c.host_lengths, c.host_table, c.host_rows, c.new, c.page_size
     if lengths is None or not lengths.size:
         return
     if rows is not None:
@@ -349,17 +419,3 @@ def _check_shared_pages(table, ends, page_size, pages, pos):
         raise ValueError(f"block_table: sequence {b}'s new token {t} would overwrite page {pages[b, t]}, "
                          f"slot {offset[i]}, which {who}; each new token needs a slot no other "
                          "position reads")
-
-
-def _append(xp, k_cache, v_cache, k, v, cache_seqlens, block_table, page_size, cache_batch_idx):
-    """Write the new tokens at positions cache_seqlens[b] + t (in place)."""
-    batch, new = k.shape[:2]
-    pos = cache_seqlens.astype(np.int64)[:, None] + xp.arange(new)[None, :]  # (batch, new)
-    if block_table is not None:
-        pages, slots = _page_slots(xp, block_table, pos, page_size)
-        k_cache[pages, slots] = k
-        v_cache[pages, slots] = v
-    else:
-        rows = xp.arange(batch) if cache_batch_idx is None else cache_batch_idx.astype(np.int64)
-        k_cache[rows[:, None], pos] = k
-        v_cache[rows[:, None], pos] = v

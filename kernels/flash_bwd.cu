@@ -130,7 +130,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     }
     cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
     __syncthreads();
-    store_warp_tile<T, kD, kStride>(dq, scale, sQ + warp * 16 * kStride, gdQ + warp * 16 * p.dq_row_stride,
+    store_warp_tile<T, kD, kStride>(dq, seq.poison(scale), sQ + warp * 16 * kStride, gdQ + warp * 16 * p.dq_row_stride,
                                     p.dq_row_stride, rows_valid - warp * 16, qk_chunks, lane);
 }
 
@@ -222,9 +222,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // all copies landed and every warp is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kT, write_rows - n0) - warp * 16;
-    store_warp_tile<T, kD, kStride>(dk, scale, sK + warp * 16 * kStride, gdK + warp * 16 * p.dk_row_stride,
+    store_warp_tile<T, kD, kStride>(dk, seq.poison(scale), sK + warp * 16 * kStride, gdK + warp * 16 * p.dk_row_stride,
                                     p.dk_row_stride, rows_valid, qk_chunks, lane);
-    store_warp_tile<T, kD, kStride>(dv, 1.f, sV + warp * 16 * kStride, gdV + warp * 16 * p.dv_row_stride,
+    store_warp_tile<T, kD, kStride>(dv, seq.poison(1.f), sV + warp * 16 * kStride, gdV + warp * 16 * p.dv_row_stride,
                                     p.dv_row_stride, rows_valid, v_chunks, lane);
 }
 

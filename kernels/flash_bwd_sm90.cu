@@ -193,7 +193,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     }
     cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
     __syncthreads();     // every warpgroup is done reading sQ before it stages dQ
-    store_tile<T, kD, kBM, kThreads>(dq, scale, sQ, wg * 64, gdQ, p.dq_row_stride, rows_valid, qk_chunks, tid);
+    store_tile<T, kD, kBM, kThreads>(dq, seq.poison(scale), sQ, wg * 64, gdQ, p.dq_row_stride, rows_valid, qk_chunks, tid);
 }
 
 template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic>
@@ -380,8 +380,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // every warpgroup is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kBN, write_rows - n0);
-    store_tile<T, kD, kBN, kThreads>(dk, scale, sK, wg * 64, gdK, p.dk_row_stride, rows_valid, qk_chunks, tid);
-    store_tile<T, kD, kBN, kThreads>(dv, 1.f, sV, wg * 64, gdV, p.dv_row_stride, rows_valid, v_chunks, tid);
+    store_tile<T, kD, kBN, kThreads>(dk, seq.poison(scale), sK, wg * 64, gdK, p.dk_row_stride, rows_valid, qk_chunks, tid);
+    store_tile<T, kD, kBN, kThreads>(dv, seq.poison(1.f), sV, wg * 64, gdV, p.dv_row_stride, rows_valid, v_chunks, tid);
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
@@ -407,7 +407,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_C
     const int m0 = blockIdx.x * kBM;
     if (m0 >= seq.sq) return;
     const int rows_valid = min(kBM, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / 8);
-    const float scale = static_cast<float>(p.softmax_scale);
+    const float scale = seq.poison(static_cast<float>(p.softmax_scale));
     const float* acc = p.dq_accum + seq.lse_row(p, b, h, m0) * kD;
     u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
     for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {

@@ -251,9 +251,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     if (bh >= p.batch * heads) return;
     const int b = static_cast<int>(bh / heads), h = static_cast<int>(bh % heads) * g;  // h: first query head
     const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);  // GQA: query heads share K/V head hk
-    const SeqInfo seq(p, b);
     const int num_splits = kSplitKV ? static_cast<int>(p.num_splits) : 1;
     const int split = blockIdx.x % num_splits, m_blocks = gridDim.x / num_splits;
+    const SeqInfo seq(p, b, split, num_splits);
     const int m0 = (m_blocks - 1 - static_cast<int>(blockIdx.x) / num_splits) * kBM;  // longest rows (causal) first
     const int rows = seq.sq * g;
     if (m0 >= rows) return;  // varlen: this sequence is shorter
@@ -261,8 +261,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     auto token = [&](int r) { return kSplitKV ? (m0 + r) / g : m0 + r; };
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + seq.kv_b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + seq.kv_b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, rows - m0);
@@ -283,14 +283,19 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or (paged) rows whose (page, slot)
     // page_rows() looked up once per tile into shared memory, for the K and the V copies alike.
+    // A page outside the cache reads page 0 instead: some block of each row group found it bad
+    // (SeqInfo checks a split's share of the pages), and its NaN reaches every row in the merge.
     const bool paged = kSplitKV && p.block_table != nullptr;
     __shared__ int2 s_page_slot[kSplitKV ? 2 : 1][kSplitKV ? kBN : 1];  // double-buffered by tile parity
     auto page_rows = [&](int nb) {
-        const int* table = p.block_table + b * p.block_table_batch_stride;
+        const long long row = b * p.block_table_batch_stride;
         const int page_size = static_cast<int>(p.page_size);
         for (int r = tid; r < kBN; r += kThreads) {
             const int j = nb * kBN + r;
-            if (j < seq.sk) s_page_slot[nb & 1][r] = make_int2(table[j / page_size], j % page_size);
+            if (j < seq.sk) {
+                const long long page = load_index(p, p.block_table, kIndexTable, row + j / page_size);
+                s_page_slot[nb & 1][r] = make_int2(page < 0 || page >= p.kv_rows ? 0 : static_cast<int>(page), j % page_size);
+            }
         }
     };
     auto load_kv = [&](u16* smem, const void* base, const u16* g_seq, long long batch_stride, long long row_stride,
@@ -449,7 +454,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     float lse;
-                    const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
+                    const float inv_l = row[mt][half].finalize(seq.poison(quad_sum(row[mt][half].l)), lse);
                     const int r = (row_warp * kMT + mt) * 16 + lane / 4 + half * 8;  // row within the block
                     if (!writer || r >= rows_valid) continue;
                     const long long at = split * rows_all + acc_row(r);
@@ -483,7 +488,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float lse;
-            const float inv_l = row[mt][half].finalize(quad_sum(row[mt][half].l), lse);
+            const float inv_l = row[mt][half].finalize(seq.poison(quad_sum(row[mt][half].l)), lse);
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
             const int i = (row_warp * kMT) * 16 + r;      // row within the block
             if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;

@@ -12,9 +12,14 @@ struct FlashParams {
     void* out;                     // (batch, seqlen_q, nheads_q, headdim_v)
     float* lse;                    // natural-log LSE, row i of (b, h) at b*lse_batch_stride + h*lse_head_stride + q_start + i
     const float* alibi_slopes;     // (batch, nheads_q) contiguous, or null
-    const int* cu_seqlens_q;       // (batch + 1) packed-row offsets of q/out, or null (padded batch)
-    const int* cu_seqlens_k;       // (batch + 1) packed-row offsets of k/v, or null
-    const int* seqlens_k;          // (batch) valid key length per batch entry, or null (= seqlen_k)
+    // Index arrays (int32, or int64 where index_64bit has their bit; metadata.cuh reads them).  Their
+    // values are never trusted: SeqInfo bounds every index derived from them by the extents below.
+    const void* cu_seqlens_q;      // (batch + 1) packed-row offsets of q/out, or null (padded batch)
+    const void* cu_seqlens_k;      // (batch + 1) packed-row offsets of k/v, or null
+    const void* seqlens_k;         // (batch) valid key length per batch entry, or null (= seqlen_k)
+    const void* cache_batch_idx;   // (batch) row of k/v holding sequence b, or null (row b)
+    int* seq_bad;                  // (batch) 1 = the KV append refused sequence b (kv_append.cu writes it), or null
+    unsigned long long* error_word;  // mapped host memory: the first bad index is atomicMin'ed here (metadata.cuh)
     // Backward only (null in the forward):
     const void* dout;              // (batch, seqlen_q, nheads_q, headdim_v), gradient of out
     void* dq;                      // (batch, seqlen_q, nheads_q, headdim_qk), written
@@ -23,10 +28,13 @@ struct FlashParams {
     float* dsum;                   // D = rowsum(dout * out), fp32, laid out like lse
     float* dq_accum;               // Hopper dkdv with atomic dQ: fp32 (rows of lse, head-dim bucket), zeroed, or null
     // Split-KV decode kernel only (null / 0 elsewhere):
-    const int* block_table;        // (batch, max_pages) page of each page_size keys; k/v batch stride = page stride
+    const void* block_table;       // (batch, max_pages) page of each page_size keys; k/v batch stride = page stride
     float* out_accum;              // (num_splits, batch, nheads_q, seqlen_q, headdim_v) fp32 partial outputs
     float* lse_accum;              // (num_splits, batch, nheads_q, seqlen_q) their natural-log LSE
     int* split_counters;           // one per group of blocks sharing rows, 0 between launches (the last block resets it)
+    // KV append only (kv_append.cu): new keys/values (batch, seqlen_new, nheads_k, headdim), written into k/v.
+    const void* k_new;
+    const void* v_new;
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;
@@ -38,6 +46,8 @@ struct FlashParams {
     long long dq_batch_stride, dq_row_stride, dq_head_stride;
     long long dk_batch_stride, dk_row_stride, dk_head_stride;
     long long dv_batch_stride, dv_row_stride, dv_head_stride;
+    long long knew_batch_stride, knew_row_stride, knew_head_stride;
+    long long vnew_batch_stride, vnew_row_stride, vnew_head_stride;
 
     long long batch, nheads_q, nheads_k;
     long long seqlen_q, seqlen_k;  // padded sizes (varlen: the longest sequence)
@@ -45,6 +55,13 @@ struct FlashParams {
 
     long long window_left, window_right;  // inclusive, -1 = unbounded; causal already folded in (right = 0)
     long long top_left;            // 1: diagonal through (0, 0); 0: bottom-right (offset sk - sq)
+
+    // Extents that bound the metadata, and how a violation is reported (metadata.cuh):
+    long long total_q, total_k;    // rows of packed q and k (varlen)
+    long long kv_rows;             // k/v's first axis where it is indexed by metadata: pages (block_table) or rows (cache_batch_idx)
+    long long index_64bit;         // bit set per index array stored as int64 (kIndex* in metadata.cuh)
+    long long error_call;          // the call's description number on the host (cuflash/_guard.py)
+    long long seqlen_new, elem_bytes;  // KV append: new tokens per sequence, bytes per element
 
     // Split-KV decode kernel only:
     long long block_table_batch_stride, page_size;  // paged K/V (block_table not null)

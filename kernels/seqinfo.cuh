@@ -6,34 +6,102 @@
 //     i + off - window_left <= j <= i + off + window_right      (each bound only if != -1)
 // with off = sk - sq (bottom-right diagonal) or 0 (top-left).
 #pragma once
+#include "metadata.cuh"
 #include "params.cuh"
 
 struct SeqInfo {
     int sq, sk;           // this sequence's query and key lengths
     long long q_start;    // first packed row of this sequence in q/out/lse (0 for padded batches)
     long long k_start;    // first packed row in k/v
+    long long kv_b;       // batch row of k/v: cache_batch_idx[b], or b
     int offset;           // diagonal offset: sk - sq, or 0 for top-left
     int left, right;      // window, -1 = unbounded
+    bool bad;             // its metadata is invalid: every row of it becomes NaN (poison)
 
-    __device__ __forceinline__ SeqInfo(const FlashParams& p, int b) {
+    // Every thread of the block constructs it at the same point (the checks synchronise the block).
+    // The metadata is checked against the extents in p (metadata.cuh): a sequence whose own
+    // values, or any earlier offset of a malformed cu_seqlens, break the rules is bad; whatever
+    // the values, sq/sk/q_start/k_start/kv_b stay inside the arrays (a packed side that cannot be
+    // trusted gets no rows: the varlen_tail kernel fills those).  block_table entries are checked
+    // for the part-th of `parts` equal shares of the pages in use (a split-KV block checks its
+    // split's share; the merge of the splits spreads the NaN); paged reads clamp bad pages anyway.
+    __device__ __forceinline__ SeqInfo(const FlashParams& p, int b, int part = 0, int parts = 1) {
+        bad = false;
+        int arg = -1;
+        long long at = 0;
+        auto fail = [&](int a, long long index) {
+            if (arg < 0) arg = a, at = index;
+            bad = true;
+        };
+        q_start = 0;
+        sq = static_cast<int>(p.seqlen_q);
         if (p.cu_seqlens_q) {
-            q_start = p.cu_seqlens_q[b];
-            sq = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-        } else {
-            q_start = 0;
-            sq = static_cast<int>(p.seqlen_q);
+            const long long e = first_bad_offset(p, p.cu_seqlens_q, kIndexCuQ, b + 1, p.total_q);
+            if (e >= 0) {
+                sq = 0;
+                fail(kArgCuSeqlensQ, e);
+            } else {
+                q_start = load_index(p, p.cu_seqlens_q, kIndexCuQ, b);
+                const long long n = load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1) - q_start;
+                sq = static_cast<int>(n);
+                if (n > p.seqlen_q) fail(kArgMaxSeqlenQ, b);  // rows past max_seqlen_q: varlen_tail
+            }
         }
+        k_start = 0;
+        sk = static_cast<int>(p.seqlen_k);
         if (p.cu_seqlens_k) {
-            k_start = p.cu_seqlens_k[b];
-            sk = p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
-        } else {
-            k_start = 0;
-            sk = p.seqlens_k ? p.seqlens_k[b] : static_cast<int>(p.seqlen_k);
+            const long long e = first_bad_offset(p, p.cu_seqlens_k, kIndexCuK, b + 1, p.total_k);
+            if (e >= 0) {
+                sk = 0;
+                fail(kArgCuSeqlensK, e);
+            } else {
+                k_start = load_index(p, p.cu_seqlens_k, kIndexCuK, b);
+                const long long n = load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1) - k_start;
+                sk = static_cast<int>(n);
+                if (n > p.seqlen_k) fail(kArgMaxSeqlenK, b);
+            }
+        } else if (p.seqlens_k) {
+            const long long n = load_index(p, p.seqlens_k, kIndexSeqlensK, b);
+            sk = n < 0 || n > p.seqlen_k ? 0 : static_cast<int>(n);
+            if (n < 0 || n > p.seqlen_k) fail(kArgSeqlensK, b);
         }
+        kv_b = b;
+        if (p.cache_batch_idx) {
+            const long long r = load_index(p, p.cache_batch_idx, kIndexBatchIdx, b);
+            if (r < 0 || r >= p.kv_rows) {
+                kv_b = 0;
+                sk = 0;
+                fail(kArgBatchIdx, b);
+            } else {
+                kv_b = r;
+            }
+        }
+        if (p.seq_bad && p.seq_bad[b]) {  // the append kernel refused it and reported why
+            sk = 0;
+            bad = true;
+        }
+        if (p.block_table && sk > 0) {
+            const long long ps = p.page_size, row = b * p.block_table_batch_stride;
+            const long long pages = (sk + ps - 1) / ps, share = (pages + parts - 1) / parts;
+            const long long lo = min(pages, part * share), hi = min(pages, lo + share);
+            const long long j = block_first_bad(lo, hi, [&](long long i) {
+                const long long page = load_index(p, p.block_table, kIndexTable, row + i);
+                return page < 0 || page >= p.kv_rows;
+            });
+            if (j >= 0) {
+                sk = 0;
+                fail(kArgBlockTable, row + j);
+            }
+        }
+        if (arg >= 0 && threadIdx.x == 0) report_bad_index(p, arg, at);
         offset = p.top_left ? 0 : sk - sq;
         left = static_cast<int>(p.window_left);
         right = static_cast<int>(p.window_right);
     }
+
+    // x, or NaN for a bad sequence: applied to each row's softmax sum (forward) and to the scale
+    // of each gradient store (backward), so that every value written for the sequence is NaN.
+    __device__ __forceinline__ float poison(float x) const { return bad ? __int_as_float(0x7fffffff) : x; }
 
     // Index of query row i of head h in the LSE, and in D and dq_accum, which share its rows.
     __device__ __forceinline__ long long lse_row(const FlashParams& p, int b, int h, int i) const {

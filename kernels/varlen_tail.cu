@@ -1,26 +1,89 @@
-// Rows of a packed (varlen) batch that belong to no sequence, [cu_seqlens_q[batch], total_q):
-// out = 0 and lse = -inf, the values attention_varlen documents for them.  Launched before the
-// forward kernel, which writes every row inside a sequence, so no call clears the whole output.
-// out's rows are (nheads_q, headdim_v) 16-bit values at its strides (16-byte aligned chunks);
-// the LSE of packed rows is (nheads_q, total_q), so total_q = lse_head_stride.
+// Rows of a packed (varlen) array that no well-formed sequence owns; the attention kernels write
+// every other row (SeqInfo gives such rows to no block).  With offsets cu = cu_seqlens_q (q side)
+// or cu_seqlens_k (k side) over `total` packed rows:
+//   - rows [cu[batch], total) of a well-formed cu belong to no sequence: out = 0, lse = -inf
+//     (forward; the backward's gradients start at 0);
+//   - if cu is malformed from entry e on (metadata.cuh), rows [cu[e - 1], total) (all rows when
+//     e = 0) belong to sequences whose rows cannot be trusted: NaN, and the LSE NaN;
+//   - rows of a sequence past max_seqlen (p.seqlen_q / p.seqlen_k), which no block of the grid
+//     reaches: NaN.
+// Entry points: <name> (forward: out and lse, q side), <name>_dq (dq), <name>_dkdv (dk and dv,
+// k side).  Launched before the attention kernels, grid-stride over rows; values are written in
+// 16-byte chunks of 16-bit elements at the array's strides.  The u16 pattern 0x7fff is NaN in
+// float16 and bfloat16 alike.
+#include "metadata.cuh"
 #include "params.cuh"
 
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_varlen_tail
 #endif
+#define CUFLASH_CAT2(a, b) a##b
+#define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
+
+struct PackedRows {  // one (total, nheads, headdim) array at its strides
+    void* base;
+    long long row_stride, head_stride, heads, chunks;
+};
+
+// Write rows [lo, hi) of each array: `fill` (a 16-byte pattern) into out, `lse_fill` into the LSE.
+template <int kArrays>
+__device__ __forceinline__ void fill_rows(const PackedRows (&a)[kArrays], long long lo, long long hi, uint4 fill, float* lse,
+                                          long long lse_heads, long long lse_stride, float lse_fill, long long first_thread,
+                                          long long step) {
+    if (lo >= hi) return;
+    const long long rows = hi - lo;
+#pragma unroll
+    for (int k = 0; k < kArrays; ++k) {
+        const long long per_row = a[k].heads * a[k].chunks;
+        unsigned short* base = static_cast<unsigned short*>(a[k].base);
+        for (long long i = first_thread; i < rows * per_row; i += step) {
+            const long long r = lo + i / per_row, h = i % per_row / a[k].chunks, c = i % a[k].chunks;
+            *reinterpret_cast<uint4*>(base + r * a[k].row_stride + h * a[k].head_stride + c * 8) = fill;
+        }
+    }
+    if (lse)
+        for (long long i = first_thread; i < rows * lse_heads; i += step) lse[i / rows * lse_stride + lo + i % rows] = lse_fill;
+}
+
+template <int kArrays>
+__device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu, int bit, long long total, long long max_len,
+                                            const PackedRows (&a)[kArrays], float* lse, bool zero_tail) {
+    const float kNaN = __int_as_float(0x7fffffff), kInf = __int_as_float(0x7f800000);
+    const uint4 nan = make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu), zero = make_uint4(0, 0, 0, 0);
+    const long long batch = p.batch, heads = p.nheads_q;
+    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    const long long e = first_bad_offset(p, cu, bit, batch, total);
+    const long long good = e < 0 ? batch : max(e - 1, 0ll);  // sequences [0, good) are well formed
+    if (e < 0) {
+        if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, zero, lse, heads, total, -kInf, first, step);
+    } else {
+        fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan, lse, heads, total, kNaN, first, step);
+    }
+    // Sequences longer than max_len: the rows past it (looked for by the whole block at once, then
+    // one sequence after another, which only a bad call pays for).
+    bool any_long = false;
+    for (long long b = threadIdx.x; b < good; b += blockDim.x)
+        any_long |= load_index(p, cu, bit, b + 1) - load_index(p, cu, bit, b) > max_len;
+    if (!__syncthreads_or(any_long)) return;
+    for (long long b = 0; b < good; ++b) {
+        const long long start = load_index(p, cu, bit, b), end = load_index(p, cu, bit, b + 1);
+        if (end - start > max_len) fill_rows(a, start + max_len, end, nan, lse, heads, total, kNaN, first, step);
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const FlashParams p) {
-    const long long total = p.lse_head_stride;
-    const long long first = min(max(static_cast<long long>(p.cu_seqlens_q[p.batch]), 0ll), total);
-    const long long rows = total - first;
-    if (rows == 0) return;
-    const long long chunks = p.headdim_v / 8, per_row = p.nheads_q * chunks;
-    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
-    unsigned short* out = static_cast<unsigned short*>(p.out);
-    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < rows * per_row; i += step) {
-        const long long r = first + i / per_row, h = i % per_row / chunks, c = i % chunks;
-        *reinterpret_cast<uint4*>(out + r * p.o_row_stride + h * p.o_head_stride + c * 8) = make_uint4(0, 0, 0, 0);
-    }
-    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < rows * p.nheads_q; i += step)
-        p.lse[i / rows * total + first + i % rows] = -__int_as_float(0x7f800000);
+    const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
+    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, p.total_q, p.seqlen_q, out, p.lse, true);
+}
+
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
+    const PackedRows dq[1] = {{p.dq, p.dq_row_stride, p.dq_head_stride, p.nheads_q, p.headdim_qk / 8}};
+    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, p.total_q, p.seqlen_q, dq, nullptr, false);
+}
+
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
+    const PackedRows dkdv[2] = {{p.dk, p.dk_row_stride, p.dk_head_stride, p.nheads_k, p.headdim_qk / 8},
+                                {p.dv, p.dv_row_stride, p.dv_head_stride, p.nheads_k, p.headdim_v / 8}};
+    varlen_tail(p, p.cu_seqlens_k, kIndexCuK, p.total_k, p.seqlen_k, dkdv, nullptr, false);
 }

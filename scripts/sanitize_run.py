@@ -67,4 +67,59 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
 for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
     cuflash.softmax(rand((3, 1000), dtype))
 cp.cuda.Device().synchronize()
+
+
+# Hostile index values (issue 19): every call must stay inside its arrays (memcheck, with the
+# pool off so that each array is its own allocation) and report through cuflash.synchronize().
+def expect_bad(call):
+    call()
+    try:
+        cuflash.synchronize()
+    except cuflash.InvalidIndexError:
+        return
+    raise AssertionError("no InvalidIndexError")
+
+
+def idx(values, dtype=np.int32):
+    return cp.asarray(np.array(values, dtype=dtype))
+
+
+for dtype in (np.float16, ml_dtypes.bfloat16):
+    q, k, v = rand((100, 4, 64), dtype), rand((150, 2, 64), dtype), rand((150, 2, 64), dtype)
+    for bad_q, bad_k in (([0, 50, 120], [0, 9, 150]), ([0, 60, 40, 100], [0, 9, 20, 150]), ([-8, 60, 100], [0, 9, 150]),
+                         ([0, 50, 100], [0, 900, 150]), ([0, 50, 100], [0, -9, 150])):
+        for it in (np.int32, np.int64):
+            cu_q, cu_k = idx(bad_q, it), idx(bad_k, it)
+            expect_bad(lambda: cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=100, max_seqlen_k=150, causal=True))
+            out = rand((100, 4, 64), dtype)
+            lse = cp.zeros((4, 100), cp.float32)
+            expect_bad(lambda: cuflash.attention_varlen_backward(out, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=100,
+                                                                 max_seqlen_k=150))
+    expect_bad(lambda: cuflash.attention_varlen(q, k, v, idx([0, 30, 100]), idx([0, 9, 150]), max_seqlen_q=40,
+                                                max_seqlen_k=150))
+    qb, kb = rand((2, 33, 4, 128), dtype), rand((2, 70, 2, 128), dtype)
+    for bad in ([5, 71], [-1, 3], [2**40, 3]):
+        lengths = idx(bad, np.int64)
+        expect_bad(lambda: cuflash.attention(qb, kb, kb, seqlens_k=lengths))
+        out, lse = cuflash.attention(qb, kb, kb, return_lse=True)
+        expect_bad(lambda: cuflash.attention_backward(out, qb, kb, kb, out, lse, seqlens_k=lengths))
+    # KV caches: contiguous (64 slots), paged (4 pages of 16), indexed rows; decode and prefill rows.
+    kc, vc = rand((2, 64, 2, 64), dtype), rand((2, 64, 2, 64), dtype)
+    kn, vn = rand((2, 1, 2, 64), dtype), rand((2, 1, 2, 64), dtype)
+    for rows in (1, 20):
+        qd = rand((2, rows, 4, 64), dtype)
+        for bad in ([10, 200], [-1, 3]):
+            for splits in (1, 0):
+                expect_bad(lambda: cuflash.attention_with_kvcache(qd, kc, vc, cache_seqlens=idx(bad), num_splits=splits))
+            expect_bad(lambda: cuflash.attention_with_kvcache(qd, kc, vc, kn, vn, cache_seqlens=idx([bad[0], 64])))
+        expect_bad(lambda: cuflash.attention_with_kvcache(qd, kc, vc, kn, vn, cache_seqlens=idx([3, 4]),
+                                                          cache_batch_idx=idx([1, 2])))
+        expect_bad(lambda: cuflash.attention_with_kvcache(qd, kc, vc, kn, vn, cache_seqlens=idx([3, 4]),
+                                                          cache_batch_idx=idx([-1, 0])))
+    kp, vp = rand((4, 16, 2, 64), dtype), rand((4, 16, 2, 64), dtype)
+    qd = rand((2, 1, 4, 64), dtype)
+    for table in ([[0, 9], [1, 2]], [[0, -1], [1, 2]], [[0, 1], [0, 3]]):
+        for splits in (1, 3, 0):
+            expect_bad(lambda: cuflash.attention_with_kvcache(qd, kp, vp, kn, vn, cache_seqlens=idx([20, 5]),
+                                                              block_table=idx(table), num_splits=splits))
 print("sanitize sweep done")

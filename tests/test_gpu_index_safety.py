@@ -1,0 +1,353 @@
+"""Bad GPU index values: no access outside the arrays, NaN rows, a deferred InvalidIndexError,
+appends that are refused instead of wrapped (docs/conventions.md, "Index arrays").
+
+Each bad form runs on the GPU; then ``cuflash.synchronize()`` must raise the documented error
+(and the call after it must not), the affected rows must be NaN, and every other row must equal,
+bit for bit, the same call with the bad entries repaired (the sequences are computed
+independently; backward runs with ``deterministic=True``).  ``out=`` sits between guard regions
+of one buffer, which must come back bit-identical; KV caches must change only at the legal
+append slots.  Skipped without a CUDA GPU; compute-sanitizer runs the same forms in
+scripts/sanitize_run.py.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+
+from .conftest import requires_gpu
+from .test_gpu_forward import _cp, _rand
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+DTYPES = [np.float16, ml_dtypes.bfloat16]
+
+
+def _nan_rows(x):
+    """Per leading index: whether every value of that row is NaN (as a NumPy bool array)."""
+    a = np.asarray(x.get() if hasattr(x, "get") else x, dtype=np.float32)
+    return np.isnan(a.reshape(a.shape[0], -1)).all(axis=1)
+
+
+def _expect_error(*words):
+    with pytest.raises(cuflash.InvalidIndexError) as info:
+        cuflash.synchronize()
+    for w in words:
+        assert w in str(info.value), (w, str(info.value))
+    cuflash.synchronize()  # cleared: nothing more to raise
+
+
+def _guarded(shape, dtype):
+    """(view, buffer): a NaN-poisoned array inside a buffer whose 4096-element margins hold a pattern."""
+    cp = _cp()
+    n = int(np.prod(shape))
+    buf = cp.asarray(np.arange(n + 8192, dtype=np.float32).astype(dtype))
+    buf[4096:4096 + n] = np.nan
+    return buf[4096:4096 + n].reshape(shape), buf
+
+
+def _margins_intact(buf):
+    cp = _cp()
+    ref = cp.asarray(np.arange(buf.size, dtype=np.float32).astype(buf.dtype))
+    n = buf.size - 8192
+    return bool((buf[:4096].view(cp.uint16) == ref[:4096].view(cp.uint16)).all()) and \
+        bool((buf[4096 + n:].view(cp.uint16) == ref[4096 + n:].view(cp.uint16)).all())
+
+
+# --- attention_varlen and its backward ----------------------------------------------------------
+
+# (bad cu_seqlens_q, bad cu_seqlens_k, repaired q, repaired k, max_seqlen_q, first affected
+# sequence, words of the message); q has 100 rows, k 200.
+VARLEN_CASES = {
+    "q_past_rows": ([0, 50, 120], [0, 80, 200], [0, 50, 100], [0, 80, 200], 70, 1, ("cu_seqlens_q[2]",)),
+    "q_decreasing": ([0, 60, 40, 100], [0, 50, 100, 200], [0, 60, 60, 100], [0, 50, 100, 200], 60, 1, ("cu_seqlens_q[2]",)),
+    "q_negative_start": ([-5, 20, 100], [0, 80, 200], [0, 20, 100], [0, 80, 200], 80, 0, ("cu_seqlens_q[0]",)),
+    "k_past_rows": ([0, 30, 100], [0, 90, 900], [0, 30, 100], [0, 90, 200], 70, 1, ("cu_seqlens_k[2]",)),
+    "k_negative": ([0, 30, 100], [0, -7, 200], [0, 30, 100], [0, 0, 200], 70, 0, ("cu_seqlens_k[1]",)),
+    "q_longer_than_max": ([0, 40, 100], [0, 80, 200], [0, 40, 100], [0, 80, 200], 50, 1, ("max_seqlen_q = 50", "sequence 1")),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("case", list(VARLEN_CASES))
+def test_varlen_bad_offsets(rng, dtype, index_dtype, case):
+    cp = _cp()
+    bad_q, bad_k, good_q, good_k, max_q, first, words = VARLEN_CASES[case]
+    q, k, v = (cp.asarray(_rand(rng, s, dtype, 3.0)) for s in ((100, 4, 64), (200, 2, 64), (200, 2, 64)))
+    args = dict(max_seqlen_q=max_q, max_seqlen_k=200, causal=True)
+    ok_out, ok_lse = cuflash.attention_varlen(q, k, v, cp.asarray(np.array(good_q, index_dtype)),
+                                              cp.asarray(np.array(good_k, index_dtype)), return_lse=True,
+                                              **dict(args, max_seqlen_q=100))
+    out, buf = _guarded((100, 4, 64), dtype)
+    cu_q, cu_k = (cp.asarray(np.array(c, index_dtype)) for c in (bad_q, bad_k))
+    res, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, out=out, return_lse=True, **args)
+    _expect_error("attention_varlen", *words)
+    assert _margins_intact(buf)
+    good_rows = np.arange(100) < good_q[first]  # rows of the unaffected sequences [0, first)
+    assert _nan_rows(res)[~good_rows].all() and not np.isnan(res.get()[good_rows].astype(np.float32)).any()
+    assert np.array_equal(res.get()[good_rows].view(np.uint16), ok_out.get()[good_rows].view(np.uint16))
+    assert np.isnan(lse.get()[:, ~good_rows]).all()
+    assert np.array_equal(lse.get()[:, good_rows], ok_lse.get()[:, good_rows])
+
+    dout = cp.asarray(_rand(rng, (100, 4, 64), dtype))
+    ok = cuflash.attention_varlen_backward(dout, q, k, v, ok_out, ok_lse, cp.asarray(np.array(good_q, index_dtype)),
+                                           cp.asarray(np.array(good_k, index_dtype)), deterministic=True,
+                                           **dict(args, max_seqlen_q=100))
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, ok_out, ok_lse, cu_q, cu_k, deterministic=True, **args)
+    _expect_error("attention_varlen_backward", *words)
+    good_k_rows = np.arange(200) < good_k[first]
+    for g, g_ok, rows in zip(grads, ok, (good_rows, good_k_rows, good_k_rows)):
+        assert _nan_rows(g)[~rows].all()
+        assert np.array_equal(g.get()[rows].view(np.uint16), g_ok.get()[rows].view(np.uint16))
+
+
+# --- attention with seqlens_k -------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("bad", [300, -1, 2**40], ids=["past", "negative", "int64-wrap"])
+def test_padded_seqlens_k_bad(rng, dtype, headdim, bad):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (2, 70, 4, headdim), dtype, 3.0))
+    k, v = (cp.asarray(_rand(rng, (2, 200, 2, headdim), dtype)) for _ in range(2))
+    ok_out, ok_lse = cuflash.attention(q, k, v, seqlens_k=cp.asarray(np.array([150, 200], np.int64)), return_lse=True)
+    out, lse = cuflash.attention(q, k, v, seqlens_k=cp.asarray(np.array([150, bad], np.int64)), return_lse=True)
+    _expect_error("attention", "seqlens_k[1]")
+    assert np.isnan(out[1].get().astype(np.float32)).all() and np.isnan(lse[1].get()).all()
+    assert np.array_equal(out[0].get().view(np.uint16), ok_out[0].get().view(np.uint16))
+    dout = cp.asarray(_rand(rng, out.shape, dtype))
+    ok = cuflash.attention_backward(dout, q, k, v, ok_out, ok_lse, seqlens_k=cp.asarray(np.array([150, 200])),
+                                    deterministic=True)
+    grads = cuflash.attention_backward(dout, q, k, v, ok_out, ok_lse, seqlens_k=cp.asarray(np.array([150, bad])),
+                                       deterministic=True)
+    _expect_error("attention_backward", "seqlens_k[1]")
+    for g, g_ok in zip(grads, ok):
+        assert np.isnan(g[1].get().astype(np.float32)).all()
+        assert np.array_equal(g[0].get().view(np.uint16), g_ok[0].get().view(np.uint16))
+
+
+# --- attention_with_kvcache ----------------------------------------------------------------------
+
+def _decode(q, kc, vc, lengths, **kw):
+    cp = _cp()
+    return cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=cp.asarray(np.asarray(lengths)), return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("splits", [1, 3, 0])
+@pytest.mark.parametrize("rows", [1, 20], ids=["decode", "prefill"])
+def test_kvcache_lengths_past_capacity(rng, dtype, splits, rows):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (2, rows, 8, 128), dtype, 3.0))
+    kc, vc = (cp.asarray(_rand(rng, (2, 64, 2, 128), dtype)) for _ in range(2))
+    ok_out, _ = _decode(q, kc, vc, [40, 64], num_splits=splits)
+    for bad in (200, -3):
+        out, lse = _decode(q, kc, vc, [40, bad], num_splits=splits)
+        _expect_error("attention_with_kvcache", "cache_seqlens[1]")
+        assert np.isnan(out[1].get().astype(np.float32)).all() and np.isnan(lse[1].get()).all()
+        assert np.array_equal(out[0].get().view(np.uint16), ok_out[0].get().view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_kvcache_append_past_capacity_is_refused_not_wrapped(rng, dtype):
+    """Issue 19's case: appending at position 64 of a 64-slot cache changed slot 0."""
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (3, 1, 4, 64), dtype, 3.0))
+    kc, vc = (cp.asarray(_rand(rng, (3, 64, 2, 64), dtype)) for _ in range(2))
+    k, v = (cp.asarray(_rand(rng, (3, 1, 2, 64), dtype)) for _ in range(2))
+    k0, v0 = kc.copy(), vc.copy()
+    out, lse = _decode(q, kc, vc, [10, 64, -1], k=k, v=v)
+    _expect_error("attention_with_kvcache", "cache_seqlens[1]")
+    changed = (kc != k0).any(axis=(2, 3)).get() | (vc != v0).any(axis=(2, 3)).get()
+    expect = np.zeros((3, 64), bool)
+    expect[0, 10] = True  # the one legal slot
+    assert np.array_equal(changed, expect)
+    assert bool((kc[0, 10] == k[0, 0]).all())
+    assert _nan_rows(out).tolist() == [False, True, True]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("splits", [1, 4, 0])
+@pytest.mark.parametrize("bad_page", [9, -1, 4])
+def test_kvcache_block_table_out_of_range(rng, dtype, splits, bad_page):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (3, 1, 4, 64), dtype, 3.0))
+    kp, vp = (cp.asarray(_rand(rng, (4, 16, 2, 64), dtype)) for _ in range(2))
+    good = np.array([[0, 1], [2, 3], [3, 0]], np.int32)
+    table = good.copy()
+    table[1, 1] = bad_page  # sequence 1 uses both entries; sequence 2 uses entry 0 only
+    table[2, 1] = bad_page  # unused by sequence 2: never read, never an error
+    lengths = [20, 30, 5]
+    ok_out, _ = _decode(q, kp, vp, lengths, block_table=cp.asarray(good), num_splits=splits)
+    out, lse = _decode(q, kp, vp, lengths, block_table=cp.asarray(table), num_splits=splits)
+    _expect_error("attention_with_kvcache", "block_table[1, 1]")
+    assert _nan_rows(out).tolist() == [False, True, False]
+    for b in (0, 2):
+        assert np.array_equal(out[b].get().view(np.uint16), ok_out[b].get().view(np.uint16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_kvcache_append_conflicts_write_nothing(rng, dtype):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (2, 1, 4, 64), dtype, 3.0))
+    k, v = (cp.asarray(_rand(rng, (2, 1, 2, 64), dtype)) for _ in range(2))
+    # Shared page 0: sequence 0 holds 16 keys there; sequence 1 (5 keys on page 0) would write its slot 5.
+    kp, vp = (cp.asarray(_rand(rng, (4, 16, 2, 64), dtype)) for _ in range(2))
+    k0 = kp.copy()
+    out, _ = _decode(q, kp, vp, [16, 5], k=k, v=v, block_table=cp.asarray(np.array([[0, 1], [0, 2]], np.int32)))
+    _expect_error("attention_with_kvcache", "sequence 1's new tokens")
+    assert _nan_rows(out).tolist() == [False, True]
+    changed = (kp != k0).any(axis=(2, 3)).get()
+    assert changed.sum() == 1 and changed[1, 0]  # sequence 0's token at page 1, slot 0
+    # Two sequences on one cache_batch_idx row: both refused, nothing written.
+    kc, vc = (cp.asarray(_rand(rng, (3, 32, 2, 64), dtype)) for _ in range(2))
+    k0 = kc.copy()
+    out, _ = _decode(q, kc, vc, [3, 7], k=k, v=v, cache_batch_idx=cp.asarray(np.array([1, 1])))
+    _expect_error("attention_with_kvcache")
+    assert _nan_rows(out).all() and bool((kc == k0).all())
+    # A row index outside the cache.
+    out, _ = _decode(q, kc, vc, [3, 7], cache_batch_idx=cp.asarray(np.array([2, 3])))
+    _expect_error("attention_with_kvcache", "cache_batch_idx[1]")
+    assert _nan_rows(out).tolist() == [False, True]
+
+
+def test_kvcache_append_inside_guards(rng):
+    """The append writes only legal slots of a cache that sits between guard regions."""
+    cp = _cp()
+    dtype = ml_dtypes.bfloat16
+    kc, kbuf = _guarded((2, 32, 2, 64), dtype)
+    vc, vbuf = _guarded((2, 32, 2, 64), dtype)
+    kc[...] = cp.asarray(_rand(rng, kc.shape, dtype))
+    vc[...] = cp.asarray(_rand(rng, vc.shape, dtype))
+    q = cp.asarray(_rand(rng, (2, 1, 2, 64), dtype))
+    k, v = (cp.asarray(_rand(rng, (2, 3, 2, 64), dtype)) for _ in range(2))
+    for lengths in ([30, 29], [-2, 40], [2**31 + 5, 0]):
+        _decode(q, kc, vc, np.array(lengths, np.int64), k=k, v=v)
+        try:
+            cuflash.synchronize()
+        except cuflash.InvalidIndexError:
+            pass
+        assert _margins_intact(kbuf) and _margins_intact(vbuf), lengths
+
+
+def test_error_is_raised_by_the_next_call_and_cleared(rng):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (1, 1, 2, 64), np.float16))
+    kc = cp.asarray(_rand(rng, (1, 16, 2, 64), np.float16))
+    _decode(q, kc, kc, [99])
+    cp.cuda.get_current_stream().synchronize()
+    with pytest.raises(cuflash.InvalidIndexError, match="cache_seqlens"):
+        _decode(q, kc, kc, [3])  # does no work: the earlier call's error comes first
+    out, _ = _decode(q, kc, kc, [3])
+    cuflash.synchronize()
+    assert not np.isnan(out.get().astype(np.float32)).any()
+    assert issubclass(cuflash.InvalidIndexError, ValueError)
+
+
+# --- CUDA graphs --------------------------------------------------------------------------------
+
+def _replay_matches(capture_fn, eager_fn, refill, outputs, replays=100):
+    """Capture ``capture_fn`` on a fresh stream, then replay it ``replays`` times with new input
+    values (``refill(i)``) while other code allocates, NaN-fills and frees memory of the same
+    sizes; each replay's ``outputs()`` must equal ``eager_fn()``'s on the same inputs."""
+    cp = _cp()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        refill(0)
+        stream.begin_capture()
+        captured = capture_fn()
+        graph = stream.end_capture()
+        sizes = [x.nbytes for x in (captured if isinstance(captured, tuple) else (captured,))]
+        for i in range(replays):
+            refill(i % 3)
+            expect = [x.copy() for x in eager_fn()]
+            junk = [cp.full(n, np.nan, dtype=cp.uint8) for n in sizes for _ in range(2)]
+            graph.launch(stream)
+            del junk
+            _ = [cp.full(n, 255, dtype=cp.uint8) for n in sizes]
+            got = outputs(captured)
+            for g, e in zip(got, expect):
+                assert np.array_equal(g.get().view(np.uint8), e.get().view(np.uint8)), i
+        stream.synchronize()
+    cuflash.release_graph_memory()
+
+
+def test_graph_replay_attention_and_backward(rng):
+    cp = _cp()
+    dtype = ml_dtypes.bfloat16
+    data = [[_rand(rng, s, dtype, 2.0) for s in ((2, 300, 4, 128), (2, 300, 2, 128), (2, 300, 2, 128), (2, 300, 4, 128))]
+            for _ in range(3)]
+    q, k, v, dout = (cp.empty(x.shape, dtype) for x in data[0])
+
+    def refill(i):
+        for dst, src in zip((q, k, v, dout), data[i]):
+            dst[...] = cp.asarray(src)
+
+    def step():
+        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+        return (out, lse) + cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+
+    _replay_matches(step, step, refill, lambda c: c)
+
+
+def test_graph_replay_varlen_merge_softmax(rng):
+    cp = _cp()
+    dtype = np.float16
+    cu = cp.asarray(np.array([0, 37, 37, 160], np.int32))
+    data = [[_rand(rng, (160, 4, 64), dtype, 2.0) for _ in range(3)] for _ in range(3)]
+    q, k, v = (cp.empty((160, 4, 64), dtype) for _ in range(3))
+
+    def refill(i):
+        for dst, src in zip((q, k, v), data[i]):
+            dst[...] = cp.asarray(src)
+
+    def step():
+        out, lse = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=123, max_seqlen_k=123, causal=True,
+                                            return_lse=True)
+        grads = cuflash.attention_varlen_backward(out, q, k, v, out, lse, cu, cu, max_seqlen_q=123, max_seqlen_k=123,
+                                                  causal=True, deterministic=True)
+        half = 80  # keys [0, 80) and [80, 160) of one sequence, merged
+        a = cuflash.attention(q[None], k[None, :half], v[None, :half], return_lse=True)
+        b = cuflash.attention(q[None], k[None, half:], v[None, half:], return_lse=True)
+        return (out, lse, *grads, *cuflash.merge_states(*a, *b), cuflash.softmax(q, axis=-1))
+
+    _replay_matches(step, step, refill, lambda c: c)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_graph_replay_decode_with_appends(rng, paged):
+    """A captured decode step (append one token, attend with split-KV) replayed as a decode loop:
+    each replay appends at the new cache_seqlens values; an eager twin on a copy of the cache
+    gives bitwise the same outputs and caches."""
+    cp = _cp()
+    dtype = ml_dtypes.bfloat16
+    batch, cap = 2, 256
+    if paged:
+        shape, table = (2 * cap // 16, 16, 2, 128), cp.asarray(rng.permutation(2 * cap // 16).reshape(2, -1).astype(np.int32))
+    else:
+        shape, table = (batch, cap, 2, 128), None
+    kc, vc = (cp.asarray(_rand(rng, shape, dtype)) for _ in range(2))
+    twin_k, twin_v = kc.copy(), vc.copy()
+    lengths = cp.asarray(np.array([100, 37], np.int32))
+    q = cp.empty((batch, 1, 8, 128), dtype)
+    k, v = (cp.empty((batch, 1, 2, 128), dtype) for _ in range(2))
+    step_no = [0]
+
+    def refill(_):
+        for x in (q, k, v):
+            x[...] = cp.asarray(_rand(rng, x.shape, dtype))
+        lengths[...] = cp.asarray(np.array([100, 37], np.int32) + step_no[0])
+        step_no[0] += 1
+
+    def graph_step():
+        return cuflash.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, block_table=table, num_splits=0,
+                                              return_lse=True)
+
+    def eager():
+        out = cuflash.attention_with_kvcache(q, twin_k, twin_v, k, v, cache_seqlens=lengths, block_table=table,
+                                             num_splits=0, return_lse=True)
+        return (*out, twin_k, twin_v)
+
+    _replay_matches(graph_step, eager, refill, lambda c: (*c, kc, vc), replays=100)
