@@ -233,8 +233,19 @@ def _is_hopper(device_id: int) -> bool:
     return _kernels.sm90_applies(cp.cuda.Device(device_id).compute_capability, cp.cuda.nvrtc.getVersion())
 
 
+def _offsets_scratch(prm):
+    """Varlen: the two int64 words where varlen_tail.cu publishes the first bad entry of each
+    cu_seqlens for the attention kernels after it (allocated per call: calls on two streams must
+    not share them; CuPy's pool hands the memory to later work on this stream only)."""
+    words = _cp().empty(2, dtype=np.int64)
+    prm.offsets_first_bad = words.data.ptr
+    return words
+
+
 def execute(prm, launches, accum):
     """Run the recorded launches: point the split kernel at its scratch (if any), then launch in order."""
+    if prm.cu_seqlens_q:
+        _offsets_scratch(prm)
     if accum is not None:
         out_floats, lse_floats, groups = accum
         counters, partials = _split_scratch(groups, out_floats + lse_floats)
@@ -455,9 +466,9 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm))
         if packed:  # rows no well-formed sequence owns: NaN where the offsets are malformed
-            tail = _kernels.varlen_tail_variant()
-            for suffix in ("_dq", "_dkdv"):
-                _kernels.get_function(tail, device, suffix)((2 * _sm_resources(device)[0],), (256,), (_pointer(prm),))
+            first_bad = _offsets_scratch(prm)  # noqa: F841 (alive until the launches are queued)
+            tail = _kernels.get_function(_kernels.varlen_tail_variant(), device, "_grads")
+            tail((2 * _sm_resources(device)[0],), (256,), (_pointer(prm),))
 
         # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
         pre = FlashParams.from_buffer_copy(prm)

@@ -182,7 +182,8 @@ def _capturing() -> bool:
     if cupy is None:
         return False
     try:
-        return cupy.cuda.get_current_stream().is_capturing()
+        stream = cupy.cuda.get_current_stream()
+        return stream.ptr != 0 and stream.is_capturing()  # the legacy default stream never captures
     except Exception:  # e.g. the legacy stream queried while another stream captures: nothing to keep
         return False
 

@@ -245,7 +245,8 @@ def softmax_variant(dtype: str) -> Variant:
 def varlen_tail_variant() -> Variant:
     """The packed rows no well-formed sequence owns (any 16-bit dtype): ``cuflash_varlen_tail``
     (out = 0 and lse = -inf past cu_seqlens_q[-1], NaN where the offsets are malformed or a
-    sequence outgrows max_seqlen_q), ``..._dq`` and ``..._dkdv`` (NaN, the backward's)."""
+    sequence outgrows max_seqlen_q) and ``..._grads`` (NaN in dq, dk, dv: the backward's); both
+    publish the first bad entry of each cu_seqlens for the attention kernels launched after them."""
     return Variant("varlen_tail.cu", "cuflash_varlen_tail", (), 256)
 
 

@@ -9,7 +9,7 @@ import ctypes
 
 _POINTERS = (
     "q", "k", "v", "out", "lse", "alibi_slopes", "cu_seqlens_q", "cu_seqlens_k", "seqlens_k",
-    "cache_batch_idx", "seq_bad", "error_word",
+    "cache_batch_idx", "seq_bad", "error_word", "offsets_first_bad",
     "dout", "dq", "dk", "dv", "dsum", "dq_accum",
     "block_table", "out_accum", "lse_accum", "split_counters", "k_new", "v_new",
 )

@@ -363,6 +363,9 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"v must have k's tokens and heads {tuple(k.shape[:2])}; got {tuple(v.shape[:2])}")
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"k has head dim {k.shape[2]}; it must equal q's head dim {q.shape[2]}")
+    for name, x in (("q", q), ("k", k)):
+        if x.shape[0] >= 2**31:  # the kernels keep packed row offsets in 32 bits
+            raise ValueError(f"{name} has {x.shape[0]} packed rows; at most 2**31 - 1 are supported")
     batch = cu_q.shape[0] - 1
     # max_seqlen_* = None needs the offsets on the host (one small copy, the caller's choice):
     # then they are checked there too, before anything runs.

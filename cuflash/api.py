@@ -130,8 +130,13 @@ def attention(
         (also a TypeError): the kernels take float16 and bfloat16.
     ValueError
         Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside
-        0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k], an ``out`` that is read-only or
-        overlaps q, k or v.
+        0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k] (NumPy ``seqlens_k``), an ``out``
+        that is read-only or overlaps q, k or v.
+    InvalidIndexError
+        A ``ValueError``: a GPU ``seqlens_k`` entry outside [0, seqlen_k].  GPU index values are
+        checked by the kernels, without a copy to the host: the call returns NaN for the rows
+        (and LSE) of those batch entries, and the error is raised by the next cuflash call, or
+        at once by :func:`cuflash.synchronize` (docs/conventions.md, "Index arrays").
 
     Notes
     -----
@@ -265,6 +270,9 @@ def attention_backward(
     ------
     TypeError, ValueError
         As :func:`attention`; also when dout, out, lse do not match the problem.
+    InvalidIndexError
+        As :func:`attention`: a GPU ``seqlens_k`` entry outside [0, seqlen_k] gives NaN
+        gradients for that batch entry, and the error is raised by the next cuflash call.
 
     Notes
     -----
@@ -376,10 +384,11 @@ def attention_varlen(
         ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.  Zero-length sequences are allowed.
     max_seqlen_q, max_seqlen_k : int, optional
         Longest sequence; computed from the offsets when None (a small device-to-host copy for
-        GPU offsets).  Given values are checked against NumPy offsets; GPU offsets are not read
-        back (set ``CUFLASH_DEBUG=1`` to check them), so a value below the longest sequence
-        leaves that sequence's later rows unwritten.  With both given (and no ALiBi), warm GPU
-        calls replay the first call's launch (``cuflash._fastpath``).
+        GPU offsets, which are then checked on the host too; pass both values when capturing a
+        CUDA graph).  Given values are checked against NumPy offsets; against GPU offsets by the
+        kernels: a sequence longer than the value gets NaN rows (InvalidIndexError, below).
+        With both given (and no ALiBi), warm GPU calls replay the first call's launch
+        (``cuflash._fastpath``).
 {options}
     return_lse : bool, default False
         Also return the log-sum-exp, shape (nheads, total_q).
@@ -398,7 +407,14 @@ def attention_varlen(
     ------
     TypeError, ValueError
         As :func:`attention`; offsets that do not start at 0, decrease or pass the number of
-        packed tokens (checked for NumPy offsets, and for GPU offsets with ``CUFLASH_DEBUG=1``).
+        packed tokens, checked on the host for NumPy offsets (and GPU offsets copied there by
+        ``max_seqlen_*=None``, or with ``CUFLASH_DEBUG=1``); more than 2**31 - 1 packed rows.
+    InvalidIndexError
+        A ``ValueError``: GPU offsets that break those rules, or a sequence longer than
+        ``max_seqlen_q``/``max_seqlen_k``, found by the kernels (no copy to the host): every
+        sequence from the first bad entry on gets NaN rows and LSE (and NaN gradients in the
+        backward), the others are computed normally, and the error is raised by the next
+        cuflash call, or at once by :func:`cuflash.synchronize`.
 
     Notes
     -----

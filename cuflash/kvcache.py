@@ -65,8 +65,8 @@ def attention_with_kvcache(
         key tile are used); results do not depend on it beyond rounding.  The splits of a row
         are merged by the last of their blocks to finish, through counters and partial results
         kept per device and stream (for the 64 streams used last: 4 * (headdim_v + 1) bytes
-        per split and query row).  Replaying a CUDA graph that captured such a call is not
-        supported: a call being captured gets scratch of its own, freed on return.
+        per split and query row).  A call captured into a CUDA graph gets scratch of its own,
+        kept for the graph's replays until :func:`cuflash.release_graph_memory`.
     return_lse : bool, default False
         Also return the log-sum-exp, shape (batch, nheads, seqlen_q).
 {options}
@@ -87,10 +87,18 @@ def attention_with_kvcache(
         indices out of range, two new tokens sent to one cache slot, or a new token sent to a
         slot another position reads (two appending sequences on one ``cache_batch_idx`` row, a
         shared page written where another sequence's keys are, or a page listed twice in one
-        sequence's ``block_table`` row and written where its earlier keys are; checked for NumPy index arrays,
-        and for GPU ones with ``CUFLASH_DEBUG=1``); when appending, a read-only cache,
-        k_cache and v_cache sharing memory, or q, k or v inside the cache.  Every check runs before
-        the cache is written, so a refused call changes nothing.
+        sequence's ``block_table`` row and written where its earlier keys are; checked on the
+        host for NumPy index arrays, and for GPU ones with ``CUFLASH_DEBUG=1``); when appending,
+        a read-only cache, k_cache and v_cache sharing memory, q, k or v inside the cache, or
+        a GPU cache whose last axis is strided.  Every check runs before the cache is written,
+        so a refused call changes nothing.
+    InvalidIndexError
+        A ``ValueError``: the same index rules broken by GPU index arrays, which the kernels
+        check without a copy to the host.  Whatever the values, nothing outside the arrays is
+        read or written and an append past the capacity is refused, never wrapped: a sequence
+        with bad metadata gets NaN output rows and LSE and nothing is written to the cache for
+        it; the other sequences are appended and computed normally.  The error is raised by the
+        next cuflash call, or at once by :func:`cuflash.synchronize`.
 
     Notes
     -----

@@ -228,14 +228,14 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                                     p.dv_row_stride, rows_valid, v_chunks, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dsum)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dsum)(const __grid_constant__ FlashParams p) {
     flash_bwd_dsum<CUFLASH_DTYPE>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dq<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
     flash_bwd_dkdv<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
 }

@@ -384,21 +384,21 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     store_tile<T, kD, kBN, kThreads>(dv, seq.poison(1.f), sV, wg * 64, gdV, p.dv_row_stride, rows_valid, v_chunks, tid);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dq_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true>(p);
 }
 
 // dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a
 // sequence (the grid of _dq); rows no key reached are 0, since dq_accum starts at 0.
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
     constexpr int kD = CUFLASH_HEADDIM, kBM = 64 * CUFLASH_WARPGROUPS, kThreads = 128 * CUFLASH_WARPGROUPS;
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_q) return;

@@ -253,7 +253,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);  // GQA: query heads share K/V head hk
     const int num_splits = kSplitKV ? static_cast<int>(p.num_splits) : 1;
     const int split = blockIdx.x % num_splits, m_blocks = gridDim.x / num_splits;
-    const SeqInfo seq(p, b, split, num_splits);
+    SeqInfo seq(p, b);
+    if constexpr (kSplitKV) seq.check_pages(p, b, split, num_splits);
     const int m0 = (m_blocks - 1 - static_cast<int>(blockIdx.x) / num_splits) * kBM;  // longest rows (causal) first
     const int rows = seq.sq * g;
     if (m0 >= rows) return;  // varlen: this sequence is shorter
@@ -514,7 +515,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 // CUFLASH_MIN_BLOCKS caps registers so that many blocks share an SM (latency hiding);
 // CUFLASH_Q_IN_REGS keeps Q's MMA fragments in registers instead of re-reading shared memory.
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLOCKS)
-CUFLASH_KERNEL_NAME(const FlashParams p) {
+CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
               CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0,
               CUFLASH_ROW_PAD>(p);

@@ -162,7 +162,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
 
 // CUFLASH_MIN_BLOCKS = 1 leaves each thread up to 255 registers; 2 halves that for two blocks per SM.
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS)
-CUFLASH_KERNEL_NAME(const FlashParams p) {
+CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
     flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0,
                    CUFLASH_ALIBI != 0>(p);
 }

@@ -21,7 +21,7 @@
 #define CUFLASH_KERNEL_NAME cuflash_kv_append
 #endif
 
-extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
     const long long b = blockIdx.x, n_new = p.seqlen_new, cap = p.seqlen_k;
     const long long len = load_index(p, p.seqlens_k, kIndexSeqlensK, b), end = len + n_new;
     auto length_ok = [&](long long n) { return n >= 0 && n <= cap - n_new; };

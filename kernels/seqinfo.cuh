@@ -9,91 +9,110 @@
 #include "metadata.cuh"
 #include "params.cuh"
 
+// Whether the block's sequence has invalid metadata (SeqInfo::poison).  Kept in shared memory,
+// not in a register that would stay live through the kernels' main loops (where it made ptxas
+// spill); every thread writes the same value, so no barrier is needed before it is read.
+__shared__ int s_seq_bad;
+
 struct SeqInfo {
     int sq, sk;           // this sequence's query and key lengths
     long long q_start;    // first packed row of this sequence in q/out/lse (0 for padded batches)
     long long k_start;    // first packed row in k/v
-    long long kv_b;       // batch row of k/v: cache_batch_idx[b], or b
+    int kv_b;             // batch row of k/v: cache_batch_idx[b], or b
     int offset;           // diagonal offset: sk - sq, or 0 for top-left
     int left, right;      // window, -1 = unbounded
-    bool bad;             // its metadata is invalid: every row of it becomes NaN (poison)
 
-    // Every thread of the block constructs it at the same point (the checks synchronise the block).
-    // The metadata is checked against the extents in p (metadata.cuh): a sequence whose own
-    // values, or any earlier offset of a malformed cu_seqlens, break the rules is bad; whatever
-    // the values, sq/sk/q_start/k_start/kv_b stay inside the arrays (a packed side that cannot be
-    // trusted gets no rows: the varlen_tail kernel fills those).  block_table entries are checked
-    // for the part-th of `parts` equal shares of the pages in use (a split-KV block checks its
-    // split's share; the merge of the splits spreads the NaN); paged reads clamp bad pages anyway.
-    __device__ __forceinline__ SeqInfo(const FlashParams& p, int b, int part = 0, int parts = 1) {
-        bad = false;
+    // The metadata is checked against the extents in p (metadata.cuh), in O(1) per sequence: a
+    // sequence whose own values break the rules, or that comes at or after the first bad entry of
+    // a malformed cu_seqlens (found by the varlen_tail kernel, launched first), is bad; whatever the
+    // values, sq/sk/q_start/k_start/kv_b stay inside the arrays (a packed side that cannot be
+    // trusted gets no rows: varlen_tail fills those).  No loops or barriers here: in this inlined
+    // constructor they made ptxas spill in the main loops of kernels at their register cap.
+    // block_table entries are checked by check_pages (split-KV kernel only).
+    __device__ __forceinline__ SeqInfo(const FlashParams& p, int b) {
+        bool bad = false;
         int arg = -1;
-        long long at = 0;
-        auto fail = [&](int a, long long index) {
-            if (arg < 0) arg = a, at = index;
-            bad = true;
-        };
-        q_start = 0;
+        long long at = b;
+        q_start = k_start = 0;
         sq = static_cast<int>(p.seqlen_q);
+        sk = static_cast<int>(p.seqlen_k);
+        kv_b = b;
         if (p.cu_seqlens_q) {
-            const long long e = first_bad_offset(p, p.cu_seqlens_q, kIndexCuQ, b + 1, p.total_q);
-            if (e >= 0) {
+            const long long e = p.offsets_first_bad[0];
+            if (e >= 0 && b + 1 >= e) {  // reported by varlen_tail
                 sq = 0;
-                fail(kArgCuSeqlensQ, e);
+                bad = true;
             } else {
-                q_start = load_index(p, p.cu_seqlens_q, kIndexCuQ, b);
-                const long long n = load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1) - q_start;
-                sq = static_cast<int>(n);
-                if (n > p.seqlen_q) fail(kArgMaxSeqlenQ, b);  // rows past max_seqlen_q: varlen_tail
+                // Entries 0 .. b + 1 are well formed, so within [0, total_q] (< 2^31, checked on the
+                // host): 32-bit values, which keep q_start in one register (two spilled in _dkdv_dq).
+                const int lo = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b));
+                sq = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1)) - lo;
+                q_start = lo;
+                if (sq > p.seqlen_q) arg = kArgMaxSeqlenQ;  // rows past max_seqlen_q: varlen_tail
             }
         }
-        k_start = 0;
-        sk = static_cast<int>(p.seqlen_k);
         if (p.cu_seqlens_k) {
-            const long long e = first_bad_offset(p, p.cu_seqlens_k, kIndexCuK, b + 1, p.total_k);
-            if (e >= 0) {
+            const long long e = p.offsets_first_bad[1];
+            if (e >= 0 && b + 1 >= e) {
                 sk = 0;
-                fail(kArgCuSeqlensK, e);
+                bad = true;
             } else {
-                k_start = load_index(p, p.cu_seqlens_k, kIndexCuK, b);
-                const long long n = load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1) - k_start;
-                sk = static_cast<int>(n);
-                if (n > p.seqlen_k) fail(kArgMaxSeqlenK, b);
+                const int lo = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b));
+                sk = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1)) - lo;
+                k_start = lo;
+                if (sk > p.seqlen_k) arg = kArgMaxSeqlenK;
             }
         } else if (p.seqlens_k) {
             const long long n = load_index(p, p.seqlens_k, kIndexSeqlensK, b);
-            sk = n < 0 || n > p.seqlen_k ? 0 : static_cast<int>(n);
-            if (n < 0 || n > p.seqlen_k) fail(kArgSeqlensK, b);
+            const bool ok = n >= 0 && n <= p.seqlen_k;
+            sk = ok ? static_cast<int>(n) : 0;
+            if (!ok) arg = kArgSeqlensK;
         }
-        kv_b = b;
         if (p.cache_batch_idx) {
             const long long r = load_index(p, p.cache_batch_idx, kIndexBatchIdx, b);
-            if (r < 0 || r >= p.kv_rows) {
-                kv_b = 0;
-                sk = 0;
-                fail(kArgBatchIdx, b);
-            } else {
-                kv_b = r;
-            }
+            const bool ok = r >= 0 && r < p.kv_rows;
+            kv_b = ok ? static_cast<int>(r) : 0;
+            if (!ok) sk = 0, arg = kArgBatchIdx;
         }
         if (p.seq_bad && p.seq_bad[b]) {  // the append kernel refused it and reported why
             sk = 0;
             bad = true;
         }
-        if (p.block_table && sk > 0) {
-            const long long ps = p.page_size, row = b * p.block_table_batch_stride;
-            const long long pages = (sk + ps - 1) / ps, share = (pages + parts - 1) / parts;
-            const long long lo = min(pages, part * share), hi = min(pages, lo + share);
-            const long long j = block_first_bad(lo, hi, [&](long long i) {
-                const long long page = load_index(p, p.block_table, kIndexTable, row + i);
-                return page < 0 || page >= p.kv_rows;
-            });
-            if (j >= 0) {
-                sk = 0;
-                fail(kArgBlockTable, row + j);
-            }
-        }
         if (arg >= 0 && threadIdx.x == 0) report_bad_index(p, arg, at);
+        s_seq_bad = bad || arg >= 0;
+        set_diagonal(p);
+    }
+
+    // Paged K/V: the block_table entries of the part-th of `parts` equal shares of the pages in
+    // use must be pages of the cache (a split-KV block checks its split's share: every row group
+    // has a block per share, and the merge of the splits spreads its NaN); a bad entry makes the
+    // sequence bad here with no keys (the other blocks' paged reads clamp bad pages to page 0).
+    // Every thread of the block calls it (it synchronises).
+    __device__ __forceinline__ void check_pages(const FlashParams& p, int b, int part, int parts) {
+        if (!p.block_table || sk <= 0) return;
+        const int ps = static_cast<int>(p.page_size);
+        const long long row = b * p.block_table_batch_stride;
+        const int pages = (sk + ps - 1) / ps, share = (pages + parts - 1) / parts;
+        const int lo = min(pages, part * share), hi = min(pages, lo + share);
+        auto bad_page = [&](int i) {
+            const long long page = load_index(p, p.block_table, kIndexTable, row + i);
+            return page < 0 || page >= p.kv_rows;
+        };
+        bool found = false;  // (a plain loop and one barrier: block_first_bad here made ptxas spill)
+        for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) found |= bad_page(i);
+        if (!__syncthreads_or(found)) return;
+        if (threadIdx.x == 0)
+            for (int i = lo; i < hi; ++i)
+                if (bad_page(i)) {
+                    report_bad_index(p, kArgBlockTable, row + i);
+                    break;
+                }
+        s_seq_bad = 1;
+        sk = 0;
+        set_diagonal(p);
+    }
+
+    __device__ __forceinline__ void set_diagonal(const FlashParams& p) {
         offset = p.top_left ? 0 : sk - sq;
         left = static_cast<int>(p.window_left);
         right = static_cast<int>(p.window_right);
@@ -101,7 +120,7 @@ struct SeqInfo {
 
     // x, or NaN for a bad sequence: applied to each row's softmax sum (forward) and to the scale
     // of each gradient store (backward), so that every value written for the sequence is NaN.
-    __device__ __forceinline__ float poison(float x) const { return bad ? __int_as_float(0x7fffffff) : x; }
+    __device__ __forceinline__ float poison(float x) const { return s_seq_bad ? __int_as_float(0x7fffffff) : x; }
 
     // Index of query row i of head h in the LSE, and in D and dq_accum, which share its rows.
     __device__ __forceinline__ long long lse_row(const FlashParams& p, int b, int h, int i) const {

@@ -7,7 +7,7 @@
 //     e = 0) belong to sequences whose rows cannot be trusted: NaN, and the LSE NaN;
 //   - rows of a sequence past max_seqlen (p.seqlen_q / p.seqlen_k), which no block of the grid
 //     reaches: NaN.
-// Entry points: <name> (forward: out and lse, q side), <name>_dq (dq), <name>_dkdv (dk and dv,
+// Entry points: <name> (forward: out and lse, q side) and <name>_grads (dq, q side; dk and dv,
 // k side).  Launched before the attention kernels, grid-stride over rows; values are written in
 // 16-byte chunks of 16-bit elements at the array's strides.  The u16 pattern 0x7fff is NaN in
 // float16 and bfloat16 alike.
@@ -45,15 +45,27 @@ __device__ __forceinline__ void fill_rows(const PackedRows (&a)[kArrays], long l
         for (long long i = first_thread; i < rows * lse_heads; i += step) lse[i / rows * lse_stride + lo + i % rows] = lse_fill;
 }
 
+// The first bad entry of cu_seqlens_q and of cu_seqlens_k (-1 when well formed), found by every
+// block; block 0 publishes them for the attention kernels launched next (SeqInfo) and reports them.
+__device__ __forceinline__ void find_bad_offsets(const FlashParams& p, long long& e_q, long long& e_k) {
+    e_q = first_bad_offset(p, p.cu_seqlens_q, kIndexCuQ, p.batch, p.total_q);
+    e_k = first_bad_offset(p, p.cu_seqlens_k, kIndexCuK, p.batch, p.total_k);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        p.offsets_first_bad[0] = e_q;
+        p.offsets_first_bad[1] = e_k;
+        if (e_q >= 0) report_bad_index(p, kArgCuSeqlensQ, e_q);
+        if (e_k >= 0) report_bad_index(p, kArgCuSeqlensK, e_k);
+    }
+}
+
 template <int kArrays>
-__device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu, int bit, long long total, long long max_len,
-                                            const PackedRows (&a)[kArrays], float* lse, bool zero_tail) {
+__device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu, int bit, long long e, long long total,
+                                            long long max_len, const PackedRows (&a)[kArrays], float* lse, bool zero_tail) {
     const float kNaN = __int_as_float(0x7fffffff), kInf = __int_as_float(0x7f800000);
     const uint4 nan = make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu), zero = make_uint4(0, 0, 0, 0);
     const long long batch = p.batch, heads = p.nheads_q;
     const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
-    const long long e = first_bad_offset(p, cu, bit, batch, total);
     const long long good = e < 0 ? batch : max(e - 1, 0ll);  // sequences [0, good) are well formed
     if (e < 0) {
         if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, zero, lse, heads, total, -kInf, first, step);
@@ -65,25 +77,27 @@ __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu
     bool any_long = false;
     for (long long b = threadIdx.x; b < good; b += blockDim.x)
         any_long |= load_index(p, cu, bit, b + 1) - load_index(p, cu, bit, b) > max_len;
-    if (!__syncthreads_or(any_long)) return;
+    if (!__syncthreads_or(any_long)) return;  // (block-uniform)
     for (long long b = 0; b < good; ++b) {
         const long long start = load_index(p, cu, bit, b), end = load_index(p, cu, bit, b + 1);
         if (end - start > max_len) fill_rows(a, start + max_len, end, nan, lse, heads, total, kNaN, first, step);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const FlashParams p) {
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
+    long long e_q, e_k;
+    find_bad_offsets(p, e_q, e_k);
     const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
-    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, p.total_q, p.seqlen_q, out, p.lse, true);
+    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, out, p.lse, true);
 }
 
-extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const FlashParams p) {
+// The backward's: dq rows (q side) and dk, dv rows (k side), in one launch.
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _grads)(const __grid_constant__ FlashParams p) {
+    long long e_q, e_k;
+    find_bad_offsets(p, e_q, e_k);
     const PackedRows dq[1] = {{p.dq, p.dq_row_stride, p.dq_head_stride, p.nheads_q, p.headdim_qk / 8}};
-    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, p.total_q, p.seqlen_q, dq, nullptr, false);
-}
-
-extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const FlashParams p) {
+    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, dq, nullptr, false);
     const PackedRows dkdv[2] = {{p.dk, p.dk_row_stride, p.dk_head_stride, p.nheads_k, p.headdim_qk / 8},
                                 {p.dv, p.dv_row_stride, p.dv_head_stride, p.nheads_k, p.headdim_v / 8}};
-    varlen_tail(p, p.cu_seqlens_k, kIndexCuK, p.total_k, p.seqlen_k, dkdv, nullptr, false);
+    varlen_tail(p, p.cu_seqlens_k, kIndexCuK, e_k, p.total_k, p.seqlen_k, dkdv, nullptr, false);
 }

@@ -263,7 +263,7 @@ def _replay_matches(capture_fn, eager_fn, refill, outputs, replays=100):
         for i in range(replays):
             refill(i % 3)
             expect = [x.copy() for x in eager_fn()]
-            junk = [cp.full(n, np.nan, dtype=cp.uint8) for n in sizes for _ in range(2)]
+            junk = [cp.full(n, 0xFF, dtype=cp.uint8) for n in sizes for _ in range(2)]  # NaN bytes in any float dtype
             graph.launch(stream)
             del junk
             _ = [cp.full(n, 255, dtype=cp.uint8) for n in sizes]

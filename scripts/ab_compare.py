@@ -1,0 +1,120 @@
+"""A/B speed comparison of two cuflash checkouts on this GPU, in alternating processes.
+
+    python scripts/ab_compare.py BASE_DIR NEW_DIR [--rounds 2] [--parts fwd,bwd,decode,varlen] [--markdown FILE]
+
+Each part of each checkout runs in a fresh process (its own kernels, compiled from its own
+sources), the two sides taking turns, ``--rounds`` times; a row keeps each side's best
+throughput.  Rows: the forward and backward (bf16, batch * seqlen = 16k, nheads * headdim = 2048,
+head dims 64/128/256), decode against contiguous and paged caches (TB/s of cache read) and varlen
+prefill (TF/s).  The last column is new / base: below 0.97 is a slowdown of more than 3 %.
+Used for the speed check of changes that touch every kernel (docs/perf-notes.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+FWD = [(d, s, c) for d in (64, 128, 256) for s, c in ((1024, False), (4096, False), (4096, True), (16384, True))]
+BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True), (256, 4096, False)]
+DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
+VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
+
+
+def _side(checkout: str, part: str) -> list:
+    """Rows of one part, measured with the cuflash of ``checkout`` (run in its own process)."""
+    sys.path.insert(0, checkout)
+    import cupy as cp
+    import ml_dtypes
+    import numpy as np
+
+    import cuflash
+    from cuflash import bench as B
+
+    bf16 = ml_dtypes.bfloat16
+    rows = []
+
+    def rand(shape):
+        return cp.random.default_rng(0).standard_normal(shape, dtype=cp.float32).astype(bf16)
+
+    if part in ("fwd", "bwd"):
+        for d, s, causal in FWD if part == "fwd" else BWD:
+            batch, heads = 16384 // s, 2048 // d
+            q, k, v, dout = (rand((batch, s, heads, d)) for _ in range(4))
+            out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+            flops = B.attention_flops(batch, heads, s, s, d, causal, backward=part == "bwd")
+            if part == "fwd":
+                ms = B.time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
+            else:
+                grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+                ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, dq=grads[0],
+                                                                   dk=grads[1], dv=grads[2]))
+            rows.append((f"{part} d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
+    elif part == "decode":
+        for name, batch, n in DECODE:
+            hq, hkv = B.DECODE_HEADS[name]
+            k, v = rand((batch, n, hkv, 128)), rand((batch, n, hkv, 128))
+            q = rand((batch, 1, hq, 128))
+            lengths = cp.full(batch, n, dtype=cp.int32)
+            nbytes = k.nbytes + v.nbytes
+            ms = B.time_gpu(lambda: cuflash.attention_with_kvcache(q, k, v, cache_seqlens=lengths))
+            rows.append((f"decode {hq}/{hkv} B{batch} {n}", nbytes / ms / 1e9))
+            pages = batch * n // 256
+            table = cp.asarray(np.random.default_rng(0).permutation(pages).reshape(batch, -1).astype(np.int32))
+            kp, vp = (x.reshape(pages, 256, hkv, 128) for x in (k, v))
+            ms = B.time_gpu(lambda: cuflash.attention_with_kvcache(q, kp, vp, cache_seqlens=lengths, block_table=table))
+            rows.append((f"decode {hq}/{hkv} B{batch} {n} paged256", nbytes / ms / 1e9))
+            del k, v, kp, vp
+            cp.get_default_memory_pool().free_all_blocks()
+    elif part == "varlen":
+        for d, s in VARLEN:
+            batch, heads = 16384 // s, 2048 // d
+            packed = [rand((batch * s, heads, d)) for _ in range(3)]
+            cu = cp.arange(0, batch * s + 1, s, dtype=cp.int32)
+            for causal in (False, True):
+                flops = B.attention_flops(batch, heads, s, s, d, causal)
+                ms = B.time_gpu(lambda: cuflash.attention_varlen(*packed, cu, cu, max_seqlen_q=s, max_seqlen_k=s,
+                                                                 causal=causal))
+                rows.append((f"varlen d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("base")
+    ap.add_argument("new")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--parts", default="fwd,bwd,decode,varlen")
+    ap.add_argument("--markdown")
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one part of one checkout
+    args = ap.parse_args(argv)
+    if args.side:
+        print(json.dumps(_side(args.side, args.parts)))
+        return
+    best: dict = {}
+    for _ in range(args.rounds):
+        for part in args.parts.split(","):
+            for label, checkout in (("base", args.base), ("new", args.new)):
+                proc = subprocess.run([sys.executable, __file__, args.base, args.new, "--side", str(Path(checkout).resolve()),
+                                       "--parts", part], capture_output=True, text=True)
+                if proc.returncode:
+                    print(proc.stderr[-3000:], file=sys.stderr)
+                    raise SystemExit(f"{label} {part} failed")
+                for row, value in json.loads(proc.stdout.strip().splitlines()[-1]):
+                    slot = best.setdefault(row, {})
+                    slot[label] = max(slot.get(label, 0.0), value)
+    lines = ["| row | base | new | new / base |", "|---|---|---|---|"]
+    for row, r in best.items():
+        ratio = r["new"] / r["base"]
+        lines.append(f"| {row} | {r['base']:.2f} | {r['new']:.2f} | {ratio:.3f}{' **slower**' if ratio < 0.97 else ''} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        Path(args.markdown).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

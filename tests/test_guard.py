@@ -1,0 +1,97 @@
+"""The host side of device-checked index arrays (cuflash/_guard.py), without a GPU: error records
+and their messages, the raise-before-work rule of every entry point, and the C/Python mirror of
+FlashParams that carries the checks' inputs.  The GPU side: tests/test_gpu_index_safety.py."""
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _guard, _kernels
+from cuflash._params import FlashParams
+
+
+@pytest.fixture
+def fake_word(monkeypatch):
+    """An error word in ordinary host memory, registered as device 0's."""
+    word = ctypes.c_uint64(_guard._NONE)
+    monkeypatch.setattr(_guard, "_WORDS", {0: (ctypes.addressof(word), word)})
+    return word
+
+
+def _record(call, arg, index):
+    return call << 40 | arg << 36 | index
+
+
+def test_invalid_index_error_is_a_value_error():
+    assert issubclass(cuflash.InvalidIndexError, ValueError)
+    assert cuflash.synchronize.__module__ == "cuflash._guard"
+
+
+@pytest.mark.parametrize("arg, extents, words", [
+    (0, dict(total_q=100), ["cu_seqlens_q[2]", "q's 100 rows", "from that entry on"]),
+    (1, dict(total_k=7), ["cu_seqlens_k[2]", "k's 7 rows"]),
+    (3, dict(kv_rows=4, table_stride=5), ["block_table[0, 2]", "0..3"]),
+    (4, dict(kv_rows=3), ["cache_batch_idx[2]", "0..2"]),
+    (5, dict(max_seqlen_q=50), ["sequence 2 of cu_seqlens_q", "max_seqlen_q = 50"]),
+    (6, dict(max_seqlen_k=9), ["max_seqlen_k = 9"]),
+    (7, dict(), ["sequence 2's new tokens", "overwrite"]),
+])
+def test_messages_name_function_argument_and_entry(arg, extents, words):
+    call = _guard.call_code("attention_varlen", **extents)
+    text = _guard.describe(_record(call, arg, 2), device=1)
+    assert text.startswith("attention_varlen (an earlier call, on GPU 1)")
+    for w in words:
+        assert w in text, (w, text)
+    assert "NaN" in text and "cuflash.synchronize()" in text
+
+
+def test_cache_seqlens_named_for_kvcache_calls():
+    call = _guard.call_code("attention_with_kvcache", seqlen_k=64, seqlen_new=1)
+    text = _guard.describe(_record(call, 2, 1), device=0)
+    assert "cache_seqlens[1]" in text and "capacity 64" in text and "1 new tokens" in text
+    call = _guard.call_code("attention", seqlen_k=200)
+    assert "seqlens_k[3] lies outside [0, 200]" in _guard.describe(_record(call, 2, 3), device=0)
+
+
+def test_call_codes_are_shared_by_equal_descriptions():
+    a = _guard.call_code("attention", seqlen_k=11, total_q=0)
+    assert _guard.call_code("attention", total_q=0, seqlen_k=11) == a
+    assert _guard.call_code("attention", seqlen_k=12, total_q=0) != a
+
+
+def test_a_pending_record_is_raised_by_the_next_call_once(fake_word):
+    q = np.ones((1, 2, 1, 8), np.float32)
+    fake_word.value = _record(_guard.call_code("attention", seqlen_k=5), 2, 0)
+    with pytest.raises(cuflash.InvalidIndexError, match=r"seqlens_k\[0\]"):
+        cuflash.attention(q, q, q)  # raised before any work, even on the CPU path
+    assert fake_word.value == _guard._NONE  # cleared
+    cuflash.attention(q, q, q)
+
+
+def test_every_public_function_checks_first(fake_word):
+    fake_word.value = _record(_guard.call_code("attention", seqlen_k=5), 2, 0)
+    for name in ("attention", "attention_backward", "attention_vjp", "attention_varlen",
+                 "attention_varlen_backward", "attention_with_kvcache", "merge_states", "softmax"):
+        fn = getattr(cuflash, name)
+        with pytest.raises(cuflash.InvalidIndexError):
+            fn()  # no arguments: the pending error comes before argument checks
+        fake_word.value = _record(0, 2, 0)
+
+
+def test_release_graph_memory_counts():
+    _guard._KEPT.extend([object(), object()])
+    assert cuflash.release_graph_memory() >= 2
+    assert cuflash.release_graph_memory() == 0
+
+
+def test_params_mirror_field_order():
+    """kernels/params.cuh and cuflash/_params.py list the same fields in the same order (the
+    compile-time static_assert compares only the size)."""
+    text = _kernels.read_source("flash_fwd.cu")
+    body = text[text.index("struct FlashParams {"):text.index("};", text.index("struct FlashParams {"))]
+    body = re.sub(r"//[^\n]*", "", body)
+    names = re.findall(r"(\w+)\s*(?=[,;])", body)
+    assert names == [name for name, _ in FlashParams._fields_]
