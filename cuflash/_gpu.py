@@ -244,8 +244,7 @@ def _offsets_scratch(prm):
 
 def execute(prm, launches, accum):
     """Run the recorded launches: point the split kernel at its scratch (if any), then launch in order."""
-    if prm.cu_seqlens_q:
-        _offsets_scratch(prm)
+    first_bad = _offsets_scratch(prm) if prm.cu_seqlens_q else None  # noqa: F841 (alive until queued)
     if accum is not None:
         out_floats, lse_floats, groups = accum
         counters, partials = _split_scratch(groups, out_floats + lse_floats)

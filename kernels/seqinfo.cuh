@@ -37,29 +37,33 @@ struct SeqInfo {
         sq = static_cast<int>(p.seqlen_q);
         sk = static_cast<int>(p.seqlen_k);
         kv_b = b;
+        // Entries b and b + 1 of a cu_seqlens are inside the array (b < batch) whatever the values,
+        // so they load at once with the first bad entry; they are used only when entries 0 .. b + 1
+        // are well formed, hence within [0, total] (< 2^31, checked on the host): 32-bit values,
+        // which keep q_start in one register (two made _dkdv_dq spill).
         if (p.cu_seqlens_q) {
             const long long e = p.offsets_first_bad[0];
+            const int lo = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b));
+            const int hi = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1));
             if (e >= 0 && b + 1 >= e) {  // reported by varlen_tail
                 sq = 0;
                 bad = true;
             } else {
-                // Entries 0 .. b + 1 are well formed, so within [0, total_q] (< 2^31, checked on the
-                // host): 32-bit values, which keep q_start in one register (two spilled in _dkdv_dq).
-                const int lo = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b));
-                sq = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1)) - lo;
                 q_start = lo;
+                sq = hi - lo;
                 if (sq > p.seqlen_q) arg = kArgMaxSeqlenQ;  // rows past max_seqlen_q: varlen_tail
             }
         }
         if (p.cu_seqlens_k) {
             const long long e = p.offsets_first_bad[1];
+            const int lo = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b));
+            const int hi = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1));
             if (e >= 0 && b + 1 >= e) {
                 sk = 0;
                 bad = true;
             } else {
-                const int lo = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b));
-                sk = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1)) - lo;
                 k_start = lo;
+                sk = hi - lo;
                 if (sk > p.seqlen_k) arg = kArgMaxSeqlenK;
             }
         } else if (p.seqlens_k) {

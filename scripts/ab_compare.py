@@ -1,6 +1,6 @@
 """A/B speed comparison of two cuflash checkouts on this GPU, in alternating processes.
 
-    python scripts/ab_compare.py BASE_DIR NEW_DIR [--rounds 2] [--parts fwd,bwd,decode,varlen] [--markdown FILE]
+    python scripts/ab_compare.py BASE_DIR NEW_DIR [--rounds 3] [--parts fwd,bwd,decode,varlen] [--markdown FILE]
 
 Each part of each checkout runs in a fresh process (its own kernels, compiled from its own
 sources), the two sides taking turns, ``--rounds`` times; a row keeps each side's best
@@ -86,7 +86,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("base")
     ap.add_argument("new")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", default="fwd,bwd,decode,varlen")
     ap.add_argument("--markdown")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one part of one checkout
