@@ -262,8 +262,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     auto token = [&](int r) { return kSplitKV ? (m0 + r) / g : m0 + r; };
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    const u16* gK = static_cast<const u16*>(p.k) + seq.kv_b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + seq.kv_b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    // K/V of this sequence and head, rebuilt per tile from seqinfo.cuh's shared batch row.
+    auto gK = [&] { return static_cast<const u16*>(p.k) + seq.kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride; };
+    auto gV = [&] { return static_cast<const u16*>(p.v) + seq.kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride; };
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, rows - m0);
@@ -284,18 +285,21 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or (paged) rows whose (page, slot)
     // page_rows() looked up once per tile into shared memory, for the K and the V copies alike.
-    // A page outside the cache reads page 0 instead: some block of each row group found it bad
-    // (SeqInfo checks a split's share of the pages), and its NaN reaches every row in the merge.
+    // An entry outside the cache reads page 0 instead: some block of each row group found it bad
+    // (SeqInfo::check_pages, on the whole 64-bit value), and its NaN reaches every row in the
+    // merge.  Here only the low 32 bits of an int64 entry are read (the clamp keeps any value in
+    // bounds; a full 64-bit load made ptxas spill at d96 and d128).
     const bool paged = kSplitKV && p.block_table != nullptr;
     __shared__ int2 s_page_slot[kSplitKV ? 2 : 1][kSplitKV ? kBN : 1];  // double-buffered by tile parity
     auto page_rows = [&](int nb) {
+        const int* table = static_cast<const int*>(p.block_table);
         const long long row = b * p.block_table_batch_stride;
-        const int page_size = static_cast<int>(p.page_size);
+        const int words = p.index_64bit & kIndexTable ? 2 : 1, page_size = static_cast<int>(p.page_size);
         for (int r = tid; r < kBN; r += kThreads) {
             const int j = nb * kBN + r;
             if (j < seq.sk) {
-                const long long page = load_index(p, p.block_table, kIndexTable, row + j / page_size);
-                s_page_slot[nb & 1][r] = make_int2(page < 0 || page >= p.kv_rows ? 0 : static_cast<int>(page), j % page_size);
+                const unsigned page = table[(row + j / page_size) * words];  // little-endian: the low word
+                s_page_slot[nb & 1][r] = make_int2(page < p.kv_rows ? static_cast<int>(page) : 0, j % page_size);
             }
         }
     };
@@ -312,8 +316,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             load_tile<kBN, kD, kThreads, kStride, kSplitKV>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
         }
     };
-    auto load_k = [&](int nb) { load_kv(sK, p.k, gK, p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks); };
-    auto load_v = [&](int nb) { load_kv(sV, p.v, gV, p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks); };
+    auto load_k = [&](int nb) { load_kv(sK, p.k, gK(), p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks); };
+    auto load_v = [&](int nb) { load_kv(sV, p.v, gV(), p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks); };
 
     const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
                                   static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};

@@ -64,8 +64,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     if (m0 >= seq.sq) return;
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    const u16* gK = static_cast<const u16*>(p.k) + seq.kv_b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + seq.kv_b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + seq.kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + seq.kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, seq.sq - m0);

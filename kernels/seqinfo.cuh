@@ -13,19 +13,22 @@
 // not in a register that would stay live through the kernels' main loops (where it made ptxas
 // spill); every thread writes the same value, so no barrier is needed before it is read.
 __shared__ int s_seq_bad;
+// The batch row of K/V (cache_batch_idx[b], or b), likewise in shared memory: a K/V address rebuilt
+// from it per tile costs a shared load, where one held in registers through the loop made the
+// split-KV kernel spill (a row from memory cannot be recomputed from blockIdx, as b can).
+__shared__ int s_kv_b;
 
 struct SeqInfo {
     int sq, sk;           // this sequence's query and key lengths
     long long q_start;    // first packed row of this sequence in q/out/lse (0 for padded batches)
     long long k_start;    // first packed row in k/v
-    int kv_b;             // batch row of k/v: cache_batch_idx[b], or b
     int offset;           // diagonal offset: sk - sq, or 0 for top-left
     int left, right;      // window, -1 = unbounded
 
     // The metadata is checked against the extents in p (metadata.cuh), in O(1) per sequence: a
     // sequence whose own values break the rules, or that comes at or after the first bad entry of
     // a malformed cu_seqlens (found by the varlen_tail kernel, launched first), is bad; whatever the
-    // values, sq/sk/q_start/k_start/kv_b stay inside the arrays (a packed side that cannot be
+    // values, sq/sk/q_start/k_start/kv_row() stay inside the arrays (a packed side that cannot be
     // trusted gets no rows: varlen_tail fills those).  No loops or barriers here: in this inlined
     // constructor they made ptxas spill in the main loops of kernels at their register cap.
     // block_table entries are checked by check_pages (split-KV kernel only).
@@ -36,7 +39,7 @@ struct SeqInfo {
         q_start = k_start = 0;
         sq = static_cast<int>(p.seqlen_q);
         sk = static_cast<int>(p.seqlen_k);
-        kv_b = b;
+        int kv_b = b;
         // Entries b and b + 1 of a cu_seqlens are inside the array (b < batch) whatever the values,
         // so they load at once with the first bad entry; they are used only when entries 0 .. b + 1
         // are well formed, hence within [0, total] (< 2^31, checked on the host): 32-bit values,
@@ -84,6 +87,7 @@ struct SeqInfo {
         }
         if (arg >= 0 && threadIdx.x == 0) report_bad_index(p, arg, at);
         s_seq_bad = bad || arg >= 0;
+        s_kv_b = kv_b;
         set_diagonal(p);
     }
 
@@ -115,6 +119,9 @@ struct SeqInfo {
         sk = 0;
         set_diagonal(p);
     }
+
+    // Batch row of k/v: cache_batch_idx[b] (checked), or b.
+    __device__ __forceinline__ long long kv_row() const { return s_kv_b; }
 
     __device__ __forceinline__ void set_diagonal(const FlashParams& p) {
         offset = p.top_left ? 0 : sk - sq;
