@@ -5,8 +5,8 @@
 Each part of each checkout runs in a fresh process (its own kernels, compiled from its own
 sources), the two sides taking turns, ``--rounds`` times; a row keeps each side's best
 throughput.  Rows: the forward and backward (bf16, batch * seqlen = 16k, nheads * headdim = 2048,
-head dims 64/128/256), decode against contiguous and paged caches (TB/s of cache read) and varlen
-prefill (TF/s).  The last column is new / base: below 0.97 is a slowdown of more than 3 %.
+head dims 64/128/256), decode against contiguous and paged caches (TB/s of cache read), varlen
+prefill (TF/s) and (part "host") warm calls of tiny problems per millisecond of host time.  The last column is new / base: below 0.97 is a slowdown of more than 3 %.
 Used for the speed check of changes that touch every kernel (docs/perf-notes.md).
 """
 
@@ -79,6 +79,24 @@ def _side(checkout: str, part: str) -> list:
                 ms = B.time_gpu(lambda: cuflash.attention_varlen(*packed, cu, cu, max_seqlen_q=s, max_seqlen_k=s,
                                                                  causal=causal))
                 rows.append((f"varlen d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
+    elif part == "host":  # warm calls of a problem too small to matter on the GPU: host-bound
+        import time
+
+        q, k, v = (rand((1, 128, 8, 64)) for _ in range(3))
+        kc, vc = rand((4, 4096, 8, 64)), rand((4, 4096, 8, 64))
+        qd, lengths = rand((4, 1, 8, 64)), cp.full(4, 4096, dtype=cp.int32)
+        out = cuflash.attention(q, k, v)
+        calls = {"attention out=": lambda: cuflash.attention(q, k, v, out=out),
+                 "decode 4 x 4k": lambda: cuflash.attention_with_kvcache(qd, kc, vc, cache_seqlens=lengths)}
+        for name, fn in calls.items():
+            for _ in range(200):
+                fn()
+            cp.cuda.Device().synchronize()
+            t = time.perf_counter()
+            for _ in range(3000):
+                fn()
+            cp.cuda.Device().synchronize()
+            rows.append((f"host {name}, calls per ms", 3000 / ((time.perf_counter() - t) * 1e3)))
     return rows
 
 
@@ -87,7 +105,7 @@ def main(argv=None):
     ap.add_argument("base")
     ap.add_argument("new")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--parts", default="fwd,bwd,decode,varlen")
+    ap.add_argument("--parts", default="fwd,bwd,decode,varlen,host")
     ap.add_argument("--markdown")
     ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one part of one checkout
     args = ap.parse_args(argv)

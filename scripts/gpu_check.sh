@@ -57,7 +57,7 @@ for stage in $stages; do
     varlen) bench_stage varlen ${VARLEN_TIMEOUT:-90} --suite varlen ;;
     paper) bench_stage paper ${PAPER_TIMEOUT:-60} --suite paper ;;
     ab)
-      timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py "${AB_BASE:?set AB_BASE}" . --parts "${AB_PARTS:-fwd,bwd,decode,varlen}" \
+      timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py "${AB_BASE:?set AB_BASE}" . --parts "${AB_PARTS:-fwd,bwd,decode,varlen,host}" \
         --markdown "$OUT/ab.md" >"$OUT/ab.log" 2>&1
       rc=$?; summary+=("ab rc=$rc ($(elapsed))")
       cat "$OUT/ab.md" 2>/dev/null || tail -n 20 "$OUT/ab.log" ;;
