@@ -177,12 +177,18 @@ _KEPT: list = []  # MemoryPointers allocated by cuflash calls during stream capt
 _STATE = threading.local()
 
 
+_current_stream = None  # cupy.cuda.get_current_stream, once CuPy is imported
+
+
 def _capturing() -> bool:
-    cupy = sys.modules.get("cupy")
-    if cupy is None:
-        return False
+    global _current_stream
+    if _current_stream is None:
+        cupy = sys.modules.get("cupy")
+        if cupy is None:
+            return False
+        _current_stream = cupy.cuda.get_current_stream
     try:
-        stream = cupy.cuda.get_current_stream()
+        stream = _current_stream()
         return stream.ptr != 0 and stream.is_capturing()  # the legacy default stream never captures
     except Exception:  # e.g. the legacy stream queried while another stream captures: nothing to keep
         return False
@@ -242,8 +248,9 @@ def entry(fn):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if _WORDS:
-            raise_pending()
+        for _, view in _WORDS.values():
+            if view.value != _NONE:
+                raise_pending()
         if not _capturing():
             return fn(*args, **kwargs)
         if capturing():  # a cuflash call inside another: the outer one keeps the allocations

@@ -64,8 +64,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     if (m0 >= seq.sq) return;
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    const u16* gK = static_cast<const u16*>(p.k) + seq.kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + seq.kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    // K/V of this sequence and head, rebuilt per tile from seqinfo.cuh's shared batch row.
+    auto gK = [&] { return static_cast<const u16*>(p.k) + seq.kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride; };
+    auto gV = [&] { return static_cast<const u16*>(p.v) + seq.kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride; };
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, seq.sq - m0);
@@ -76,8 +77,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
     auto load_kv = [&](int nb, int stage) {
         const int n0 = nb * kBN;
-        load_tile_swizzled<kBN, kD, kThreads>(sK + stage * kTileKV, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
-        load_tile_swizzled<kBN, kD, kThreads>(sV + stage * kTileKV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        load_tile_swizzled<kBN, kD, kThreads>(sK + stage * kTileKV, gK() + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile_swizzled<kBN, kD, kThreads>(sV + stage * kTileKV, gV() + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
         cp_async_commit();
     };
 

@@ -11,12 +11,12 @@
 
 // Whether the block's sequence has invalid metadata (SeqInfo::poison).  Kept in shared memory,
 // not in a register that would stay live through the kernels' main loops (where it made ptxas
-// spill); every thread writes the same value, so no barrier is needed before it is read.
+// spill).
 __shared__ int s_seq_bad;
 // The batch row of K/V (cache_batch_idx[b], or b), likewise in shared memory: a K/V address rebuilt
 // from it per tile costs a shared load, where one held in registers through the loop made the
 // split-KV kernel spill (a row from memory cannot be recomputed from blockIdx, as b can).
-__shared__ int s_kv_b;
+__shared__ int s_kv_b[32];  // one copy per warp (written by its lane 0)
 
 struct SeqInfo {
     int sq, sk;           // this sequence's query and key lengths
@@ -25,6 +25,7 @@ struct SeqInfo {
     int offset;           // diagonal offset: sk - sq, or 0 for top-left
     int left, right;      // window, -1 = unbounded
 
+    // Every thread of the block constructs it at the same point.
     // The metadata is checked against the extents in p (metadata.cuh), in O(1) per sequence: a
     // sequence whose own values break the rules, or that comes at or after the first bad entry of
     // a malformed cu_seqlens (found by the varlen_tail kernel, launched first), is bad; whatever the
@@ -86,8 +87,9 @@ struct SeqInfo {
             bad = true;
         }
         if (arg >= 0 && threadIdx.x == 0) report_bad_index(p, arg, at);
-        s_seq_bad = bad || arg >= 0;
-        s_kv_b = kv_b;
+        s_seq_bad = bad || arg >= 0;  // the same value from every thread, read after the main loop's barriers
+        if (threadIdx.x % 32 == 0) s_kv_b[threadIdx.x / 32] = kv_b;  // one per warp: no block barrier needed
+        __syncwarp();
         set_diagonal(p);
     }
 
@@ -109,19 +111,21 @@ struct SeqInfo {
         bool found = false;  // (a plain loop and one barrier: block_first_bad here made ptxas spill)
         for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) found |= bad_page(i);
         if (!__syncthreads_or(found)) return;
-        if (threadIdx.x == 0)
+        if (threadIdx.x == 0) {
             for (int i = lo; i < hi; ++i)
                 if (bad_page(i)) {
                     report_bad_index(p, kArgBlockTable, row + i);
                     break;
                 }
-        s_seq_bad = 1;
+            s_seq_bad = 1;
+        }
+        __syncthreads();
         sk = 0;
         set_diagonal(p);
     }
 
     // Batch row of k/v: cache_batch_idx[b] (checked), or b.
-    __device__ __forceinline__ long long kv_row() const { return s_kv_b; }
+    __device__ __forceinline__ long long kv_row() const { return s_kv_b[threadIdx.x / 32]; }
 
     __device__ __forceinline__ void set_diagonal(const FlashParams& p) {
         offset = p.top_left ? 0 : sk - sq;
