@@ -404,6 +404,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_C
     if (bh >= p.batch * p.nheads_q) return;
     const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
     const SeqInfo seq(p, b);
+    __syncthreads();  // seq.poison reads what every thread wrote (racecheck)
     const int m0 = blockIdx.x * kBM;
     if (m0 >= seq.sq) return;
     const int rows_valid = min(kBM, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / 8);
