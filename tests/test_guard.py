@@ -1,16 +1,14 @@
 """The host side of device-checked index arrays (cuflash/_guard.py), without a GPU: error records
-and their messages, the raise-before-work rule of every entry point, and the C/Python mirror of
-FlashParams that carries the checks' inputs.  The GPU side: tests/test_gpu_index_safety.py."""
+and their messages, and the raise-before-work rule of every entry point.  The GPU side:
+tests/test_gpu_index_safety.py; the FlashParams mirror: tests/test_compile.py."""
 
 import ctypes
-import re
 
 import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _guard, _kernels
-from cuflash._params import FlashParams
+from cuflash import _guard
 
 
 @pytest.fixture
@@ -85,13 +83,3 @@ def test_release_graph_memory_counts():
     _guard._KEPT.extend([object(), object()])
     assert cuflash.release_graph_memory() >= 2
     assert cuflash.release_graph_memory() == 0
-
-
-def test_params_mirror_field_order():
-    """kernels/params.cuh and cuflash/_params.py list the same fields in the same order (the
-    compile-time static_assert compares only the size)."""
-    text = _kernels.read_source("flash_fwd.cu")
-    body = text[text.index("struct FlashParams {"):text.index("};", text.index("struct FlashParams {"))]
-    body = re.sub(r"//[^\n]*", "", body)
-    names = re.findall(r"(\w+)\s*(?=[,;])", body)
-    assert names == [name for name, _ in FlashParams._fields_]
