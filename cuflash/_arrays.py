@@ -54,7 +54,8 @@ def _dlpack_on_cpu(x) -> bool:
 
 
 def as_array(x, name: str):
-    """Return x as a NumPy or CuPy array; foreign arrays are wrapped zero-copy.
+    """Return x as a NumPy or CuPy array; foreign arrays are wrapped zero-copy, lists, tuples and
+    scalars become NumPy arrays (the CPU path), as NumPy functions take them.
 
     NumPy subclasses (np.matrix, np.memmap, ...) become plain ndarray views of the same memory,
     since their overridden methods (np.matrix's reductions) do not follow ndarray's signatures;
@@ -88,7 +89,24 @@ def as_array(x, name: str):
             except failure as exc:
                 error = exc
         raise TypeError(f"{name} ({type(x).__name__}) could not be taken as a GPU array: {error}") from error
+    if isinstance(x, (list, tuple, int, float, np.number)) and not isinstance(x, (bool, np.bool_)):
+        return _from_array_like(x, name)
     raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack GPU array); got {type(x).__name__}")
+
+
+def _from_array_like(x, name: str):
+    """A list, tuple or scalar as NumPy would take it (the CPU path): integers become float64, as
+    NumPy's floating-point functions make them; anything that is not a rectangular array of
+    numbers is a TypeError naming the argument."""
+    try:
+        a = np.asarray(x)
+    except ValueError as exc:  # ragged nesting
+        raise TypeError(f"{name} ({type(x).__name__}) is not a rectangular array of numbers: {exc}") from exc
+    if a.dtype.kind in "iu":
+        return a.astype(np.float64)
+    if a.dtype.kind not in "f":
+        raise TypeError(f"{name} ({type(x).__name__}) holds {a.dtype.name} values; expected numbers")
+    return a
 
 
 def check_array(x, name: str) -> None:

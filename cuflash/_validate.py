@@ -91,7 +91,13 @@ def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v")):
     what = "(total_tokens, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
     for name, x in arrays:
         if x.ndim != rank:
-            raise ValueError(f"{name} must have {rank} dimensions {what}; got shape {tuple(x.shape)}")
+            hint = ""
+            if x.ndim == 2 and not packed:  # (seqlen, headdim): one head, no batch
+                hint = (f", or unbatched (seqlen, nheads, headdim); for a single head pass {name}[:, None, :], "
+                        f"a (seqlen, 1, headdim) view")
+            elif x.ndim == 2:
+                hint = f"; for a single head pass {name}[:, None, :]"
+            raise ValueError(f"{name} must have {rank} dimensions {what}{hint}; got shape {tuple(x.shape)}")
     return q.dtype
 
 

@@ -97,7 +97,11 @@ def attention(
     q : array of shape (batch, seqlen_q, nheads, headdim_qk)
         Queries; ``layout="bhsd"`` takes (batch, nheads, seqlen_q, headdim_qk).  float16,
         bfloat16 (``ml_dtypes.bfloat16``), float32 or float64.  NumPy arrays run on the CPU,
-        CuPy arrays (and DLPack GPU arrays) on their GPU, on CuPy's current stream.
+        CuPy arrays (and DLPack GPU arrays) on their GPU, on CuPy's current stream; lists,
+        tuples and scalars are taken as NumPy takes them (integers as float64).  Unbatched
+        (seqlen_q, nheads, headdim_qk) inputs (``"bhsd"``: (nheads, seqlen_q, headdim_qk)),
+        with k, v (and out) likewise 3-D, run as one sequence: out has q's shape and the LSE
+        is (nheads, seqlen_q), as in ``jax.nn.dot_product_attention``.
     k : array of shape (batch, seqlen_k, nheads_k, headdim_qk)
         Keys; nheads must be a multiple of nheads_k (GQA/MQA: query head h uses key head
         ``h // (nheads // nheads_k)``).
@@ -164,6 +168,14 @@ def attention(
             return result if return_lse else result[0]
 
     q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    if q.ndim == 3:  # unbatched: one sequence, run as a batch of one
+        _check_unbatched(layout, k=k, v=v, out=out)
+        res = attention(q[None], k[None], v[None], softmax_scale=softmax_scale, causal=causal,
+                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
+                        return_lse=return_lse, out=None if out is None else out[None], layout=layout)
+        res_out, lse = res if isinstance(res, tuple) else (res, None)
+        res_out = out if out is not None else res_out[0]
+        return (res_out, lse[0]) if lse is not None else res_out
     p = V.make_problem(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
@@ -225,7 +237,9 @@ def attention_backward(
     Parameters
     ----------
     dout : array of shape (batch, seqlen_q, nheads, headdim_v)
-        Gradient of the loss with respect to ``out``; any strides (even all zero).
+        Gradient of the loss with respect to ``out``; any strides (even all zero).  Unbatched
+        calls (3-D q, k, v, as in :func:`attention`) take 3-D dout and out, an LSE of shape
+        (nheads, seqlen_q), and return 3-D gradients.
     q, k, v : arrays
         The forward inputs (shapes as in :func:`attention`).
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
@@ -285,6 +299,16 @@ def attention_backward(
         _arrays.as_array(x, n)
         for x, n in zip((dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse"))
     )
+    if q.ndim == 3:  # unbatched: one sequence, run as a batch of one
+        _check_unbatched(layout, k=k, v=v, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
+        if lse.ndim != 2:
+            raise ValueError(f"lse of an unbatched call must have shape (nheads, seqlen_q); got {tuple(lse.shape)}")
+        lift = [None if x is None else x[None] for x in (dq, dk, dv)]
+        grads = attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
+                                   softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                   softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
+                                   deterministic=deterministic, dq=lift[0], dk=lift[1], dv=lift[2])
+        return tuple(given if given is not None else g[0] for given, g in zip((dq, dk, dv), grads))
     p = V.make_problem(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
@@ -536,6 +560,15 @@ def attention_varlen_backward(
     return tuple(grads)
 
 
+def _check_unbatched(layout, **arrays):
+    """q is 3-D (unbatched): the other arrays of the call must be too."""
+    shape = "(nheads, seqlen, headdim)" if layout == "bhsd" else "(seqlen, nheads, headdim)"
+    for name, x in arrays.items():
+        if x is not None and getattr(x, "ndim", 3) != 3:
+            raise ValueError(f"q is unbatched {shape}, so {name} must be too; got shape {tuple(x.shape)} "
+                             f"(or pass q with a batch axis, q[None])")
+
+
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     softmax_scale, causal, window_size, softcap, alibi_slopes):
     batch, cu_q, cu_k, max_q, max_k = V.check_varlen(
@@ -704,6 +737,8 @@ def softmax(x, axis=-1):
         raise TypeError(f"x must be a float array; got dtype {np.dtype(x.dtype).name}")
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"axis must be an integer; got {axis!r}")
+    if x.ndim == 0:
+        raise ValueError(f"x must have at least one dimension (the softmax runs along an axis); got a scalar {x!r}")
     axis = normalize_axis_index(int(axis), x.ndim)
     if x.size == 0:
         return _arrays.module_of(x).empty_like(x)

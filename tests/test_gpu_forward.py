@@ -337,3 +337,17 @@ def test_empty_rows_stay_zero_next_to_non_finite_values(rng, bad, shape):
             out, lse = _gpu_attention(q, kb, vb, causal=True)
         assert (out[0, :empty].astype(np.float32) == 0).all(), name
         assert np.isneginf(lse[0, :, :empty]).all(), name
+
+
+def test_unbatched_and_array_like_inputs_on_the_gpu(rng):
+    """3-D CuPy inputs run as a batch of one on the GPU too (issue 20), forward and backward."""
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, s, np.float16, 2.0)) for s in ((70, 4, 64), (90, 2, 64), (90, 2, 64)))
+    out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse = cuflash.attention(q[None], k[None], v[None], causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 70)
+    assert bool((out == ref[0]).all()) and bool((lse == ref_lse[0]).all())
+    grads = cuflash.attention_backward(out, q, k, v, out, lse, causal=True, deterministic=True)
+    ref_grads = cuflash.attention_backward(ref, q[None], k[None], v[None], ref, ref_lse, causal=True, deterministic=True)
+    for g, r in zip(grads, ref_grads):
+        assert g.shape == r.shape[1:] and bool((g == r[0]).all())

@@ -65,7 +65,7 @@ def raises_naming(exc, arg, fn, *args, **kwargs):
     [
         (lambda q, k, v: (q.tolist(), k, v), TypeError, "q"),
         (lambda q, k, v: (1.0, k, v), TypeError, "q"),
-        (lambda q, k, v: (np.float32(1.0), k, v), TypeError, "q"),
+        (lambda q, k, v: (np.float32(1.0), k, v), ValueError, "q"),  # a 0-d array: wrong rank
         (lambda q, k, v: (None, k, v), TypeError, "q"),
         (lambda q, k, v: ("abc", k, v), TypeError, "q"),
         (lambda q, k, v: (q, k.tolist(), v), TypeError, "k"),
@@ -76,7 +76,7 @@ def raises_naming(exc, arg, fn, *args, **kwargs):
         (lambda q, k, v: tuple(x.astype(np.int8) for x in (q, k, v)), TypeError, "int8"),
         (lambda q, k, v: (q, k.astype(np.float64), v), TypeError, "dtype"),
         (lambda q, k, v: (q.astype(ml_dtypes.bfloat16), k.astype(np.float16), v.astype(np.float16)), TypeError, "dtype"),
-        (lambda q, k, v: (q[0], k[0], v[0]), ValueError, "q"),
+        (lambda q, k, v: (q[0], k, v), ValueError, "q"),  # unbatched q, batched k
         (lambda q, k, v: (q[None], k[None], v[None]), ValueError, "q"),
         (lambda q, k, v: (np.array(1.0, np.float32), k, v), ValueError, "q"),
         (lambda q, k, v: (q[:, :, :5], k, v), ValueError, "heads"),  # Hq=5 not a multiple of 2
@@ -799,7 +799,7 @@ def test_merge_fp16_parts_keep_dtype(parts):
         (lambda o1, l1, o2, l2: (o1 > 0, l1, o2 > 0, l2), TypeError, "floating"),
         (lambda o1, l1, o2, l2: (o1.astype(complex), l1, o2.astype(complex), l2), TypeError, "floating"),
         (lambda o1, l1, o2, l2: (o1, l1.astype(int), o2, l2.astype(int)), TypeError, "floating"),
-        (lambda o1, l1, o2, l2: (o1.tolist(), l1, o2, l2), TypeError, "out_a"),
+        (lambda o1, l1, o2, l2: ([[1.0], [1.0, 2.0]], l1, o2, l2), TypeError, "out_a"),
         (lambda o1, l1, o2, l2: (o1, l1, o2), ValueError, "merge_states"),
         (lambda o1, l1, o2, l2: (), ValueError, "merge_states"),
         (lambda o1, l1, o2, l2: (o1[None], l1[None], o2[None], l2[None]), ValueError, "dimensions"),
@@ -841,8 +841,8 @@ def test_softmax_rejects_non_float(dtype):
 
 
 def test_softmax_rejects_non_arrays():
-    raises_naming(TypeError, "x", cuflash.softmax, [1.0, 2.0])
-    raises_naming(TypeError, "x", cuflash.softmax, 3.0)
+    raises_naming(TypeError, "x", cuflash.softmax, "1.0")
+    raises_naming(ValueError, "x", cuflash.softmax, 3.0)
 
 
 @pytest.mark.parametrize("axis", [2, -3, 5])

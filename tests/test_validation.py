@@ -39,12 +39,69 @@ CU_K = np.array([0, 4, 9], dtype=np.int32)
 # --- q, k, v: kinds, dtypes, ranks, shapes ---------------------------------------------------
 
 
+def test_list_inputs_run_as_numpy_arrays():
+    """Array-likes work on the CPU path as NumPy functions take them (issue 20): lists of floats
+    are float64 arrays, lists of integers too."""
+    q, k, v = (x.astype(np.float64) for x in make())
+    out, lse = cuflash.attention(q.tolist(), k.tolist(), v.tolist(), causal=True, return_lse=True)
+    ref, ref_lse = cuflash.attention(q, k, v, causal=True, return_lse=True)
+    assert out.dtype == np.float64 and np.array_equal(out, ref) and np.array_equal(lse, ref_lse)
+    ints = cuflash.attention(np.ones(q.shape, int).tolist(), k, v)
+    assert ints.dtype == np.float64
+
+
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_list_inputs_are_type_errors(which):
+def test_a_list_among_float32_arrays_is_a_dtype_error(which):
     args = dict(zip("qkv", make()))
-    args[which] = args[which].tolist()
-    with pytest.raises(TypeError, match=rf"^{which} must be a NumPy or CuPy array"):
+    args[which] = args[which].tolist()  # float64 once converted
+    with pytest.raises(TypeError, match=r"q, k, v must share one dtype"):
         cuflash.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("bad, words", [([[1.0], [1.0, 2.0]], "not a rectangular array"), (["a"], "expected numbers"),
+                                        ([[[1 + 2j]]], "expected numbers")])
+def test_array_likes_that_are_not_numbers(bad, words):
+    q = make()[0]
+    with pytest.raises(TypeError, match=rf"^k \(list\).*{words}"):
+        cuflash.attention(q, bad, q)
+
+
+def test_unbatched_inputs_equal_a_batch_of_one():
+    """(seqlen, nheads, headdim) inputs (layout "bhsd": (nheads, seqlen, headdim)) run as one
+    sequence: out has q's shape, the LSE is (nheads, seqlen); the backward and attention_vjp
+    take them too (issue 20, as jax.nn.dot_product_attention does)."""
+    q, k, v = make(b=1)
+    for layout, axes in (("bshd", (0, 1, 2)), ("bhsd", (1, 0, 2))):
+        q3, k3, v3 = (x[0].transpose(axes) for x in (q, k, v))
+        out, lse = cuflash.attention(q3, k3, v3, causal=True, return_lse=True, layout=layout)
+        ref, ref_lse = cuflash.attention(q3[None], k3[None], v3[None], causal=True, return_lse=True, layout=layout)
+        assert out.shape == q3.shape and lse.shape == (q.shape[2], q.shape[1])
+        assert np.array_equal(out, ref[0]) and np.array_equal(lse, ref_lse[0])
+        grads = cuflash.attention_backward(out, q3, k3, v3, out, lse, causal=True, layout=layout)
+        ref_grads = cuflash.attention_backward(ref, q3[None], k3[None], v3[None], ref, ref_lse, causal=True, layout=layout)
+        for g, r, x in zip(grads, ref_grads, (q3, k3, v3)):
+            assert g.shape == x.shape and np.array_equal(g, r[0])
+        given = np.full(q3.shape, np.nan, np.float32)
+        assert cuflash.attention(q3, k3, v3, out=given, causal=True, layout=layout) is given
+        assert np.array_equal(given, out)
+        vjp_out, vjp = cuflash.attention_vjp(q3, k3, v3, layout=layout)
+        assert np.array_equal(vjp(vjp_out)[0], cuflash.attention_backward(vjp_out, q3, k3, v3, *cuflash.attention(
+            q3, k3, v3, return_lse=True, layout=layout), layout=layout)[0])
+
+
+def test_unbatched_q_needs_unbatched_k_v_and_lse():
+    q, k, v = make(b=1)
+    with pytest.raises(ValueError, match=r"q is unbatched \(seqlen, nheads, headdim\), so k must be too"):
+        cuflash.attention(q[0], k, v[0])
+    out, lse = cuflash.attention(q[0], k[0], v[0], return_lse=True)
+    with pytest.raises(ValueError, match=r"lse of an unbatched call must have shape \(nheads, seqlen_q\)"):
+        cuflash.attention_backward(out, q[0], k[0], v[0], out, lse[None])
+
+
+def test_two_dimensional_input_says_how_to_reshape():
+    q, k, v = make(b=1)
+    with pytest.raises(ValueError, match=r"for a single head pass q\[:, None, :\]"):
+        cuflash.attention(q[0, :, 0], k[0, :, 0], v[0, :, 0])
 
 
 class _CpuDLPack:
@@ -111,7 +168,8 @@ def test_wrong_rank(which, rank):
     args = dict(zip("qkv", make()))
     x = args[which]
     args[which] = x[0] if rank == 3 else x[None]
-    with pytest.raises(ValueError, match=rf"^{which} must have 4 dimensions"):
+    expect = "q is unbatched" if (which, rank) == ("q", 3) else f"{which} must have 4 dimensions"
+    with pytest.raises(ValueError, match=rf"^{expect}"):
         cuflash.attention(args["q"], args["k"], args["v"])
 
 
@@ -381,8 +439,8 @@ def test_backward_checks_deterministic_and_options():
         cuflash.attention_backward(out, q, k, v, out, lse, deterministic="yes")
     with pytest.raises(ValueError, match=r"causal must be"):
         cuflash.attention_backward(out, q, k, v, out, lse, causal="yes")
-    with pytest.raises(TypeError, match=r"dout must be a NumPy or CuPy array"):
-        cuflash.attention_backward(out.tolist(), q, k, v, out, lse)
+    with pytest.raises(TypeError, match=r"dout must have dtype float32; got float64"):
+        cuflash.attention_backward(out.tolist(), q, k, v, out, lse)  # a list is taken as float64
 
 
 @pytest.mark.parametrize("bad", ["return_lse", "out"])
@@ -483,8 +541,8 @@ def test_merge_states_argument_errors():
     oa, la = _state()
     with pytest.raises(ValueError, match=r"merge_states takes"):
         cuflash.merge_states(oa, la, oa)
-    with pytest.raises(TypeError, match=r"out_b must be a NumPy or CuPy array.*; got list"):
-        cuflash.merge_states(oa, la, oa.tolist(), la)
+    with pytest.raises(TypeError, match=r"out_b must be a NumPy or CuPy array.*; got str"):
+        cuflash.merge_states(oa, la, "oa", la)
     with pytest.raises(TypeError, match=r"part 1: outputs and LSEs must be floating point"):
         cuflash.merge_states(oa, la, oa.astype(np.int32), la)
     with pytest.raises(TypeError, match=r"part 1: output dtype float16 differs from float32"):
@@ -509,7 +567,10 @@ def test_merge_states_accepts_every_float_dtype(dtype):
 
 def test_softmax_errors():
     with pytest.raises(TypeError, match=r"x must be a NumPy or CuPy array"):
-        cuflash.softmax([1.0, 2.0])
+        cuflash.softmax({1.0, 2.0})
+    with pytest.raises(ValueError, match=r"x must have at least one dimension"):
+        cuflash.softmax(3.0)
+    assert np.allclose(cuflash.softmax([0.0, np.log(3.0)]), [0.25, 0.75])  # array-likes as in NumPy
     with pytest.raises(TypeError, match=r"x must be a float array; got dtype int64"):
         cuflash.softmax(np.arange(3))
     with pytest.raises(np.exceptions.AxisError if hasattr(np, "exceptions") else np.AxisError):
