@@ -81,10 +81,13 @@ def plain_attention_backward(xp, q, k, v, dout, causal: bool):
     return tuple(x.swapaxes(1, 2) for x in (dq, dk, dv))
 
 
+REPEATS = 5  # timed runs per side; the median is reported (one run swings by 30 % on a busy CPU)
+
+
 def _timer(xp):
-    """Seconds for fn(), synchronising the GPU around it."""
-    def run(fn, repeat=3):
-        best = math.inf
+    """Median seconds of ``repeat`` calls of fn(), synchronising the GPU around each."""
+    def run(fn, repeat=REPEATS):
+        times = []
         for _ in range(repeat):
             if xp is not np:
                 xp.cuda.Device().synchronize()
@@ -92,8 +95,8 @@ def _timer(xp):
             fn()
             if xp is not np:
                 xp.cuda.Device().synchronize()
-            best = min(best, time.perf_counter() - t0)
-        return best
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
     return run
 
 
@@ -127,7 +130,7 @@ def run(cfg: DemoConfig, xp, step=lambda label: None) -> dict:
     step("backward")
     dout = xp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dt))
     attention_backward(dout, q, k, v, out, lse, causal=cfg.causal)
-    t_bwd = timer(lambda: attention_backward(dout, q, k, v, out, lse, causal=cfg.causal), repeat=2)
+    t_bwd = timer(lambda: attention_backward(dout, q, k, v, out, lse, causal=cfg.causal), repeat=3)
     small = [x[:1, :256, :2] for x in host]  # gradients checked in full on a small problem
     sq, sk, sv = (xp.asarray(np.ascontiguousarray(x)) for x in small)
     so, slse = attention(sq, sk, sv, causal=cfg.causal, return_lse=True)
@@ -139,7 +142,7 @@ def run(cfg: DemoConfig, xp, step=lambda label: None) -> dict:
 
     step("plain attention")
     try:
-        t_plain = timer(lambda: plain_attention(xp, q, k, v, cfg.causal), repeat=2)
+        t_plain = timer(lambda: plain_attention(xp, q, k, v, cfg.causal))
     except Exception as exc:  # out of memory is the point of the comparison
         t_plain = None
         plain_error = f"{type(exc).__name__}: {exc}"

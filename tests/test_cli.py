@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import click
 from click.testing import CliRunner
 
 import cuflash
@@ -193,3 +194,16 @@ def test_dtype_spellings_are_shared_by_io_and_bench():
     long, short = (CliRunner().invoke(cli.main, ["io", "--dtype", d, "--seqlen", "1024"]) for d in ("bfloat16", "bf16"))
     assert long.exit_code == 0 and long.output == short.output
     assert cli._check_sweep("bfloat16,fp16", "64", "1024") == "bf16,fp16"
+
+
+def test_every_option_has_help_and_help_shows_whole_descriptions():
+    """Issue 20: `cuflash bench --help` showed --headdims without help; `python -m cuflash --help`
+    cut the command descriptions off."""
+    for name, cmd in cli.main.commands.items():
+        for param in cmd.params:
+            if isinstance(param, click.Option) and param.name not in ("help",):
+                assert param.help, f"cuflash {name} {param.opts[0]} has no help text"
+    text = " ".join(CliRunner().invoke(cli.main, ["--help"], terminal_width=60).output.split())
+    for name, cmd in cli.main.commands.items():
+        first = " ".join(cmd.help.strip().splitlines()[0].split())
+        assert first in text, f"--help does not show all of {name!r}: {first!r}"
