@@ -203,6 +203,17 @@ def _final_lse(m, l, acc):
     return np.where(seen, m + np.log(np.where(seen, l, acc.type(1))), acc.type(-np.inf))
 
 
+def _past_float32(o, row_lse):
+    """Rows whose LSE leaves float32's range, as the GPU gives them (its scores are formed in
+    float32): past +3.4e38 the scores overflowed, so out and LSE are NaN (the attention
+    docstring); below -3.4e38 every score is -inf there, an empty row (0, LSE -inf).  No NumPy
+    overflow warning reaches the caller."""
+    big = float(np.finfo(np.float32).max)
+    over, under = row_lse > big, row_lse < -big
+    o = np.where(over, np.nan, np.where(under, 0.0, o))
+    return o, np.where(over, np.nan, np.where(under, -np.inf, row_lse))
+
+
 def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
     """Tiled forward pass (FlashAttention-2, Algorithm 1) into ``out`` and ``lse``.
 
@@ -230,8 +241,12 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
             m, l, alpha, p_t = _online_step(m, l, s, acc)  # p_t: (B, Hkv, G, m, n)
             o = alpha * o + _group_matmul(p_t, v_all[..., j0:j1, :])
         empty = l == 0  # rows that saw no key: exactly 0, even where 0 * inf in V made o NaN
-        out[:, i0:i1] = heads.rows(np.where(empty, acc.type(0), o / np.where(empty, acc.type(1), l)))
-        lse[:, :, i0:i1] = _final_lse(m, l, acc)[..., 0].reshape(p.batch, p.nheads_q, i1 - i0)
+        row_lse = _final_lse(m, l, acc)
+        o = np.where(empty, acc.type(0), o / np.where(empty, acc.type(1), l))
+        if np.dtype(lse.dtype).itemsize < acc.itemsize:  # float64 sums of scores formed in float32 on the GPU
+            o, row_lse = _past_float32(o, row_lse)
+        out[:, i0:i1] = heads.rows(o)
+        lse[:, :, i0:i1] = row_lse[..., 0].reshape(p.batch, p.nheads_q, i1 - i0)
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,

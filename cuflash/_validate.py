@@ -238,8 +238,10 @@ def finish_problem(
         raise ValueError(f"head dims must be >= 1; got q/k {headdim_qk}, v {headdim_v}")
     left, right, top_left = normalize_mask_options(causal, window_size)
     scale = check_scalar(softmax_scale, "softmax_scale", default=1.0 / math.sqrt(headdim_qk))
-    if abs(scale) > FLOAT32_MAX:  # the kernels multiply in float32
-        raise ValueError(f"softmax_scale must lie within float32's range (|scale| <= {FLOAT32_MAX:.4g}); got {scale}")
+    formed_in = "float64" if np.dtype(q.dtype) == np.float64 else "float32"  # the dtype scores are formed in
+    if abs(scale) > float(np.finfo(formed_in).max):
+        raise ValueError(f"softmax_scale must lie within {formed_in}'s range (|scale| <= {np.finfo(formed_in).max:.4g}), "
+                         f"the dtype the scores of {np.dtype(q.dtype).name} inputs are formed in; got {scale}")
     cap = check_scalar(softcap, "softcap", default=0.0)
     if cap < 0 or (cap > 0 and not SOFTCAP_RANGE[0] <= cap <= SOFTCAP_RANGE[1]):
         raise ValueError(

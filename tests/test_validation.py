@@ -673,3 +673,23 @@ def test_tiny_softcap_with_large_scores_warns_nothing():
         out, lse = cuflash.attention(q, k, v, softcap=1e-30, return_lse=True)
         cuflash.attention_backward(np.ones_like(out), q, k, v, out, lse, softcap=1e-30)
     assert np.isfinite(out).all() and np.isfinite(lse).all()
+
+
+def test_softmax_scale_range_follows_the_score_dtype():
+    """Issue 20: float64 inputs form their scores in float64, so 1e300 is a valid scale there;
+    float32 inputs keep float32's range; a float32 row whose scores overflow is NaN (out and LSE,
+    as on the GPU and as the docstring says), with no NumPy warning."""
+    import warnings
+
+    q, k, v = make()
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    out, lse = cuflash.attention(q64 * 1e-300, k64, v64, softmax_scale=1e300, return_lse=True)
+    ref, ref_lse = cuflash.attention(q64, k64, v64, softmax_scale=1.0, return_lse=True)
+    assert np.allclose(out, ref) and np.allclose(lse, ref_lse)
+    with pytest.raises(ValueError, match=r"softmax_scale must lie within float32's range .* float32 inputs"):
+        cuflash.attention(q, k, v, softmax_scale=1e39)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a RuntimeWarning from NumPy would fail here
+        big = np.full_like(q, 4.0)
+        out, lse = cuflash.attention(big, big, v, softmax_scale=3e38, return_lse=True)
+    assert np.isnan(out).all() and np.isnan(lse).all()
