@@ -183,6 +183,8 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         _set_extents(prm, p, q, k, packed, block_table, cache_batch_idx)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm, seqlen_new))
+        if packed:  # the tail kernel's module compiles beside the forward's
+            _kernels.prefetch([(_kernels.varlen_tail_variant(), ""), (variant, "")], device)
         fn = _kernels.get_function(variant, device)
         if decode:
             launches, accum = _decode_launches(p, prm, variant, fn, device, num_splits)
@@ -464,19 +466,6 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         _set_extents(prm, p, q, k, packed)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm))
-        if packed:  # rows no well-formed sequence owns: NaN where the offsets are malformed
-            first_bad = _offsets_scratch(prm)  # noqa: F841 (alive until the launches are queued)
-            tail = _kernels.get_function(_kernels.varlen_tail_variant(), device, "_grads")
-            tail((2 * _sm_resources(device)[0],), (256,), (_pointer(prm),))
-
-        # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
-        pre = FlashParams.from_buffer_copy(prm)
-        if packed:
-            pre.batch, pre.seqlen_q = 1, q.shape[0]
-        rows = pre.batch * pre.seqlen_q * pre.nheads_q
-        fn = _kernels.get_function(variant, device, "_dsum")
-        fn(((rows + 7) // 8,), (256,), (_pointer(pre),))
-
         tile = main.threads // 2  # rows per block: 16 per warp (flash_bwd.cu), 64 per warpgroup (Hopper)
         dq_grid = ((p.seqlen_q + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_q))
         dkdv_grid = ((p.seqlen_k + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_k))
@@ -487,6 +476,20 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=cp.float32)
             prm.dq_accum = dq_accum.data.ptr
             launches = (("_dkdv_dq", dkdv_grid, smem), ("_dq_convert", dq_grid, 0))
+        tail, dsum_kernel = _kernels.varlen_tail_variant(), _kernels.dsum_variant(dtype)
+        _kernels.prefetch([(dsum_kernel, ""), (main, launches[0][0])] + [(tail, "_grads")] * packed, device)
+
+        if packed:  # rows no well-formed sequence owns: NaN where the offsets are malformed
+            first_bad = _offsets_scratch(prm)  # noqa: F841 (alive until the launches are queued)
+            _kernels.get_function(tail, device, "_grads")((2 * _sm_resources(device)[0],), (256,), (_pointer(prm),))
+
+        # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
+        pre = FlashParams.from_buffer_copy(prm)
+        if packed:
+            pre.batch, pre.seqlen_q = 1, q.shape[0]
+        rows = pre.batch * pre.seqlen_q * pre.nheads_q
+        _kernels.get_function(dsum_kernel, device)(((rows + 7) // 8,), (256,), (_pointer(pre),))
+
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
             fn(grid, (main.threads,), (_pointer(prm),), shared_mem=shared_mem)

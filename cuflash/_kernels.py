@@ -223,9 +223,15 @@ def bwd_smem_bytes(headdim: int, warps: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def dsum_variant(dtype: str) -> Variant:
+    """The backward's pre-pass D = rowsum(dO * O) (kernels/bwd_dsum.cu), for every backward kernel."""
+    return Variant("bwd_dsum.cu", f"cuflash_bwd_dsum_{_SHORT[dtype]}", (("CUFLASH_DTYPE", DTYPE_TAGS[dtype]),), 256)
+
+
+@functools.lru_cache(maxsize=None)
 def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
-    """The backward kernels (``<name>_dsum``, ``<name>_dq``, ``<name>_dkdv``) for one problem kind."""
+    """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind."""
     d = headdim_bucket(headdim)
     warps = bwd_warps(d, smem_limit)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi
@@ -276,6 +282,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                         v = hopper(dtype, d, softcap=softcap, alibi=alibi)
                         if v is not None:
                             out.append(v)
+        out.append(dsum_variant(dtype))
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant()]
     return out
 
@@ -302,6 +309,23 @@ def get_function(variant: Variant, device_id: int, suffix: str = ""):
             fn.preferred_shared_memory_carveout = 100
         _functions[key] = fn
     return fn
+
+
+def prefetch(functions, device_id: int) -> None:
+    """Compile, at the same time, the modules of the ``(variant, suffix)`` pairs a call is about
+    to launch that are not compiled yet: NVRTC releases the GIL, so a backward's two modules
+    (the D pre-pass and the main kernels) build side by side.  Each module once (its first
+    suffix); CuPy keeps compiled modules, so the other suffixes are then lookups."""
+    todo = {}
+    for variant, suffix in functions:
+        if (variant.name + suffix, device_id) not in _functions:
+            todo.setdefault(variant, suffix)
+    if len(todo) < 2:
+        return  # nothing to overlap: get_function compiles it on first use
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(todo)) as pool:
+        list(pool.map(lambda item: get_function(item[0], device_id, item[1]), todo.items()))
 
 
 def compile_for_arch(variant: Variant, arch: str) -> bytes:

@@ -1,8 +1,8 @@
 // Exact attention backward by recomputation, for sm_80+ (mma.sync, ldmatrix, cp.async).
 //
-// Dao, "FlashAttention-2", ICLR 2024, Algorithm 2, split into three kernels so that no output is
+// Dao, "FlashAttention-2", ICLR 2024, Algorithm 2, split into kernels so that no output is
 // accumulated with atomics (the result is bitwise repeatable with or without `deterministic`):
-//   _dsum : D_i = rowsum(dO_i ∘ O_i), fp32, laid out like the LSE.
+//   (bwd_dsum.cu, shared with the Hopper backward: D_i = rowsum(dO_i ∘ O_i), fp32, laid out like the LSE)
 //   _dq   : one block per (query block, head, batch); warps own 16 query rows.  For each key
 //           tile: S = Q Kᵀ, P = exp(S - LSE), dP = dO Vᵀ, dS = P ∘ (dP - D), dQ += dS K.
 //   _dkdv : one block per (key block, key/value head, batch); warps own 16 key rows.  For each
@@ -40,21 +40,6 @@
 #endif
 #define CUFLASH_CAT2(a, b) a##b
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
-
-template <class T>
-__device__ __forceinline__ void flash_bwd_dsum(const FlashParams& p) {
-    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-    const int lane = threadIdx.x % 32;
-    if (w >= p.batch * p.seqlen_q * p.nheads_q) return;
-    const long long h = w % p.nheads_q, i = (w / p.nheads_q) % p.seqlen_q, b = w / (p.nheads_q * p.seqlen_q);
-    const u16* o = static_cast<const u16*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-    const u16* d = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
-    float acc = 0.f;
-    for (int c = lane; c < p.headdim_v; c += 32) acc += to_float<T>(o[c]) * to_float<T>(d[c]);
-#pragma unroll
-    for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    if (lane == 0) p.dsum[b * p.lse_batch_stride + h * p.lse_head_stride + i] = acc;
-}
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
@@ -226,10 +211,6 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                                     p.dk_row_stride, rows_valid, qk_chunks, lane);
     store_warp_tile<T, kD, kStride>(dv, seq.poison(1.f), sV + warp * 16 * kStride, gdV + warp * 16 * p.dv_row_stride,
                                     p.dv_row_stride, rows_valid, v_chunks, lane);
-}
-
-extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dsum)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dsum<CUFLASH_DTYPE>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {

@@ -125,3 +125,31 @@ def test_sm90_applies_only_to_compute_capability_9_0_with_nvrtc_12_9(monkeypatch
     monkeypatch.setenv("CUFLASH_DISABLE_SM90", "0")
     assert not _kernels.sm90_disabled()
 
+
+
+def test_prefetch_compiles_a_calls_modules_side_by_side(monkeypatch):
+    """Issue 20: a backward's first call compiles its D pre-pass and its main module at the same
+    time (NVRTC releases the GIL); modules already compiled, and a lone module, are left to
+    get_function."""
+    import threading
+    import time
+
+    calls, lock = [], threading.Lock()
+
+    def fake_get_function(variant, device_id, suffix=""):
+        with lock:
+            calls.append((variant.name, suffix, threading.get_ident()))
+        time.sleep(0.3)
+
+    monkeypatch.setattr(_kernels, "get_function", fake_get_function)
+    monkeypatch.setattr(_kernels, "_functions", {(_kernels.softmax_variant("float16").name, 0): object()})
+    dsum = _kernels.dsum_variant("bfloat16")
+    main = _kernels.bwd_variant("bfloat16", 128, softcap=False, alibi=False)
+    start = time.perf_counter()
+    _kernels.prefetch([(dsum, ""), (main, "_dq"), (main, "_dkdv"), (_kernels.softmax_variant("float16"), "")], 0)
+    assert time.perf_counter() - start < 0.55  # two 0.3 s compiles overlapped
+    assert sorted((n, s) for n, s, _ in calls) == sorted([(dsum.name, ""), (main.name, "_dq")])
+    assert len({t for *_, t in calls}) == 2
+    calls.clear()
+    _kernels.prefetch([(dsum, "")], 0)
+    assert calls == []

@@ -1,0 +1,32 @@
+// The backward's pre-pass, D_i = rowsum(dO_i ∘ O_i) in fp32, laid out like the LSE (FlashAttention-2,
+// Dao 2024, Algorithm 2, line 4), for the sm_80 and the Hopper backward kernels alike.  One warp
+// per (row, head); the packed rows of a varlen batch are one long sequence here.  A module of its
+// own: small and quick to compile, beside whichever backward module a GPU runs.
+#include "mma.cuh"
+#include "params.cuh"
+
+#ifndef CUFLASH_DTYPE
+#define CUFLASH_DTYPE half_t
+#endif
+#ifndef CUFLASH_KERNEL_NAME
+#define CUFLASH_KERNEL_NAME cuflash_bwd_dsum
+#endif
+
+template <class T>
+__device__ __forceinline__ void bwd_dsum(const FlashParams& p) {
+    const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+    const int lane = threadIdx.x % 32;
+    if (w >= p.batch * p.seqlen_q * p.nheads_q) return;
+    const long long h = w % p.nheads_q, i = (w / p.nheads_q) % p.seqlen_q, b = w / (p.nheads_q * p.seqlen_q);
+    const u16* o = static_cast<const u16*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    const u16* d = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+    float acc = 0.f;
+    for (int c = lane; c < p.headdim_v; c += 32) acc += to_float<T>(o[c]) * to_float<T>(d[c]);
+#pragma unroll
+    for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+    if (lane == 0) p.dsum[b * p.lse_batch_stride + h * p.lse_head_stride + i] = acc;
+}
+
+extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
+    bwd_dsum<CUFLASH_DTYPE>(p);
+}
