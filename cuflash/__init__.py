@@ -15,6 +15,7 @@ from .api import (
 )
 from .kvcache import attention_with_kvcache
 from ._guard import InvalidIndexError, release_graph_memory, synchronize
+from .dropout import dropout_mask
 from . import reference  # noqa: E402  (the float64 oracle, documented as cuflash.reference)
 
 __version__ = "0.1.0"
@@ -28,6 +29,7 @@ __all__ = [
     "attention_with_kvcache",
     "merge_states",
     "softmax",
+    "dropout_mask",
     "synchronize",
     "release_graph_memory",
     "InvalidIndexError",

@@ -8,8 +8,8 @@ the code that checks them.
 Contents
 --------
 attention_ref, attention_backward_ref
-    Padded-batch forward and backward, with every option plus an additive ``bias`` and a boolean
-    ``mask`` that the public API does not take.
+    Padded-batch forward and backward, with every option plus an additive ``bias``, a boolean
+    ``mask``, dropout given its keep-mask, and the gradient through the LSE (``dlse``).
 attention_varlen_ref, attention_varlen_backward_ref
     Packed variable-length batches, one sequence at a time.
 naive_attention, naive_attention_backward
@@ -69,7 +69,7 @@ class _Options:
 
     def __init__(self, headdim, nheads_q, nheads_k, batch, *, softmax_scale=None, causal=False,
                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, bias=None, mask=None,
-                 seqlens_k=None):
+                 seqlens_k=None, dropout_p=0.0, dropout_keep=None):
         if nheads_k == 0 and nheads_q != 0:
             raise ValueError(f"k has 0 heads; q's {nheads_q} heads must be a multiple of it")
         if nheads_k and nheads_q % nheads_k:
@@ -103,6 +103,19 @@ class _Options:
         self.bias = None if bias is None else _f64(bias)
         self.mask = None if mask is None else _host(mask).astype(bool)
         self.seqlens_k = None if seqlens_k is None else _host(seqlens_k).astype(np.int64)
+        # Dropout: the weights P become P * keep / (1 - p) after the row statistics.
+        self.dropout_p = float(dropout_p)
+        if not 0.0 <= self.dropout_p < 1.0:
+            raise ValueError(f"dropout_p must lie in [0, 1); got {dropout_p}")
+        if self.dropout_p > 0 and dropout_keep is None:
+            raise ValueError("dropout_p > 0 needs dropout_keep, the keep-mask (cuflash.dropout_mask gives it)")
+        self.keep = None if dropout_keep is None else _host(dropout_keep).astype(bool)
+
+    def dropped(self, probs):
+        """P with dropout applied (P itself without dropout)."""
+        if self.keep is None:
+            return probs
+        return np.where(self.keep, probs / (1.0 - self.dropout_p), 0.0)
 
 
 def _heads_major(x, layout):
@@ -242,7 +255,7 @@ def _prepare(q, k, v, layout, options, convert=_f64):
 
 def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                   alibi_slopes=None, bias=None, mask=None, seqlens_k=None, layout="bshd",
-                  return_probs=False):
+                  return_probs=False, dropout_p=0.0, dropout_keep=None):
     """Exact attention in float64 with the full score matrix: the oracle for every test.
 
     Parameters
@@ -272,15 +285,21 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
     layout : {"bshd", "bhsd"}
     return_probs : bool
         Also return the attention weights.
+    dropout_p : float
+        Dropout probability in [0, 1), applied to the weights after the row statistics with
+        scaling 1 / (1 - p); needs ``dropout_keep``.
+    dropout_keep : bool array broadcastable to (batch, nheads, seqlen_q, seqlen_k), optional
+        The keep-mask (True = kept), e.g. from ``cuflash.dropout_mask``.
 
     Returns
     -------
     out : float64 array of shape (batch, seqlen_q, nheads, headdim_v) (in ``layout`` order)
         0 on rows that see no key.
     lse : float64 array of shape (batch, nheads, seqlen_q)
-        Natural-log logsumexp of the final scores over visible keys; -inf on empty rows.
+        Natural-log logsumexp of the final scores over visible keys; -inf on empty rows.  It
+        does not depend on dropout.
     probs : float64 array of shape (batch, nheads, seqlen_q, seqlen_k)
-        Only with ``return_probs``.
+        Only with ``return_probs``: the weights before dropout.
 
     Raises
     ------
@@ -295,16 +314,17 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
     """
     q, k, v, opts = _prepare(q, k, v, layout, dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k))
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
+        dropout_keep=dropout_keep))
     s, _ = _scores(q, k, opts)
     probs, lse = _softmax_rows(s)
-    out = _heads_major(probs @ _repeat_heads(v, opts), layout)
+    out = _heads_major(opts.dropped(probs) @ _repeat_heads(v, opts), layout)
     return (out, lse, probs) if return_probs else (out, lse)
 
 
 def attention_backward_ref(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                            softcap=0.0, alibi_slopes=None, bias=None, mask=None, seqlens_k=None,
-                           layout="bshd"):
+                           layout="bshd", dropout_p=0.0, dropout_keep=None, dlse=None):
     """Gradients of :func:`attention_ref` in float64, through the full probability matrix.
 
     Parameters
@@ -312,7 +332,10 @@ def attention_backward_ref(dout, q, k, v, *, softmax_scale=None, causal=False, w
     dout : array of shape (batch, seqlen_q, nheads, headdim_v) (``layout`` order)
         Gradient of the loss with respect to the output.
     q, k, v, options
-        As in :func:`attention_ref`.
+        As in :func:`attention_ref` (``dropout_p`` and ``dropout_keep`` included).
+    dlse : array of shape (batch, nheads, seqlen_q), optional
+        Gradient of the loss with respect to the LSE; without it the LSE is not differentiated.
+        Entries of rows that see no key are ignored.
 
     Returns
     -------
@@ -329,20 +352,26 @@ def attention_backward_ref(dout, q, k, v, *, softmax_scale=None, causal=False, w
 
     Notes
     -----
-    With P the weights and S the final scores: dV = Pᵀ dO, dP = dO Vᵀ,
-    dS = P ∘ (dP − rowsum(P ∘ dP)); through the softcap dS_raw = dS ∘ (1 − tanh²(s_raw/cap));
-    dQ = scale · dS_raw K, dK = scale · dS_rawᵀ Q (FlashAttention-2, Dao 2024, §2.2).
+    With P the weights, Z = keep / (1 − p) the dropout factor (1 without dropout) and S the final
+    scores: dV = (P ∘ Z)ᵀ dO, dP = (dO Vᵀ) ∘ Z, dS = P ∘ (dP − rowsum(P ∘ dP) + dlse); through the
+    softcap dS_raw = dS ∘ (1 − tanh²(s_raw/cap)); dQ = scale · dS_raw K, dK = scale · dS_rawᵀ Q
+    (FlashAttention-2, Dao 2024, §2.2; dropout as in FlashAttention, Dao et al. 2022,
+    Algorithm 4; d lse_i / d s_ij = P_ij).
     """
     options = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                    softcap=softcap, alibi_slopes=alibi_slopes, bias=bias, mask=mask,
-                   seqlens_k=seqlens_k)
+                   seqlens_k=seqlens_k, dropout_p=dropout_p, dropout_keep=dropout_keep)
     q, k, v, opts = _prepare(q, k, v, layout, options)
     dout = _heads_major(_f64(dout), layout)
     s, tanh = _scores(q, k, opts)
-    probs, _ = _softmax_rows(s)
-    dv = probs.swapaxes(-1, -2) @ dout
+    probs, lse = _softmax_rows(s)
+    dv = opts.dropped(probs).swapaxes(-1, -2) @ dout
     dp = dout @ _repeat_heads(v, opts).swapaxes(-1, -2)
+    if opts.keep is not None:
+        dp = np.where(opts.keep, dp / (1.0 - opts.dropout_p), 0.0)
     ds = probs * (dp - (probs * dp).sum(axis=-1, keepdims=True))  # masked entries: P = 0
+    if dlse is not None:
+        ds = ds + probs * np.where(np.isneginf(lse), 0.0, _f64(dlse))[..., None]  # empty rows: ignored
     dbias = None if opts.bias is None else _reduce_to_shape(ds, opts.bias.shape)
     if tanh is not None:
         ds = ds * (1.0 - tanh**2)

@@ -1,0 +1,155 @@
+"""Dropout on the attention probabilities, drawn from a counter-based generator.
+
+The keep-mask is a pure function of the seed and of the element's position, so that the backward
+pass regenerates it instead of storing it (FlashAttention, Dao et al. 2022, §3.1 and Algorithm 4)
+and so that the NumPy path and the GPU kernels draw exactly the same mask.  The generator is
+Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011).
+
+For element (b, h, i, j) of a (batch, nheads, seqlen_q, seqlen_k) probability matrix and a
+``dropout_seed`` of (seed, offset):
+
+    key     = (seed mod 2^32, (seed >> 32) + (offset >> 32) mod 2^32)
+    counter = (j >> 2, i, b * nheads + h, offset mod 2^32)
+    keep    = philox4x32_10(counter, key)[j & 3] < round((1 - dropout_p) * 2^32)
+
+(for a packed batch: b is the sequence, i and j the positions within it).  Kept probabilities
+are scaled by 1 / (1 - dropout_p).  Each call of the generator gives four consecutive keys' words.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
+_MASK32 = 0xFFFFFFFF
+
+
+def philox4x32_10(counter, key, xp=np):
+    """Philox4x32 with 10 rounds, elementwise over arrays.
+
+    Parameters
+    ----------
+    counter : sequence of 4 uint32-valued arrays (broadcastable to one shape)
+    key : sequence of 2 uint32-valued arrays or ints
+    xp : numpy or cupy
+
+    Returns
+    -------
+    tuple of 4 uint32 arrays: the generator's output words for each counter.
+
+    Notes
+    -----
+    Salmon et al. 2011, the Philox4x32 bijection: per round,
+    ``(c0, c1, c2, c3) -> (hi(M1 c2) ^ c1 ^ k0, lo(M1 c2), hi(M0 c0) ^ c3 ^ k1, lo(M0 c0))`` and the
+    key is bumped by the Weyl constants between rounds.
+    """
+    c0, c1, c2, c3 = (xp.asarray(c, dtype=xp.uint64) & _MASK32 for c in counter)
+    k0, k1 = (xp.asarray(k, dtype=xp.uint64) & _MASK32 for k in key)
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _W0) & _MASK32, (k1 + _W1) & _MASK32
+        p0, p1 = c0 * _M0, c2 * _M1  # 64-bit products of 32-bit values: exact in uint64
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & _MASK32, (p0 >> 32) ^ c3 ^ k1, p0 & _MASK32
+    return tuple(c.astype(xp.uint32) for c in (c0, c1, c2, c3))
+
+
+def keep_threshold(dropout_p: float) -> int:
+    """Words below this (out of 2^32) keep their element: round((1 - p) 2^32), in [0, 2^32]."""
+    return int(round((1.0 - float(dropout_p)) * 2.0**32))
+
+
+def seed_and_offset(dropout_seed, name: str = "dropout_seed"):
+    """(seed, offset) as Python ints from an int or an (int, int) pair (a GPU (2,) int64 array is
+    read by the kernels, not here)."""
+    if isinstance(dropout_seed, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int or a (seed, offset) pair of ints; got {dropout_seed!r}")
+    if isinstance(dropout_seed, (int, np.integer)):
+        seed, offset = int(dropout_seed), 0
+    elif isinstance(dropout_seed, (tuple, list)) and len(dropout_seed) == 2 and all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in dropout_seed):
+        seed, offset = (int(x) for x in dropout_seed)
+    else:
+        raise TypeError(f"{name} must be an int or a (seed, offset) pair of ints; got {dropout_seed!r}")
+    if not (0 <= seed < 2**64 and 0 <= offset < 2**64):
+        raise ValueError(f"{name}'s seed and offset must lie in [0, 2**64); got {seed}, {offset}")
+    return seed, offset
+
+
+def keep_mask_block(seed: int, offset: int, dropout_p: float, bh, i, j, xp=np):
+    """Keep-mask of the elements at (b * nheads + h, i, j), given as broadcastable integer
+    arrays: True where the element is kept."""
+    key = (seed & _MASK32, ((seed >> 32) + (offset >> 32)) & _MASK32)
+    j = xp.asarray(j, dtype=xp.uint64)
+    words = philox4x32_10((j >> 2, i, bh, offset & _MASK32), key, xp)
+    lane = j & 3
+    word = xp.where(lane == 0, words[0], xp.where(lane == 1, words[1], xp.where(lane == 2, words[2], words[3])))
+    return word.astype(xp.uint64) < keep_threshold(dropout_p)
+
+
+def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
+    """The keep-mask cuflash's dropout uses, as a boolean array.
+
+    Parameters
+    ----------
+    dropout_seed : int or (int, int)
+        The seed, or a (seed, offset) pair, as passed to :func:`cuflash.attention`; each in
+        [0, 2**64).
+    shape : tuple of 4 ints
+        (batch, nheads, seqlen_q, seqlen_k) of the attention probabilities.
+    dropout_p : float
+        Dropout probability in [0, 1).
+    like : array, optional
+        A CuPy array puts the result on its GPU (computed there); otherwise NumPy.
+
+    Returns
+    -------
+    keep : bool array of ``shape``
+        True where a probability is kept (and scaled by 1 / (1 - dropout_p)).
+
+    Raises
+    ------
+    TypeError
+        A seed that is neither an int nor a pair of ints.
+    ValueError
+        A shape that is not 4 non-negative ints, ``dropout_p`` outside [0, 1), a seed or offset
+        outside [0, 2**64).
+
+    Notes
+    -----
+    Philox4x32-10 (Salmon et al. 2011) on the counter (j >> 2, i, b * nheads + h, offset), as
+    the module docstring spells out: the mask depends on nothing but the seed and the position,
+    so the backward pass regenerates it (FlashAttention, Dao et al. 2022, §3.1).
+
+    Examples
+    --------
+    >>> import numpy as np, cuflash
+    >>> keep = cuflash.dropout_mask(1234, (2, 4, 64, 64), 0.1)
+    >>> keep.shape, keep.dtype, bool(0.85 < keep.mean() < 0.95)
+    ((2, 4, 64, 64), dtype('bool'), True)
+    >>> bool((keep == cuflash.dropout_mask((1234, 0), (2, 4, 64, 64), 0.1)).all())
+    True
+    """
+    seed, offset = seed_and_offset(dropout_seed)
+    p = check_dropout_p(dropout_p)
+    if not (isinstance(shape, (tuple, list)) and len(shape) == 4
+            and all(isinstance(n, (int, np.integer)) and n >= 0 for n in shape)):
+        raise ValueError(f"shape must be 4 non-negative ints (batch, nheads, seqlen_q, seqlen_k); got {shape!r}")
+    from . import _arrays
+
+    xp = _arrays.module_of(like) if like is not None else np
+    batch, heads, sq, sk = (int(n) for n in shape)
+    bh = xp.arange(batch * heads, dtype=xp.uint64).reshape(batch, heads, 1, 1)
+    i = xp.arange(sq, dtype=xp.uint64).reshape(1, 1, sq, 1)
+    j = xp.arange(sk, dtype=xp.uint64).reshape(1, 1, 1, sk)
+    return xp.broadcast_to(keep_mask_block(seed, offset, p, bh, i, j, xp), (batch, heads, sq, sk)).copy()
+
+
+def check_dropout_p(dropout_p) -> float:
+    """dropout_p as a float in [0, 1), else the ValueError/TypeError naming it."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"dropout_p must be a float in [0, 1); got {dropout_p!r}")
+    p = float(dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1); got {p}")
+    return p

@@ -1,0 +1,125 @@
+"""The dropout generator (cuflash/dropout.py) and the oracle's dropout and LSE gradient
+(cuflash/reference.py), on the CPU; the GPU draws the same mask (test at the end)."""
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import reference
+from cuflash.dropout import keep_threshold, philox4x32_10
+
+from .conftest import requires_gpu
+
+
+@pytest.mark.parametrize("counter, key, expect", [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+])
+def test_philox_known_answers(counter, key, expect):
+    """Random123's known-answer vectors for Philox4x32-10 (Salmon et al. 2011)."""
+    assert tuple(int(w) for w in philox4x32_10(counter, key)) == expect
+
+
+def test_mask_is_a_function_of_seed_and_position():
+    shape = (2, 3, 33, 70)
+    a = cuflash.dropout_mask(7, shape, 0.3)
+    assert np.array_equal(a, cuflash.dropout_mask((7, 0), shape, 0.3))
+    # Longer sequences keep the mask of the shorter ones: the position alone decides.
+    assert np.array_equal(a, cuflash.dropout_mask(7, (2, 3, 40, 90), 0.3)[:, :, :33, :70])
+    assert not np.array_equal(a, cuflash.dropout_mask(8, shape, 0.3))
+    assert not np.array_equal(a, cuflash.dropout_mask((7, 1), shape, 0.3))
+    assert cuflash.dropout_mask(7, shape, 0.0).all()
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_drop_rate_within_binomial_bounds(p):
+    keep = cuflash.dropout_mask((123, 456), (4, 8, 128, 128), p)
+    n = keep[0, 0].size
+    for rate in (1 - keep).reshape(32, -1).mean(axis=1):  # per (batch, head)
+        assert abs(rate - p) < 5 * np.sqrt(p * (1 - p) / n)
+    # Different offsets give independent masks: agreement as for two independent draws.
+    other = cuflash.dropout_mask((123, 457), (4, 8, 128, 128), p)
+    agree = (keep == other).mean()
+    expect = p * p + (1 - p) * (1 - p)
+    assert abs(agree - expect) < 5 * np.sqrt(expect * (1 - expect) / keep.size)
+
+
+def test_threshold_and_bad_arguments():
+    assert keep_threshold(0.0) == 2**32 and keep_threshold(0.5) == 2**31
+    for bad, exc in ((-0.1, ValueError), (1.0, ValueError), ("0.1", TypeError), (True, TypeError)):
+        with pytest.raises(exc, match="dropout_p"):
+            cuflash.dropout_mask(1, (1, 1, 2, 2), bad)
+    for seed, exc in ((1.5, TypeError), ((1, 2, 3), TypeError), (-1, ValueError), ((1, 2**64), ValueError),
+                      (True, TypeError)):
+        with pytest.raises(exc, match="dropout_seed"):
+            cuflash.dropout_mask(seed, (1, 1, 2, 2), 0.1)
+    with pytest.raises(ValueError, match="shape must be 4 non-negative ints"):
+        cuflash.dropout_mask(1, (1, 2, 2), 0.1)
+
+
+def _problem(rng, b=2, sq=9, sk=13, hq=4, hk=2, d=8):
+    return (rng.standard_normal((b, sq, hq, d)), rng.standard_normal((b, sk, hk, d)),
+            rng.standard_normal((b, sk, hk, d)))
+
+
+def test_reference_dropout_forward():
+    rng = np.random.default_rng(0)
+    q, k, v = _problem(rng)
+    keep = cuflash.dropout_mask(5, (2, 4, 9, 13), 0.25)
+    out, lse, probs = reference.attention_ref(q, k, v, causal=True, dropout_p=0.25, dropout_keep=keep,
+                                              return_probs=True)
+    plain, plain_lse = reference.attention_ref(q, k, v, causal=True)
+    assert np.array_equal(lse, plain_lse)  # the LSE ignores dropout
+    vv = np.repeat(v, 2, axis=2).swapaxes(1, 2)
+    expect = (np.where(keep, probs / 0.75, 0) @ vv).swapaxes(1, 2)
+    assert np.allclose(out, expect)
+    with pytest.raises(ValueError, match="dropout_keep"):
+        reference.attention_ref(q, k, v, dropout_p=0.25)
+
+
+@pytest.mark.parametrize("dropout", [False, True])
+def test_reference_gradients_by_central_differences(dropout):
+    """dq, dk, dv, dbias and the LSE gradient of the oracle against central differences of the
+    loss sum(dout * out) + sum(dlse * lse) (the keep-mask held fixed)."""
+    rng = np.random.default_rng(1)
+    q, k, v = _problem(rng, b=1, sq=5, sk=6, hq=2, hk=1, d=4)
+    bias = rng.standard_normal((1, 2, 5, 1))  # broadcast over keys: dbias sums over them
+    mask = rng.random((1, 1, 5, 6)) > 0.2
+    mask[..., 0] = True
+    opts = dict(causal=True, softcap=3.0, bias=bias, mask=mask)
+    if dropout:
+        opts.update(dropout_p=0.3, dropout_keep=cuflash.dropout_mask(11, (1, 2, 5, 6), 0.3))
+    dout, dlse = rng.standard_normal((1, 5, 2, 4)), rng.standard_normal((1, 2, 5))
+
+    def loss(q_, k_, v_, bias_):
+        out, lse = reference.attention_ref(q_, k_, v_, **dict(opts, bias=bias_))
+        return float((out * dout).sum() + (np.where(np.isinf(lse), 0, lse) * dlse).sum())
+
+    grads = reference.attention_backward_ref(dout, q, k, v, dlse=dlse, **opts)
+    eps = 1e-6
+    for idx, x in enumerate((q, k, v, bias)):
+        num = np.zeros_like(x)
+        for pos in np.ndindex(x.shape):
+            args = [q, k, v, bias]
+            hi, lo = x.copy(), x.copy()
+            hi[pos] += eps
+            lo[pos] -= eps
+            args[idx] = hi
+            f_hi = loss(*args)
+            args[idx] = lo
+            num[pos] = (f_hi - loss(*args)) / (2 * eps)
+        assert np.allclose(grads[idx], num, atol=1e-6, rtol=1e-5), idx
+
+
+@requires_gpu
+@pytest.mark.gpu
+def test_gpu_mask_equals_cpu_mask():
+    from cuflash import _arrays
+
+    cp = _arrays.cupy_module()
+    shape = (2, 3, 77, 130)
+    gpu = cuflash.dropout_mask((99, 3), shape, 0.2, like=cp.zeros(1))
+    assert isinstance(gpu, cp.ndarray)
+    assert np.array_equal(gpu.get(), cuflash.dropout_mask((99, 3), shape, 0.2))
