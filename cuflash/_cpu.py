@@ -136,16 +136,54 @@ class _Band:
         return np.abs(i + self.off[:, None, None] - j)[:, None, None]
 
 
+class _Modifiers:
+    """Additive bias, boolean mask and dropout of a problem, read tile by tile: bias and mask
+    through broadcast views of their own strides (a size-1 axis costs no memory), the dropout
+    keep-mask drawn per tile from its seed (cuflash/dropout.py).  Tiles come out in the tiled
+    (B, Hkv, G, m, n) view."""
+
+    def __init__(self, p, acc):
+        full = (p.batch, p.nheads_q, p.seqlen_q, p.seqlen_k)
+        self.bias = None if p.bias is None else np.broadcast_to(p.bias, full)
+        self.mask = None if p.mask is None else np.broadcast_to(p.mask, full)
+        self.dropout = p.dropout
+        self.acc, self.hkv, self.g = acc, p.nheads_k, p.group_size
+        self.bh = np.arange(p.batch * p.nheads_q, dtype=np.uint64).reshape(p.batch, p.nheads_k, p.group_size, 1, 1)
+
+    def _tile(self, x, i0, i1, j0, j1, dtype):
+        t = np.asarray(x[:, :, i0:i1, j0:j1], dtype=dtype)
+        return t.reshape(t.shape[0], self.hkv, self.g, i1 - i0, j1 - j0)
+
+    def add_bias(self, s, i0, i1, j0, j1):
+        return s if self.bias is None else s + self._tile(self.bias, i0, i1, j0, j1, s.dtype)
+
+    def keep(self, i0, i1, j0, j1):
+        """The mask tile (True = attend), or None without a mask."""
+        return None if self.mask is None else self._tile(self.mask, i0, i1, j0, j1, bool)
+
+    def dropped(self, p_t, i0, i1, j0, j1):
+        """P of a tile after dropout: kept entries scaled by 1 / (1 - p), the others 0."""
+        if self.dropout is None:
+            return p_t
+        from .dropout import keep_mask_block
+
+        rate, seed, offset = self.dropout
+        i = np.arange(i0, i1, dtype=np.uint64)[:, None]
+        j = np.arange(j0, j1, dtype=np.uint64)[None, :]
+        kept = keep_mask_block(seed, offset, rate, self.bh, i, j)
+        return np.where(kept, p_t * p_t.dtype.type(1.0 / (1.0 - rate)), p_t.dtype.type(0))
+
+
 def _blocks(lo, hi, size):
     """[start, stop) pairs covering [lo, hi), aligned to multiples of size."""
     start = (max(lo, 0) // size) * size
     return [(s, min(s + size, hi)) for s in range(start, hi, size)]
 
 
-def _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1):
+def _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1, mods=None):
     """Final scores of one tile, (B, Hkv, G, m, n), and tanh(s_raw/cap) (None without softcap).
 
-    The contract's pipeline: scale·q·k → softcap → ALiBi → masks to −inf.
+    The contract's pipeline: scale·q·k → softcap → ALiBi → bias → masks to −inf.
     """
     s = _group_matmul(q_t, k_t.swapaxes(-1, -2)) * _scalar(q_t, p.softmax_scale)
     tanh = None
@@ -156,6 +194,10 @@ def _score_tile(p, band, slopes, q_t, k_t, i0, i1, j0, j1):
     if slopes is not None:
         s = s - slopes * band.distance(i0, i1, j0, j1).astype(s.dtype)
     keep = band.keep(i0, i1, j0, j1)
+    if mods is not None:
+        s = mods.add_bias(s, i0, i1, j0, j1)
+        mask = mods.keep(i0, i1, j0, j1)
+        keep = mask if keep is None else (keep if mask is None else keep & mask)
     if keep is not None:
         s = np.where(keep, s, s.dtype.type(-np.inf))
     return s, tanh
@@ -228,7 +270,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
         Tile sizes (query rows, keys); small values are useful in tests.
     """
     acc = _acc_dtype(p.dtype)
-    heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
+    heads, band, slopes, mods = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc)
     k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
     for i0, i1 in _blocks(0, p.seqlen_q, block_m):
         q_t = heads.queries(q[:, i0:i1], acc)  # (B, Hkv, G, m, D)
@@ -237,8 +279,10 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
         l = np.zeros(row_shape, dtype=acc)  # running sum of exp(s - m)
         o = np.zeros(q_t.shape[:-1] + (p.headdim_v,), dtype=acc)  # unnormalised output
         for j0, j1 in _blocks(*band.key_range(i0, i1), block_n):
-            s, _ = _score_tile(p, band, slopes, q_t, k_all[..., j0:j1, :], i0, i1, j0, j1)
+            s, _ = _score_tile(p, band, slopes, q_t, k_all[..., j0:j1, :], i0, i1, j0, j1, mods)
             m, l, alpha, p_t = _online_step(m, l, s, acc)  # p_t: (B, Hkv, G, m, n)
+            if mods is not None:  # dropout acts on P after the row statistics (the LSE ignores it)
+                p_t = mods.dropped(p_t, i0, i1, j0, j1)
             o = alpha * o + _group_matmul(p_t, v_all[..., j0:j1, :])
         empty = l == 0  # rows that saw no key: exactly 0, even where 0 * inf in V made o NaN
         row_lse = _final_lse(m, l, acc)
@@ -250,7 +294,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
-             block_m=BLOCK_M, block_n=BLOCK_N):
+             block_m=BLOCK_M, block_n=BLOCK_N, dlse=None, dbias=None):
     """Tiled backward pass by recomputation (FlashAttention-2, Algorithm 2) into dq, dk, dv.
 
     Parameters
@@ -263,6 +307,10 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
         Accepted for the API's sake: this path is always bitwise repeatable.
     block_m, block_n : int
         Tile sizes.
+    dlse : (B, Hq, Sq) array, optional
+        Gradient through the LSE: dS gains P · dlse (d lse_i / d s_ij = P_ij).
+    dbias : array of ``p.bias``'s shape, optional
+        Written in full with the bias gradient (dS summed over the bias's broadcast axes).
 
     Notes
     -----
@@ -277,7 +325,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     """
     del deterministic, out, lse  # one thread, fixed loop order: always repeatable; recomputed
     acc = _acc_dtype(p.dtype)
-    heads, band, slopes = _Heads(p), _Band(p), _slopes(p, acc)
+    heads, band, slopes, mods = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc)
     k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
     q_all, do_all = heads.queries(q, acc), heads.queries(dout, acc)  # (B, Hkv, G, Sq, d)
     key_tiles = [(j0, j1, k_all[..., j0:j1, :], v_all[..., j0:j1, :])  # (B, Hkv, n, d) views
@@ -285,7 +333,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
 
     def query_tiles(j0, j1, k_t):  # (i0, i1, scores, tanh) of the query tiles that see keys [j0, j1)
         for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):
-            yield (i0, i1, *_score_tile(p, band, slopes, q_all[..., i0:i1, :], k_t, i0, i1, j0, j1))
+            yield (i0, i1, *_score_tile(p, band, slopes, q_all[..., i0:i1, :], k_t, i0, i1, j0, j1, mods))
 
     rows = q_all.shape[:-1] + (1,)
     m, l = np.full(rows, -np.inf, dtype=acc), np.zeros(rows, dtype=acc)
@@ -299,10 +347,15 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     empty = l == 0  # rows that see no key: no part in any gradient (see _weighted), dq exactly 0
     do_all = np.where(empty, acc.type(0), do_all)
 
-    def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh)
+    def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh); with dropout dP = (dO Vᵀ) ∘ Z
         for i0, i1, s, tanh in query_tiles(j0, j1, k_t):
             dp = _group_matmul(do_all[..., i0:i1, :], v_t.swapaxes(-1, -2))
+            if mods is not None:
+                dp = mods.dropped(dp, i0, i1, j0, j1)
             yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), dp, tanh
+
+    dlse_all = None if dlse is None else np.asarray(dlse, dtype=acc).reshape(rows[:-1])[..., None]
+    bias_grad = None if dbias is None else _BiasGrad(p, acc)
 
     delta = np.zeros(rows, dtype=acc)  # D, (B, Hkv, G, Sq, 1)
     for j0, j1, k_t, v_t in key_tiles:
@@ -315,8 +368,13 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
         dv_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_v), dtype=acc)
         for i0, i1, p_t, dp, tanh in grad_tiles(j0, j1, k_t, v_t):
             q_t, do_t = q_all[..., i0:i1, :], do_all[..., i0:i1, :]
-            dv_t += _sum_over_group(p_t, do_t)
-            ds = _weighted(p_t, dp - delta[..., i0:i1, :])
+            dv_t += _sum_over_group(p_t if mods is None else mods.dropped(p_t, i0, i1, j0, j1), do_t)
+            dp = dp - delta[..., i0:i1, :]
+            if dlse_all is not None:
+                dp = dp + dlse_all[..., i0:i1, :]
+            ds = _weighted(p_t, dp)
+            if bias_grad is not None:
+                bias_grad.add(ds, i0, i1, j0, j1)
             if tanh is not None:
                 ds *= 1 - tanh * tanh
             dq_all[..., i0:i1, :] += scale * _group_matmul(ds, k_t)
@@ -324,6 +382,29 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
         dk[:, j0:j1] = dk_t.transpose(0, 2, 1, 3)
         dv[:, j0:j1] = dv_t.transpose(0, 2, 1, 3)
     dq[...] = heads.rows(np.where(empty, acc.type(0), dq_all))  # not 0 * inf where K is not finite
+    if bias_grad is not None:
+        dbias[...] = bias_grad.total.reshape(dbias.shape)
+
+
+def _modifiers(p, acc):
+    """The problem's bias/mask/dropout, or None when it has none (the common, fast case)."""
+    return None if p.bias is None and p.mask is None and p.dropout is None else _Modifiers(p, acc)
+
+
+class _BiasGrad:
+    """dbias: the dS tiles (the softmax input's gradient) summed over the bias's broadcast axes."""
+
+    def __init__(self, p, acc):
+        self.p = p
+        self.shape = (1,) * (4 - p.bias.ndim) + tuple(p.bias.shape)  # as a 4-D broadcast operand
+        self.total = np.zeros(self.shape, dtype=acc)
+
+    def add(self, ds, i0, i1, j0, j1):
+        g = ds.reshape(self.p.batch, self.p.nheads_q, i1 - i0, j1 - j0)
+        g = g.sum(axis=tuple(a for a, n in enumerate(self.shape) if n == 1 and g.shape[a] != 1), keepdims=True)
+        rows = slice(i0, i1) if self.shape[2] != 1 else slice(0, 1)
+        cols = slice(j0, j1) if self.shape[3] != 1 else slice(0, 1)
+        self.total[:, :, rows, cols] += g
 
 
 def _weighted(p_t, x):

@@ -8,6 +8,7 @@ the GPU kernels receive an :class:`AttnProblem` whose fields no longer need inte
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -50,6 +51,9 @@ class AttnProblem:
     softcap: float
     alibi_slopes: Any  # None or (batch, nheads_q) float32, same array kind as q
     seqlens_k: Any  # None or (batch,) integer array, same array kind as q
+    bias: Any = None  # None or a float array broadcastable to (batch, nheads_q, seqlen_q, seqlen_k)
+    mask: Any = None  # None or a bool array broadcastable likewise (True = attend)
+    dropout: Any = None  # None or (dropout_p, seed, offset), dropout_p > 0 (cuflash/dropout.py)
 
     @property
     def group_size(self) -> int:
@@ -263,6 +267,46 @@ def finish_problem(
         window_left=left, window_right=right, top_left=top_left, softcap=cap,
         alibi_slopes=slopes, seqlens_k=seqlens_k,
     )
+
+
+def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> AttnProblem:
+    """``p`` with an additive bias, a boolean mask and dropout, after checking them (names in
+    messages as the API spells them)."""
+    full = (p.batch, p.nheads_q, p.seqlen_q, p.seqlen_k)
+    for name, x in (("bias", bias), ("mask", mask)):
+        if x is None:
+            continue
+        if not _arrays.is_array(x):
+            raise TypeError(f"{name} must be an array (NumPy, or CuPy with GPU inputs); got {type(x).__name__}")
+        if not _arrays.same_kind(x, q):
+            raise TypeError(f"{name} must be the same kind of array as q (NumPy or GPU)")
+        kind = np.dtype(x.dtype)
+        if name == "bias" and not is_float_dtype(kind):
+            raise TypeError(f"bias must be a float array (float16, bfloat16, float32 or float64); got dtype "
+                            f"{kind.name}" + (" (a boolean mask goes to mask=)" if kind == np.bool_ else ""))
+        if name == "mask" and kind != np.bool_:
+            raise TypeError(f"mask must be a bool array (True = attend); got dtype {kind.name}"
+                            + (" (an additive float mask goes to bias=)" if is_float_dtype(kind) else ""))
+        try:
+            if x.ndim > 4 or np.broadcast_shapes(tuple(x.shape), full) != full:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to (batch, nheads, seqlen_q, "
+                             f"seqlen_k) = {full}") from None
+    dropout = None
+    from .dropout import check_dropout_p, seed_and_offset
+
+    rate = check_dropout_p(dropout_p)
+    if rate > 0:
+        if dropout_seed is None:
+            raise ValueError("dropout_p > 0 needs a dropout_seed (an int or a (seed, offset) pair): the backward "
+                             "pass regenerates the same mask from it")
+        dropout = (rate, *seed_and_offset(dropout_seed))
+    elif dropout_seed is not None:
+        seed_and_offset(dropout_seed)  # still a valid seed
+    if bias is None and mask is None and dropout is None:
+        return p
+    return dataclasses.replace(p, bias=bias, mask=mask, dropout=dropout)
 
 
 def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance: int):

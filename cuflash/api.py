@@ -42,6 +42,21 @@ _OPTIONS_DOC = """\
         Valid key length of each batch entry of padded k, v; keys past it are never read and
         Sk in the causal and window rules is that length."""
 
+_MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seqlen_q, seqlen_k), optional
+        Additive score bias (float16, bfloat16, float32 or float64), added after ALiBi and before
+        the masks; e.g. (1, 1, Sq, Sk), (batch, 1, 1, Sk) key padding, (1, nheads, Sq, Sk).  Read
+        through its strides tile by tile, never materialised.  The NumPy path only, for now.
+    mask : bool array broadcastable likewise, optional
+        True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
+        give output 0, LSE -inf and zero gradients.  The NumPy path only, for now.
+    dropout_p : float in [0, 1), default 0.0
+        Dropout on the attention probabilities after the row statistics, kept values scaled by
+        1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.
+    dropout_seed : int or (int, int), optional
+        Seed, or (seed, offset), of the keep-mask, a pure function of the seed and of the
+        element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10);
+        required with ``dropout_p > 0``, and the same value must go to the backward."""
+
 _METHOD_DOC = """\
     Tiled exact attention with an online softmax (Dao et al., "FlashAttention", NeurIPS 2022, §3.1;
     Dao, "FlashAttention-2", ICLR 2024, §3): the score matrix is never stored, only the output and
@@ -55,8 +70,19 @@ _VARLEN_OPTIONS_DOC = _OPTIONS_DOC[: _OPTIONS_DOC.index("    seqlens_k :")].rstr
 def _doc(fn):
     takes_seqlens_k = "seqlens_k" in inspect.signature(fn).parameters
     options = _OPTIONS_DOC if takes_seqlens_k else _VARLEN_OPTIONS_DOC
+    if "bias" in inspect.signature(fn).parameters:
+        options += "\n" + _MODIFIERS_DOC
     fn.__doc__ = fn.__doc__.replace("{options}", options).replace("{method}", _METHOD_DOC)
     return fn
+
+
+def _modifiers_on_gpu(p, q, extra=False):
+    """Bias, mask, dropout and the LSE gradient run on the NumPy path only (GPU kernels: issue 23)."""
+    if _arrays.is_gpu(q) and (p.bias is not None or p.mask is not None or p.dropout is not None or extra):
+        from ._gpu import NotAvailableOnGPU
+
+        raise NotAvailableOnGPU("bias, mask, dropout and dlse/return_dbias run on NumPy arrays only for now; "
+                                "pass NumPy arrays (the CPU path) for them")
 
 
 def _run(gpu_name: str, cpu_fn, *args, **kwargs):
@@ -86,6 +112,10 @@ def attention(
     softcap=0.0,
     alibi_slopes=None,
     seqlens_k=None,
+    bias=None,
+    mask=None,
+    dropout_p=0.0,
+    dropout_seed=None,
     return_lse=False,
     out=None,
     layout="bshd",
@@ -159,7 +189,8 @@ def attention(
     if _arrays.is_gpu(q):  # warm calls replay an earlier launch (cuflash._fastpath)
         from . import _fastpath
 
-        if alibi_slopes is None:
+        if (alibi_slopes is None and bias is None and mask is None and type(dropout_p) is float and dropout_p == 0.0
+                and dropout_seed is None):
             fast_key = _fastpath.signature("attention", (q, k, v, seqlens_k, out),
                                            (softmax_scale, causal, window_size, softcap, return_lse, layout))
         plan = _fastpath.lookup(fast_key)
@@ -172,6 +203,7 @@ def attention(
         _check_unbatched(layout, k=k, v=v, out=out)
         res = attention(q[None], k[None], v[None], softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
+                        bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
                         return_lse=return_lse, out=None if out is None else out[None], layout=layout)
         res_out, lse = res if isinstance(res, tuple) else (res, None)
         res_out = out if out is not None else res_out[0]
@@ -180,6 +212,8 @@ def attention(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
     )
+    p = V.check_modifiers(q, p, bias, mask, dropout_p, dropout_seed)
+    _modifiers_on_gpu(p, q)
     xp = _arrays.module_of(q)
     out_shape = (p.batch, p.seqlen_q, p.nheads_q, p.headdim_v)
     if layout == "bhsd":
@@ -226,11 +260,17 @@ def attention_backward(
     softcap=0.0,
     alibi_slopes=None,
     seqlens_k=None,
+    bias=None,
+    mask=None,
+    dropout_p=0.0,
+    dropout_seed=None,
     layout="bshd",
     deterministic=False,
     dq=None,
     dk=None,
     dv=None,
+    dlse=None,
+    return_dbias=False,
 ):
     """Gradients of :func:`attention` by recomputation from ``out`` and ``lse``.
 
@@ -274,11 +314,20 @@ def attention_backward(
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
         with the inputs or each other.
 
+    dlse : array of lse's shape, optional
+        Gradient of a loss through the returned LSE (dS gains P · dlse, since d lse_i / d s_ij
+        = P_ij); without it the LSE is not differentiated.  Float, NumPy path only for now.
+    return_dbias : bool, default False
+        Also return ``dbias`` (needs ``bias``).
+
     Returns
     -------
     dq, dk, dv : arrays with the shapes and dtypes of q, k, v
         dk and dv sum over the query heads that share a key/value head.  Rows that see no key
         have dq = 0 and contribute nothing to dk, dv.
+    dbias : array with bias's shape and dtype
+        Only with ``return_dbias``: dS summed over the axes where bias has size 1 (accumulated
+        in float32, float64 for float32/float64 inputs).
 
     Raises
     ------
@@ -306,14 +355,25 @@ def attention_backward(
         lift = [None if x is None else x[None] for x in (dq, dk, dv)]
         grads = attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
-                                   softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
-                                   deterministic=deterministic, dq=lift[0], dk=lift[1], dv=lift[2])
-        return tuple(given if given is not None else g[0] for given, g in zip((dq, dk, dv), grads))
+                                   softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
+                                   bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed, layout=layout,
+                                   deterministic=deterministic, dq=lift[0], dk=lift[1], dv=lift[2],
+                                   dlse=None if dlse is None else _arrays.as_array(dlse, "dlse")[None],
+                                   return_dbias=return_dbias)
+        return tuple(given if given is not None else g[0] for given, g in zip((dq, dk, dv), grads)) + tuple(grads[3:])
     p = V.make_problem(
         q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=window_size,
         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
     )
+    p = V.check_modifiers(q, p, bias, mask, dropout_p, dropout_seed)
     deterministic = V.check_bool(deterministic, "deterministic")
+    return_dbias = V.check_bool(return_dbias, "return_dbias")
+    if return_dbias and bias is None:
+        raise ValueError("return_dbias=True needs a bias")
+    if dlse is not None:
+        dlse = _arrays.as_array(dlse, "dlse")
+        V.check_out(dlse, "dlse", (p.batch, p.nheads_q, p.seqlen_q), lse_dtype(q.dtype), q)
+    _modifiers_on_gpu(p, q, extra=dlse is not None or return_dbias)
     o_shape = tuple(V.to_bshd(q, layout).shape[:3]) + (p.headdim_v,)
     if layout == "bhsd":
         o_shape = (o_shape[0], o_shape[2], o_shape[1], o_shape[3])
@@ -327,53 +387,62 @@ def attention_backward(
         given = V.check_output_buffer(given, name, like.shape, like.dtype, q, inputs)
         inputs += ((name, given),)
         grads.append(xp.empty(like.shape, dtype=like.dtype) if given is None else given)
+    dbias = xp.zeros(bias.shape, dtype=bias.dtype) if return_dbias else None
     if p.is_empty or p.seqlen_k == 0 or p.nheads_k == 0:
         for g in grads:
             g[...] = 0
-        return tuple(grads)
+        return tuple(grads) + ((dbias,) if return_dbias else ())
     views = [V.to_bshd(x, layout) for x in (dout, q, k, v, out)]
     gviews = [V.to_bshd(g, layout) for g in grads]
-    _run("backward", _cpu.backward, p, *views, lse, *gviews, deterministic=deterministic)
-    return tuple(grads)
+    if dlse is not None or dbias is not None:  # the NumPy path (the GPU refused them above)
+        _cpu.backward(p, *views, lse, *gviews, deterministic=deterministic, dlse=dlse, dbias=dbias)
+    else:
+        _run("backward", _cpu.backward, p, *views, lse, *gviews, deterministic=deterministic)
+    return tuple(grads) + ((dbias,) if return_dbias else ())
 
 
 @_guard.entry
-def attention_vjp(q, k, v, **options):
+def attention_vjp(q, k, v, *, return_lse=False, **options):
     """Forward pass plus a closure for its vector-Jacobian product.
 
     Parameters
     ----------
     q, k, v : arrays
         As in :func:`attention`.
+    return_lse : bool, default False
+        Return ``(out, lse)`` as the forward result, and let ``vjp`` take ``dlse``.
     **options
-        Any keyword of :func:`attention` except ``return_lse`` and ``out``; ``deterministic``
-        is passed on to the backward.
+        Any keyword of :func:`attention` except ``out``; ``deterministic`` is passed on to the
+        backward.
 
     Returns
     -------
-    out : array
+    out : array, or (out, lse) with ``return_lse``
         As :func:`attention`.
     vjp : callable
-        ``vjp(dout) -> (dq, dk, dv)``, computed by :func:`attention_backward` from the saved
-        ``out`` and ``lse`` (no score matrix is kept: FlashAttention-2, Dao 2024, Algorithm 2).
-        It holds q, k, v and array options (e.g. ``alibi_slopes``) by reference, not as
-        copies: changing them in place before calling ``vjp`` changes the gradients.
+        ``vjp(dout, dlse=None) -> (dq, dk, dv)``, plus ``dbias`` when a ``bias`` was given,
+        computed by :func:`attention_backward` from the saved ``out`` and ``lse`` (no score
+        matrix is kept: FlashAttention-2, Dao 2024, Algorithm 2).  It holds q, k, v and array
+        options (e.g. ``alibi_slopes``) by reference, not as copies: changing them in place
+        before calling ``vjp`` changes the gradients.
 
     Raises
     ------
     TypeError, ValueError
         As :func:`attention`.
     """
-    for bad in ("return_lse", "out"):
-        if bad in options:
-            raise TypeError(f"attention_vjp does not take {bad!r}")
+    if "out" in options:
+        raise TypeError("attention_vjp does not take 'out'")
+    return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)
+    with_bias = options.get("bias") is not None
 
-    def vjp(dout):
-        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **options)
+    def vjp(dout, dlse=None):
+        return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, dlse=dlse,
+                                  return_dbias=with_bias, **options)
 
-    return out, vjp
+    return ((out, lse) if return_lse else out), vjp
 
 
 @_guard.entry

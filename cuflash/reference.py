@@ -486,7 +486,7 @@ def _naive_setup(q, k, v, layout, options):
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, bias=None, mask=None, seqlens_k=None, layout="bshd",
-                    return_lse=False):
+                    return_lse=False, dropout_p=0.0, dropout_keep=None):
     """``softmax(scale · QKᵀ) V`` computed plainly in the input dtype, stage by stage.
 
     Each stage (the scores and every score modifier, the softmax, P·V) is computed in float32
@@ -514,14 +514,16 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     """
     q, k, v, opts, dtype, acc, s, tanh, probs, lse = _naive_setup(q, k, v, layout, dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k))
-    out = _heads_major((probs @ _repeat_heads(v, opts)).astype(dtype), layout)
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
+        dropout_keep=dropout_keep))
+    dropped = opts.dropped(probs).astype(dtype).astype(acc) if opts.keep is not None else probs
+    out = _heads_major((dropped @ _repeat_heads(v, opts)).astype(dtype), layout)
     return (out, lse.astype(acc)) if return_lse else out
 
 
 def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, bias=None, mask=None, seqlens_k=None,
-                             layout="bshd"):
+                             layout="bshd", dropout_p=0.0, dropout_keep=None, dlse=None):
     """Gradients of :func:`naive_attention`, each stage rounded to the input dtype.
 
     Parameters
@@ -533,6 +535,8 @@ def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False,
     Returns
     -------
     dq, dk, dv : arrays of the input dtype with the shapes of q, k, v
+    dbias : array of the input dtype with bias's shape
+        Only when ``bias`` is given (dS summed over its broadcast axes).
 
     Raises
     ------
@@ -541,23 +545,32 @@ def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False,
 
     Notes
     -----
-    Stages: dV = Pᵀ dO; dP = dO Vᵀ; dS = P ∘ (dP − rowsum(P ∘ dP)); the softcap factor
-    1 − tanh²; dQ = scale · dS K; dK = scale · dSᵀ Q.  Each one is rounded.
+    Stages: dV = (P ∘ Z)ᵀ dO; dP = (dO Vᵀ) ∘ Z (Z the dropout factor, 1 without);
+    dS = P ∘ (dP − rowsum(P ∘ dP) + dlse); the softcap factor 1 − tanh²; dQ = scale · dS K;
+    dK = scale · dSᵀ Q.  Each one is rounded.
     """
-    q, k, v, opts, dtype, acc, s, tanh, probs, _ = _naive_setup(q, k, v, layout, dict(
+    q, k, v, opts, dtype, acc, s, tanh, probs, lse = _naive_setup(q, k, v, layout, dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k))
+        alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
+        dropout_keep=dropout_keep))
     rnd = lambda x: x.astype(dtype).astype(acc)  # noqa: E731
     dout = _heads_major(_host(dout).astype(acc), layout)
-    dv = probs.swapaxes(-1, -2) @ dout
+    dv = (rnd(opts.dropped(probs)) if opts.keep is not None else probs).swapaxes(-1, -2) @ dout
     dp = rnd(dout @ _repeat_heads(v, opts).swapaxes(-1, -2))
-    ds = rnd(probs * (dp - (probs * dp).sum(axis=-1, keepdims=True)))
+    if opts.keep is not None:
+        dp = rnd(opts.dropped(dp))
+    ds = probs * (dp - (probs * dp).sum(axis=-1, keepdims=True))
+    if dlse is not None:
+        ds = ds + probs * np.where(np.isneginf(lse), 0.0, _host(dlse).astype(acc))[..., None]
+    ds = rnd(ds)
+    dbias = None if opts.bias is None else _reduce_to_shape(ds, opts.bias.shape)
     if tanh is not None:
         ds = rnd(ds * (1.0 - tanh**2))
     dq = opts.scale * (ds @ _repeat_heads(k, opts))
     dk = opts.scale * (ds.swapaxes(-1, -2) @ q)
-    return tuple(_heads_major(g.astype(dtype), layout)
-                 for g in (dq, _sum_groups(dk, opts), _sum_groups(dv, opts)))
+    grads = tuple(_heads_major(g.astype(dtype), layout)
+                  for g in (dq, _sum_groups(dk, opts), _sum_groups(dv, opts)))
+    return grads if dbias is None else grads + (dbias.astype(dtype),)
 
 
 # ---------------------------------------------------------------------------------------------

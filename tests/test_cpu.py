@@ -262,9 +262,9 @@ def test_blocks_outside_the_band_are_skipped(rng, monkeypatch):
     tiles = []
     real = _cpu._score_tile
 
-    def counting(p, band, slopes, q_t, k_t, i0, i1, j0, j1):
+    def counting(p, band, slopes, q_t, k_t, i0, i1, j0, j1, mods=None):
         tiles.append((i0, j0))
-        return real(p, band, slopes, q_t, k_t, i0, i1, j0, j1)
+        return real(p, band, slopes, q_t, k_t, i0, i1, j0, j1, mods)
 
     monkeypatch.setattr(_cpu, "_score_tile", counting)
     out, lse = cuflash.attention(q, k, v, window_size=(3, 3), return_lse=True)
@@ -394,8 +394,12 @@ def test_attention_vjp(xp, rng):
     naives = R.naive_attention_backward(dout, q, k, v, **opts)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
         R.assert_exact(_arrays.to_numpy(g), r, n, name)
-    with pytest.raises(TypeError, match="return_lse"):
-        cuflash.attention_vjp(q, k, v, return_lse=True)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        cuflash.attention_vjp(q, k, v, return_lse="yes")
+    (out2, lse), vjp2 = cuflash.attention_vjp(xp.asarray(q), xp.asarray(k), xp.asarray(v), return_lse=True,
+                                              deterministic=True, **opts)
+    assert bool((out2 == out).all()) and lse.shape == (2, 4, 33)
+    assert all(bool((a == b).all()) for a, b in zip(vjp2(xp.asarray(dout)), grads))
 
 
 def varlen_inputs(rng, dtype, lens_q, lens_k, hq, hkv, d, dv=None, pad_q=0):

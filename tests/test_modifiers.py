@@ -1,0 +1,175 @@
+"""Additive bias, boolean masks, dropout and the LSE gradient (issue 23) against the float64
+oracle, with the exactness rule; every broadcast form, strided and stride-0 views, fully masked
+rows, causal and window with masks, GQA, every dtype of the NumPy path.  The GPU runs of the same
+bodies are skipped until the kernels take these options (NotAvailableOnGPU)."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _arrays
+from cuflash import reference as R
+
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+B, SQ, SK, HQ, HK, D = 2, 65, 47, 4, 2, 16
+
+
+def _qkv(rng, dtype, sq=SQ, sk=SK):
+    q = (rng.standard_normal((B, sq, HQ, D)) * 2).astype(dtype)
+    k = rng.standard_normal((B, sk, HK, D)).astype(dtype)
+    v = rng.standard_normal((B, sk, HK, D)).astype(dtype)
+    return q, k, v
+
+
+def _bias_forms(rng, sq=SQ, sk=SK):
+    full = rng.standard_normal((B, HQ, sq, 2 * sk)).astype(np.float32)
+    return {
+        "1-1-sq-sk": rng.standard_normal((1, 1, sq, sk)).astype(np.float32),
+        "key-padding": np.where(rng.random((B, 1, 1, sk)) < 0.2, -np.inf, 0.0).astype(np.float32),
+        "1-h-sq-sk": rng.standard_normal((1, HQ, sq, sk)).astype(np.float16),
+        "sq-sk": rng.standard_normal((sq, sk)),  # fewer axes: NumPy broadcasting
+        "strided": full[..., ::2],
+        "stride-0": np.broadcast_to(rng.standard_normal((1, HQ, 1, sk)).astype(np.float32), (B, HQ, sq, sk)),
+    }
+
+
+def _check(name, got, ref, naive):
+    R.assert_exact(_arrays.to_numpy(got).astype(np.float64) if got.dtype.kind == "f" else got, ref, naive, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("form", list(_bias_forms(np.random.default_rng(0))))
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(9, 3), softcap=5.0)],
+                         ids=["plain", "causal", "window-softcap"])
+def test_bias_forward_and_backward(xp, rng, dtype, form, opts):
+    q, k, v = _qkv(rng, dtype)
+    bias = _bias_forms(rng)[form]
+    args = dict(opts, bias=bias)
+    out, lse = cuflash.attention(*(xp.asarray(x) for x in (q, k, v)), return_lse=True,
+                                 **dict(opts, bias=xp.asarray(bias) if xp is not np else bias))
+    ref, ref_lse = R.attention_ref(q, k, v, **args)
+    naive, naive_lse = R.naive_attention(q, k, v, return_lse=True, **args)
+    _check("out", out, ref, naive)
+    _check("lse", lse, ref_lse, naive_lse)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    dlse = rng.standard_normal(lse.shape).astype(lse.dtype)
+    grads = cuflash.attention_backward(xp.asarray(dout), *(xp.asarray(x) for x in (q, k, v)), out, lse,
+                                       return_dbias=True, dlse=xp.asarray(dlse), **dict(opts, bias=bias))
+    refs = R.attention_backward_ref(dout, q, k, v, dlse=dlse, **args)
+    naives = R.naive_attention_backward(dout, q, k, v, dlse=dlse, **args)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        _check(name, g, r, n)
+    dbias = grads[3]
+    assert dbias.shape == bias.shape and dbias.dtype == bias.dtype
+    _check("dbias", dbias, refs[3], naives[3].astype(bias.dtype))  # dbias comes in bias's dtype
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_masks_and_fully_masked_rows(xp, rng, dtype):
+    q, k, v = _qkv(rng, dtype)
+    mask = rng.random((B, 1, SQ, SK)) < 0.7
+    mask[0, 0, 3] = False  # a row that sees no key
+    mask[1, 0, :, 10:30] = False  # a block of keys
+    opts = dict(mask=mask, causal=True)
+    out, lse = cuflash.attention(*(xp.asarray(x) for x in (q, k, v)), return_lse=True, **opts)
+    ref, ref_lse = R.attention_ref(q, k, v, **opts)
+    naive, naive_lse = R.naive_attention(q, k, v, return_lse=True, **opts)
+    _check("out", out, ref, naive)
+    _check("lse", lse, ref_lse, naive_lse)
+    out_np, lse_np = _arrays.to_numpy(out), _arrays.to_numpy(lse)
+    assert (out_np[0, 3] == 0).all() and np.isneginf(lse_np[0, :, 3]).all()
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cuflash.attention_backward(xp.asarray(dout), *(xp.asarray(x) for x in (q, k, v)), out, lse, **opts)
+    refs = R.attention_backward_ref(dout, q, k, v, **opts)
+    naives = R.naive_attention_backward(dout, q, k, v, **opts)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        _check(name, g, r, n)
+    assert (_arrays.to_numpy(grads[0])[0, 3] == 0).all()
+    # A key-padding mask equals the same keys cut off by seqlens_k.
+    pad = np.arange(SK)[None, None, None, :] < np.array([40, 17])[:, None, None, None]
+    masked = cuflash.attention(q, k, v, mask=pad)
+    assert np.allclose(masked.astype(np.float64),
+                       cuflash.attention(q, k, v, seqlens_k=np.array([40, 17])).astype(np.float64), atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_forward_backward(xp, rng, dtype, p):
+    q, k, v = _qkv(rng, dtype)
+    seed = (2024, 7)
+    keep = cuflash.dropout_mask(seed, (B, HQ, SQ, SK), p)
+    opts = dict(causal=True, alibi_slopes=np.linspace(0.1, 1.0, HQ).astype(np.float32))
+    run = dict(opts, dropout_p=p, dropout_seed=seed)
+    out, lse = cuflash.attention(*(xp.asarray(x) for x in (q, k, v)), return_lse=True, **run)
+    ref, ref_lse = R.attention_ref(q, k, v, dropout_p=p, dropout_keep=keep, **opts)
+    naive, naive_lse = R.naive_attention(q, k, v, return_lse=True, dropout_p=p, dropout_keep=keep, **opts)
+    _check("out", out, ref, naive)
+    _check("lse", lse, ref_lse, naive_lse)  # the LSE ignores dropout
+    again = cuflash.attention(*(xp.asarray(x) for x in (q, k, v)), **run)
+    assert np.array_equal(_arrays.to_numpy(again).view(np.uint8), _arrays.to_numpy(out).view(np.uint8))
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    grads = cuflash.attention_backward(xp.asarray(dout), *(xp.asarray(x) for x in (q, k, v)), out, lse, **run)
+    refs = R.attention_backward_ref(dout, q, k, v, dropout_p=p, dropout_keep=keep, **opts)
+    naives = R.naive_attention_backward(dout, q, k, v, dropout_p=p, dropout_keep=keep, **opts)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        _check(name, g, r, n)
+
+
+def test_dropout_zero_is_bitwise_no_dropout(rng):
+    q, k, v = _qkv(rng, np.float32)
+    plain = cuflash.attention(q, k, v, causal=True)
+    assert np.array_equal(cuflash.attention(q, k, v, causal=True, dropout_p=0.0, dropout_seed=5), plain)
+    assert np.array_equal(cuflash.attention(q, k, v, causal=True, dropout_p=0.0), plain)
+
+
+def test_vjp_returns_dbias_and_takes_dlse(rng):
+    q, k, v = _qkv(rng, np.float64, sq=9, sk=11)
+    bias = rng.standard_normal((1, HQ, 1, 11))
+    (out, lse), vjp = cuflash.attention_vjp(q, k, v, bias=bias, causal=True, return_lse=True)
+    dout, dlse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    dq, dk, dv, dbias = vjp(dout, dlse)
+    refs = R.attention_backward_ref(dout, q, k, v, bias=bias, causal=True, dlse=dlse)
+    for g, r in zip((dq, dk, dv, dbias), refs):
+        assert np.allclose(g, r, atol=1e-10)
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(bias=np.zeros((3, HQ, SQ, SK), np.float32)), ValueError, "bias of shape"),
+    (dict(bias=np.zeros((SQ, SK), bool)), TypeError, "bias must be a float array.*mask="),
+    (dict(bias=np.zeros((SQ, SK), np.int32)), TypeError, "bias must be a float array"),
+    (dict(bias=[[0.0]]), TypeError, "bias must be an array"),
+    (dict(mask=np.zeros((SQ, SK), np.float32)), TypeError, "mask must be a bool array.*bias="),
+    (dict(mask=np.ones((SQ, SK + 1), bool)), ValueError, "mask of shape"),
+    (dict(dropout_p=1.0, dropout_seed=1), ValueError, "dropout_p must lie in"),
+    (dict(dropout_p=-0.1, dropout_seed=1), ValueError, "dropout_p must lie in"),
+    (dict(dropout_p="0.1", dropout_seed=1), TypeError, "dropout_p"),
+    (dict(dropout_p=0.1), ValueError, "needs a dropout_seed"),
+    (dict(dropout_p=0.1, dropout_seed=1.5), TypeError, "dropout_seed"),
+    (dict(dropout_p=0.1, dropout_seed=(1, 2, 3)), TypeError, "dropout_seed"),
+    (dict(dropout_p=0.1, dropout_seed=-1), ValueError, "dropout_seed"),
+])
+def test_bad_modifiers_name_the_argument(rng, kwargs, exc, words):
+    q, k, v = _qkv(rng, np.float32)
+    with pytest.raises(exc, match=words):
+        cuflash.attention(q, k, v, **kwargs)
+
+
+def test_bad_backward_arguments(rng):
+    q, k, v = _qkv(rng, np.float32)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    with pytest.raises(ValueError, match="return_dbias=True needs a bias"):
+        cuflash.attention_backward(out, q, k, v, out, lse, return_dbias=True)
+    with pytest.raises(ValueError, match="dlse"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dlse=lse[:, :, :-1])
+    with pytest.raises(TypeError, match="dlse"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dlse=lse.astype(np.float16))
+
+
+def test_the_gpu_refuses_modifiers_for_now(rng):
+    if not _arrays.gpu_available():
+        pytest.skip("needs a GPU")
+    cp = _arrays.cupy_module()
+    q, k, v = (cp.asarray(x) for x in _qkv(rng, np.float16))
+    with pytest.raises(TypeError, match="NumPy arrays only for now"):
+        cuflash.attention(q, k, v, bias=cp.zeros((SQ, SK), cp.float32))
