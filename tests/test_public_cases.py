@@ -65,6 +65,88 @@ def test_b01_fully_masked_rows_reference(rng, dtype):
     assert np.all(naive[:, 4:] == 0)
 
 
+def _rule_forward(out, lse, q, k, v, **opts):
+    ref, ref_lse = R.attention_ref(q, k, v, **opts)
+    naive, naive_lse = R.naive_attention(q, k, v, return_lse=True, **opts)
+    R.assert_exact(np_(out), ref, naive, "out")
+    R.assert_exact(np_(lse), ref_lse, naive_lse, "lse")
+
+
+def _rule_backward(grads, refs, naives):
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        R.assert_exact(np_(g), r, n, name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("form", ["mask", "inf-bias"])
+def test_b01_fully_masked_rows_through_cuflash(xp, rng, dtype, form):
+    """B01 through the public API (issue 23): masked rows give output 0 and LSE -inf, no NaN,
+    and no gradient, as a boolean mask or as an additive -inf bias."""
+    q, k, v = (rng.random((1, 8, 1, 8)).astype(dtype) for _ in range(3))
+    mask = np.zeros((8, 8), dtype=bool)
+    mask[:4, :4] = True
+    opts = dict(mask=mask) if form == "mask" else dict(bias=np.where(mask, 0.0, -np.inf).astype(np.float32))
+    out, lse = cuflash.attention(*run(xp, q, k, v), return_lse=True, **opts)
+    _rule_forward(out, lse, q, k, v, mask=mask)
+    assert np.all(np_(out)[:, 4:] == 0) and np.all(np_(lse)[..., 4:] == -np.inf)
+    dq, dk, dv = cuflash.attention_backward(*run(xp, np.ones((1, 8, 1, 8), dtype), q, k, v), out, lse, **opts)[:3]
+    assert np.all(np_(dq)[:, 4:] == 0) and np.all(np_(dk)[:, 4:] == 0) and np.all(np_(dv)[:, 4:] == 0)
+    no_nan(out, dq, dk, dv)
+
+
+def test_b01_masked_row_inside_a_tile(xp, rng):
+    """A fully masked row in the middle of a 128-row tile, Sq = Sk = 441."""
+    q, k, v = make_qkv(rng, np.float16, 1, 441, 441, 2, 2, 32)
+    mask = rng.random((441, 441)) < 0.8
+    mask[200] = False
+    out, lse = cuflash.attention(*run(xp, q, k, v), mask=mask, return_lse=True)
+    assert np.all(np_(out)[0, 200] == 0) and np.all(np_(lse)[0, :, 200] == -np.inf)
+    _rule_forward(out, lse, q, k, v, mask=mask)
+
+
+def test_b01_finite_minimum_bias_through_cuflash(xp, rng):
+    q, k, v = (rng.random((1, 8, 1, 8)).astype(np.float32) for _ in range(3))
+    bias = np.zeros((8, 8), dtype=np.float32)
+    bias[4:] = np.finfo(np.float32).min
+    out = np_(cuflash.attention(*run(xp, q, k, v), bias=bias))
+    np.testing.assert_allclose(out[0, 4:, 0], np.broadcast_to(v[0, :, 0].astype(np.float64).mean(0), (4, 8)),
+                               rtol=1e-5)
+    assert np.all(np.isfinite(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# B29: the gradient through the LSE
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_b29_lse_gradient(xp, rng, heads, causal):
+    hq, hk = heads
+    q, k, v = make_qkv(rng, BF16, 2, 113, 203, hq, hk, 64)
+    mask = np.ones((2, 1, 113, 203), dtype=bool)
+    mask[1, 0, 7] = False  # a fully masked row with dlse != 0
+    opts = dict(causal=causal, mask=mask)
+    out, lse = cuflash.attention(*run(xp, q, k, v), return_lse=True, **opts)
+    # Loss = sum(lse): dO = 0, dlse = 1.  Then dv = 0 exactly and dq_i = scale sum_j p_ij k_j.
+    ones = np.ones(np_(lse).shape, np.float32)
+    dq, dk, dv = cuflash.attention_backward(*run(xp, np.zeros(out.shape, BF16), q, k, v), out, lse,
+                                            dlse=xp.asarray(ones), **opts)
+    assert np.all(np_(dv).astype(np.float32) == 0)
+    refs = R.attention_backward_ref(np.zeros(out.shape), q, k, v, dlse=ones, **opts)
+    naives = R.naive_attention_backward(np.zeros(out.shape, BF16), q, k, v, dlse=ones, **opts)
+    _rule_backward((dq, dk, dv), refs, naives)
+    assert np.all(np_(dq)[1, 7].astype(np.float32) == 0)
+    # Random dO and dlse together.
+    dout = rand(rng, out.shape, BF16)
+    dlse = rng.standard_normal(np_(lse).shape).astype(np.float32)
+    grads = cuflash.attention_backward(*run(xp, dout, q, k, v), out, lse, dlse=xp.asarray(dlse), **opts)
+    refs = R.attention_backward_ref(dout, q, k, v, dlse=dlse, **opts)
+    naives = R.naive_attention_backward(dout, q, k, v, dlse=dlse, **opts)
+    _rule_backward(grads, refs, naives)
+    no_nan(*grads)
+
+
 def test_b01_finite_minimum_mask_is_the_mean_of_v(rng):
     q, k, v = (rng.random((1, 8, 1, 8)).astype(np.float32) for _ in range(3))
     bias = np.zeros((8, 8), dtype=np.float32)
