@@ -148,7 +148,9 @@ class _Modifiers:
         self.mask = None if p.mask is None else np.broadcast_to(p.mask, full)
         self.dropout = p.dropout
         self.acc, self.hkv, self.g = acc, p.nheads_k, p.group_size
-        self.bh = np.arange(p.batch * p.nheads_q, dtype=np.uint64).reshape(p.batch, p.nheads_k, p.group_size, 1, 1)
+        first = 0 if p.dropout is None else p.dropout[3]  # a packed batch's sequences run one by one
+        bh = np.arange(first * p.nheads_q, (first + p.batch) * p.nheads_q, dtype=np.uint64)
+        self.bh = bh.reshape(p.batch, p.nheads_k, p.group_size, 1, 1)
 
     def _tile(self, x, i0, i1, j0, j1, dtype):
         t = np.asarray(x[:, :, i0:i1, j0:j1], dtype=dtype)
@@ -167,7 +169,7 @@ class _Modifiers:
             return p_t
         from .dropout import keep_mask_block
 
-        rate, seed, offset = self.dropout
+        rate, seed, offset, _ = self.dropout
         i = np.arange(i0, i1, dtype=np.uint64)[:, None]
         j = np.arange(j0, j1, dtype=np.uint64)[None, :]
         kept = keep_mask_block(seed, offset, rate, self.bh, i, j)
@@ -428,8 +430,9 @@ def _sum_over_group(a, x):
 def _sequence_problem(p, b, seqlen_q, seqlen_k):
     """The padded-batch problem of sequence b alone (batch 1)."""
     slopes = None if p.alibi_slopes is None else p.alibi_slopes[b:b + 1]
+    dropout = None if p.dropout is None else p.dropout[:3] + (b,)  # its keep-mask is sequence b's
     return dataclasses.replace(p, batch=1, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                               alibi_slopes=slopes, seqlens_k=None)
+                               alibi_slopes=slopes, seqlens_k=None, dropout=dropout)
 
 
 def _sequences(cu_q, cu_k):

@@ -53,7 +53,7 @@ class AttnProblem:
     seqlens_k: Any  # None or (batch,) integer array, same array kind as q
     bias: Any = None  # None or a float array broadcastable to (batch, nheads_q, seqlen_q, seqlen_k)
     mask: Any = None  # None or a bool array broadcastable likewise (True = attend)
-    dropout: Any = None  # None or (dropout_p, seed, offset), dropout_p > 0 (cuflash/dropout.py)
+    dropout: Any = None  # None or (dropout_p, seed, offset, first batch index), dropout_p > 0 (cuflash/dropout.py)
 
     @property
     def group_size(self) -> int:
@@ -301,7 +301,7 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
         if dropout_seed is None:
             raise ValueError("dropout_p > 0 needs a dropout_seed (an int or a (seed, offset) pair): the backward "
                              "pass regenerates the same mask from it")
-        dropout = (rate, *seed_and_offset(dropout_seed))
+        dropout = (rate, *seed_and_offset(dropout_seed), 0)
     elif dropout_seed is not None:
         seed_and_offset(dropout_seed)  # still a valid seed
     if bias is None and mask is None and dropout is None:

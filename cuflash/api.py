@@ -72,6 +72,8 @@ def _doc(fn):
     options = _OPTIONS_DOC if takes_seqlens_k else _VARLEN_OPTIONS_DOC
     if "bias" in inspect.signature(fn).parameters:
         options += "\n" + _MODIFIERS_DOC
+    elif "dropout_p" in inspect.signature(fn).parameters:  # varlen: dropout only
+        options += "\n" + _MODIFIERS_DOC[_MODIFIERS_DOC.index("    dropout_p :"):]
     fn.__doc__ = fn.__doc__.replace("{options}", options).replace("{method}", _METHOD_DOC)
     return fn
 
@@ -461,6 +463,8 @@ def attention_varlen(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_seed=None,
     return_lse=False,
     out=None,
 ):
@@ -518,7 +522,8 @@ def attention_varlen(
     if _arrays.is_gpu(q):  # warm calls replay an earlier launch (cuflash._fastpath)
         from . import _fastpath
 
-        if alibi_slopes is None and max_seqlen_q is not None and max_seqlen_k is not None:
+        if (alibi_slopes is None and max_seqlen_q is not None and max_seqlen_k is not None
+                and type(dropout_p) is float and dropout_p == 0.0 and dropout_seed is None):
             fast_key = _fastpath.signature("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
                                            (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
                                             return_lse))
@@ -533,6 +538,8 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
         causal, window_size, softcap, alibi_slopes,
     )
+    p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
+    _modifiers_on_gpu(p, q)
     xp = _arrays.module_of(q)
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")
@@ -578,6 +585,8 @@ def attention_varlen_backward(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    dropout_p=0.0,
+    dropout_seed=None,
     deterministic=False,
 ):
     """Gradients of :func:`attention_varlen` by recomputation.
@@ -616,6 +625,8 @@ def attention_varlen_backward(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
         causal, window_size, softcap, alibi_slopes,
     )
+    p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
+    _modifiers_on_gpu(p, q)
     o_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     V.check_out(dout, "dout", o_shape, q.dtype, q)
     V.check_out(out, "out", o_shape, q.dtype, q)

@@ -173,3 +173,28 @@ def test_the_gpu_refuses_modifiers_for_now(rng):
     q, k, v = (cp.asarray(x) for x in _qkv(rng, np.float16))
     with pytest.raises(TypeError, match="NumPy arrays only for now"):
         cuflash.attention(q, k, v, bias=cp.zeros((SQ, SK), cp.float32))
+
+
+def test_varlen_dropout_is_each_sequences_padded_mask(rng):
+    """Packed sequences draw the keep-mask of (sequence, head, position within the sequence), so
+    sequence b of a packed batch equals batch entry b of a padded call with the same seed."""
+    lengths_q, lengths_k = [5, 0, 17, 9], [7, 3, 17, 12]
+    cu_q, cu_k = np.cumsum([0] + lengths_q), np.cumsum([0] + lengths_k)
+    q = rng.standard_normal((cu_q[-1], HQ, D))
+    k, v = rng.standard_normal((cu_k[-1], HK, D)), rng.standard_normal((cu_k[-1], HK, D))
+    run = dict(dropout_p=0.3, dropout_seed=(77, 2), causal=True)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **run)
+    dout = rng.standard_normal(out.shape)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, **run)
+    mq, mk = max(lengths_q), max(lengths_k)
+    for b in (0, 2, 3):
+        keep = cuflash.dropout_mask((77, 2), (4, HQ, mq, mk), 0.3)[b:b + 1, :, :lengths_q[b], :lengths_k[b]]
+        qs, ks, vs = q[cu_q[b]:cu_q[b + 1]][None], k[cu_k[b]:cu_k[b + 1]][None], v[cu_k[b]:cu_k[b + 1]][None]
+        ref, ref_lse = R.attention_ref(qs, ks, vs, causal=True, dropout_p=0.3, dropout_keep=keep)
+        assert np.allclose(out[cu_q[b]:cu_q[b + 1]], ref[0], atol=1e-12)
+        refs = R.attention_backward_ref(dout[cu_q[b]:cu_q[b + 1]][None], qs, ks, vs, causal=True, dropout_p=0.3,
+                                        dropout_keep=keep)
+        assert np.allclose(grads[0][cu_q[b]:cu_q[b + 1]], refs[0][0], atol=1e-12)
+        assert np.allclose(grads[2][cu_k[b]:cu_k[b + 1]], refs[2][0], atol=1e-12)
+    with pytest.raises(ValueError, match="needs a dropout_seed"):
+        cuflash.attention_varlen(q, k, v, cu_q, cu_k, dropout_p=0.3)
