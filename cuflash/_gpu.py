@@ -124,6 +124,7 @@ def _fill_params(p, pointers, strided, *, packed, lse_strides, d8, dv8, scale, i
     if indices:
         arrays, prm.index_64bit = _index_arrays(indices)
         pointers = {**pointers, **arrays}
+        prm.keep_alive = arrays  # contiguous copies of strided index arrays live as long as prm (its launches)
     for field, x in pointers.items():
         setattr(prm, field, None if x is None else x.data.ptr)
     for prefix, x in strided.items():
@@ -375,6 +376,10 @@ def forward(p, q, k, v, out, lse, *, block_table=None, cache_batch_idx=None, seq
     if p.seqlen_k == 0 or p.nheads_k == 0:
         out[...] = 0
         lse[...] = -np.inf
+        if seq_bad is not None:  # a cache of capacity 0 refused every append: those rows are NaN
+            bad = seq_bad != 0
+            out[...] = _cp().where(bad[:, None, None, None], np.nan, out)
+            lse[...] = _cp().where(bad[:, None, None], np.nan, lse)
         return
     _launch_attention_fwd(p, q, k, v, out, lse, packed=False, lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q),
                           block_table=block_table, cache_batch_idx=cache_batch_idx, seq_bad=seq_bad,
@@ -453,7 +458,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         gx = []
         for g_out, dim in zip(grads, (d8, d8, dv8)):
             direct = g_out.shape[-1] == dim and _aligned(g_out)
-            gx.append(g_out if direct else cp.empty(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
+            # (zeros: rows of a packed batch past its last sequence are written by no kernel)
+            gx.append(g_out if direct else cp.zeros(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
         variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, smem_limit=_smem_limit(device))
         main = _hopper_variant(device, dtype, max(d8, dv8), features, _kernels.sm90_bwd_variant) or variant
@@ -498,7 +504,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             if g_x is not g_out:
                 g_out[...] = g_x[..., : g_out.shape[-1]]
         if q_sign != 1.0:
-            grads[0][...] = -grads[0] if q_sign < 0 else 0
+            grads[0][...] = grads[0] * q_sign  # -dq, or 0 (NaN rows of bad metadata stay NaN)
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="attention_backward"):

@@ -22,6 +22,7 @@ replay of the graph never touches memory handed to someone else.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import sys
@@ -45,9 +46,13 @@ class InvalidIndexError(ValueError):
     """
 
 
-# Descriptions of launches, numbered in the order first seen: (function, argument names, extents).
-_CALLS: list = []
-_CALL_NUMBERS: dict = {}
+# Descriptions of launches: number -> (function, extents), for the _MAX_CALLS described last (a
+# training loop with a new total_q per step must not grow it without bound; a record whose
+# description was dropped still names its argument and entry).  Numbers wrap below 2^23.
+_CALLS: dict = {}
+_CALL_NUMBERS: "collections.OrderedDict" = collections.OrderedDict()  # key -> number, least recent first
+_MAX_CALLS = 4096
+_next_number = 0
 _LOCK = threading.Lock()
 
 
@@ -55,20 +60,26 @@ def call_code(function: str, **extents) -> int:
     """The number of the description of a launch by ``function`` whose index values are checked
     against ``extents`` (total_q, total_k, seqlen_k, seqlen_new, kv_rows, table_stride,
     max_seqlen_q, max_seqlen_k; those that apply)."""
+    global _next_number
     key = (function, tuple(sorted(extents.items())))
-    number = _CALL_NUMBERS.get(key)
-    if number is None:
-        with _LOCK:
-            number = _CALL_NUMBERS.setdefault(key, len(_CALLS))
-            if number == len(_CALLS):
-                _CALLS.append((function, dict(extents)))
+    with _LOCK:
+        number = _CALL_NUMBERS.get(key)
+        if number is not None:
+            _CALL_NUMBERS.move_to_end(key)
+            return number
+        number, _next_number = _next_number, (_next_number + 1) % (1 << 23)
+        _CALL_NUMBERS[key] = number
+        _CALLS[number] = (function, dict(extents))
+        while len(_CALL_NUMBERS) > _MAX_CALLS:
+            _, dropped = _CALL_NUMBERS.popitem(last=False)
+            _CALLS.pop(dropped, None)
     return number
 
 
 def describe(record: int, device: int) -> str:
     """The message of an error record (see the module docstring)."""
     call, arg, index = record >> 40, (record >> 36) & 15, record & ((1 << 36) - 1)
-    function, x = _CALLS[call] if call < len(_CALLS) else ("a cuflash call", {})
+    function, x = _CALLS.get(call, ("a cuflash call", {}))
     seqlens = "cache_seqlens" if function == "attention_with_kvcache" else "seqlens_k"
     rows = f"0..{x.get('kv_rows', 0) - 1}" if x.get("kv_rows") else "the cache has none"
     if arg in (_CU_Q, _CU_K):

@@ -24,6 +24,7 @@ HEADDIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPE_TAGS = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 DEFAULT_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in limit; A100 has 163 KB, sm_86/89 99 KB
+STATIC_SMEM_RESERVE = 512  # bytes the kernels' static shared memory (seqinfo.cuh's flags, page slots) may take
 
 
 def kernel_dir() -> Path:
@@ -107,9 +108,10 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
         cfg = TileConfig(64, 128, 4, min_blocks=2)
     else:
         cfg = TileConfig(128, 64, 8, q_in_regs=False)
-    if cfg.smem_bytes(headdim) > smem_limit:
+    limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
+    if cfg.smem_bytes(headdim) > limit:
         cfg = TileConfig(64, 64, 4, q_in_regs=headdim <= 128)
-    if cfg.smem_bytes(headdim) > smem_limit:
+    if cfg.smem_bytes(headdim) > limit:
         cfg = TileConfig(64, 32, 4, q_in_regs=headdim <= 128)
     return cfg
 
@@ -211,7 +213,7 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) ->
 def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
     """Warps of the backward kernels; each owns 16 query rows (dq) or key rows (dkdv)."""
     for warps in (4, 2):
-        if bwd_smem_bytes(headdim, warps) <= smem_limit:
+        if bwd_smem_bytes(headdim, warps) + STATIC_SMEM_RESERVE <= smem_limit:
             return warps
     return 1
 

@@ -86,6 +86,10 @@ struct SeqInfo {
             sk = 0;
             bad = true;
         }
+        if (p.block_table && p.kv_rows <= 0 && sk > 0) {  // a paged cache with no pages: nothing to read
+            sk = 0;
+            arg = kArgBlockTable, at = b * p.block_table_batch_stride;
+        }
         if (arg >= 0 && threadIdx.x == 0) report_bad_index(p, arg, at);
         s_seq_bad = bad || arg >= 0;  // the same value from every thread, read after the main loop's barriers
         if (threadIdx.x % 32 == 0) s_kv_b[threadIdx.x / 32] = kv_b;  // one per warp: no block barrier needed

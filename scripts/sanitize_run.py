@@ -122,4 +122,12 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
         for splits in (1, 3, 0):
             expect_bad(lambda: cuflash.attention_with_kvcache(qd, kp, vp, kn, vn, cache_seqlens=idx([20, 5]),
                                                               block_table=idx(table), num_splits=splits))
+    # A paged cache with no pages at all, and strided (copied) offsets.
+    empty = rand((0, 256, 1, 64), dtype)
+    expect_bad(lambda: cuflash.attention_with_kvcache(rand((1, 1, 1, 64), dtype), empty, empty.copy(),
+                                                      cache_seqlens=idx([300]), block_table=idx([[0, 0]]), num_splits=3))
+    strided = cp.zeros(6, dtype=cp.int32)
+    strided[::2] = idx([0, 50, 120])
+    expect_bad(lambda: cuflash.attention_varlen(q, k, v, strided[::2], idx([0, 9, 150]), max_seqlen_q=100,
+                                                max_seqlen_k=150))
 print("sanitize sweep done")

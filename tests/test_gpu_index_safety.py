@@ -351,3 +351,32 @@ def test_graph_replay_decode_with_appends(rng, paged):
         return (*out, twin_k, twin_v)
 
     _replay_matches(graph_step, eager, refill, lambda c: (*c, kc, vc), replays=100)
+
+
+def test_strided_index_arrays_live_until_their_launch(rng):
+    """A strided GPU cu_seqlens is copied to a contiguous array for the kernels; the copy must
+    outlive the launches (found by review: it was freed before them and its pool block reused
+    by the per-call scratch)."""
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (100, 4, 64), np.float16)) for _ in range(3))
+    every_other = cp.zeros(6, dtype=cp.int32)
+    every_other[::2] = cp.asarray(np.array([0, 30, 100], np.int32))
+    cu = every_other[::2]
+    dense = cp.asarray(np.array([0, 30, 100], np.int32))
+    for _ in range(20):
+        out = cuflash.attention_varlen(q, k, v, cu, cu, max_seqlen_q=70, max_seqlen_k=70, causal=True)
+        ref = cuflash.attention_varlen(q, k, v, dense, dense, max_seqlen_q=70, max_seqlen_k=70, causal=True)
+        cuflash.synchronize()
+        assert bool((out == ref).all())
+
+
+def test_paged_cache_with_no_pages(rng):
+    """Found by review: a (0, page_size, ...) cache read page 0 of an empty array."""
+    cp = _cp()
+    kc = cp.zeros((0, 256, 1, 64), dtype=cp.float16)
+    q = cp.asarray(_rand(rng, (1, 1, 1, 64), np.float16))
+    out, lse = cuflash.attention_with_kvcache(q, kc, kc.copy(), cache_seqlens=cp.asarray(np.array([300], np.int32)),
+                                              block_table=cp.asarray(np.array([[0, 0]], np.int32)), num_splits=3,
+                                              return_lse=True)
+    _expect_error("attention_with_kvcache", "block_table[0, 0]")
+    assert np.isnan(out.get().astype(np.float32)).all() and np.isnan(lse.get()).all()

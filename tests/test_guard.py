@@ -83,3 +83,17 @@ def test_release_graph_memory_counts():
     _guard._KEPT.extend([object(), object()])
     assert cuflash.release_graph_memory() >= 2
     assert cuflash.release_graph_memory() == 0
+
+
+def test_call_descriptions_are_bounded(monkeypatch):
+    import collections
+
+    monkeypatch.setattr(_guard, "_MAX_CALLS", 8)
+    monkeypatch.setattr(_guard, "_CALLS", {})
+    monkeypatch.setattr(_guard, "_CALL_NUMBERS", collections.OrderedDict())
+    first = _guard.call_code("attention_varlen", total_q=10**9)
+    for n in range(20):
+        _guard.call_code("attention_varlen", total_q=n)
+    assert len(_guard._CALLS) == 8 and len(_guard._CALL_NUMBERS) == 8
+    text = _guard.describe(_record(first, 0, 3), device=0)  # dropped: still names the entry
+    assert "cu_seqlens_q[3]" in text
