@@ -441,6 +441,8 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     with_bias = options.get("bias") is not None
 
     def vjp(dout, dlse=None):
+        if dlse is not None and not return_lse:
+            raise ValueError("dlse needs attention_vjp(..., return_lse=True): this forward returned no LSE")
         return attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, dlse=dlse,
                                   return_dbias=with_bias, **options)
 

@@ -132,9 +132,12 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     """
     seed, offset = seed_and_offset(dropout_seed)
     p = check_dropout_p(dropout_p)
-    if not (isinstance(shape, (tuple, list)) and len(shape) == 4
-            and all(isinstance(n, (int, np.integer)) and n >= 0 for n in shape)):
-        raise ValueError(f"shape must be 4 non-negative ints (batch, nheads, seqlen_q, seqlen_k); got {shape!r}")
+    dims = list(shape) if isinstance(shape, (tuple, list, np.ndarray)) else None
+    if not (dims is not None and len(dims) == 4
+            and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in dims)):
+        raise ValueError(f"shape must be 4 non-negative ints (batch, nheads, seqlen_q, seqlen_k), the shape of the "
+                         f"attention probabilities (not of q); got {shape!r}")
+    shape = tuple(int(n) for n in dims)
     from . import _arrays
 
     xp = _arrays.module_of(like) if like is not None else np

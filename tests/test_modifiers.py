@@ -198,3 +198,22 @@ def test_varlen_dropout_is_each_sequences_padded_mask(rng):
         assert np.allclose(grads[2][cu_k[b]:cu_k[b + 1]], refs[2][0], atol=1e-12)
     with pytest.raises(ValueError, match="needs a dropout_seed"):
         cuflash.attention_varlen(q, k, v, cu_q, cu_k, dropout_p=0.3)
+
+
+def test_no_numpy_warning_and_vjp_dlse_needs_return_lse(rng):
+    """From a new-user trial: overflowing scores printed NumPy RuntimeWarnings from cuflash's own
+    code; attention_vjp without return_lse took dlse silently."""
+    import warnings
+
+    q, k, v = np.ones((1, 1, 1, 1)), np.array([1.0, -17.0]).reshape(1, 2, 1, 1), np.array([3.0, 5.0]).reshape(1, 2, 1, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = cuflash.attention(q, k, v, softmax_scale=1e307)
+        cuflash.attention(q, k, v, bias=np.array([np.inf, 0.0]))
+        cuflash.attention_backward(out, q, k, v, *cuflash.attention(q, k, v, softmax_scale=1e307, return_lse=True),
+                                   softmax_scale=1e307)
+    assert float(out.ravel()[0]) == 3.0
+    out, vjp = cuflash.attention_vjp(q, k, v)
+    with pytest.raises(ValueError, match="dlse needs attention_vjp"):
+        vjp(out, np.zeros((1, 1, 1)))
+    assert cuflash.dropout_mask(1, np.array([1, 1, 4, 4]), 0.5).shape == (1, 1, 4, 4)
