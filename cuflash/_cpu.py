@@ -311,7 +311,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
 
 @_quiet
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
-             block_m=BLOCK_M, block_n=BLOCK_N, dlse=None, dbias=None):
+             block_m=BLOCK_M, block_n=BLOCK_N, dlse=None, dbias=None, given_stats=False):
     """Tiled backward pass by recomputation (FlashAttention-2, Algorithm 2) into dq, dk, dv.
 
     Parameters
@@ -328,6 +328,10 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
         Gradient through the LSE: dS gains P · dlse (d lse_i / d s_ij = P_ij).
     dbias : array of ``p.bias``'s shape, optional
         Written in full with the bias gradient (dS summed over the bias's broadcast axes).
+    given_stats : bool
+        Take the LSE from ``lse`` and D from rowsum(dout ∘ out), as the GPU kernels do, instead of
+        recomputing them: the gradient of one key block of a longer sequence whose ``out`` and
+        ``lse`` cover every key (ring attention, cuflash.parallel).
 
     Notes
     -----
@@ -340,7 +344,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     output's rounding to float16/bfloat16 does not enter D.  The GPU kernels read ``out`` and
     ``lse``, as FlashAttention does.
     """
-    del deterministic, out, lse  # one thread, fixed loop order: always repeatable; recomputed
+    del deterministic  # one thread, fixed loop order: always repeatable
     acc = _acc_dtype(p.dtype)
     heads, band, slopes, mods = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc)
     k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
@@ -353,15 +357,19 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
             yield (i0, i1, *_score_tile(p, band, slopes, q_all[..., i0:i1, :], k_t, i0, i1, j0, j1, mods))
 
     rows = q_all.shape[:-1] + (1,)
-    m, l = np.full(rows, -np.inf, dtype=acc), np.zeros(rows, dtype=acc)
-    for j0, j1, k_t, _ in key_tiles:
-        for i0, i1, s, _ in query_tiles(j0, j1, k_t):
-            m[..., i0:i1, :], l[..., i0:i1, :], _, _ = _online_step(m[..., i0:i1, :], l[..., i0:i1, :], s, acc)
+    if given_stats:
+        lse_all = np.asarray(lse, dtype=acc).reshape(rows)
+        empty = lse_all == -np.inf
+    else:
+        m, l = np.full(rows, -np.inf, dtype=acc), np.zeros(rows, dtype=acc)
+        for j0, j1, k_t, _ in key_tiles:
+            for i0, i1, s, _ in query_tiles(j0, j1, k_t):
+                m[..., i0:i1, :], l[..., i0:i1, :], _, _ = _online_step(m[..., i0:i1, :], l[..., i0:i1, :], s, acc)
+        lse_all = _final_lse(m, l, acc)
+        empty = l == 0  # rows that see no key: no part in any gradient (see _weighted), dq exactly 0
     # A row that saw no key has lse = -inf; using +inf makes its P = exp(S - inf) = 0 even where
     # S = -inf (whereas -inf - -inf would be NaN).
-    lse_all = _final_lse(m, l, acc)
     lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
-    empty = l == 0  # rows that see no key: no part in any gradient (see _weighted), dq exactly 0
     do_all = np.where(empty, acc.type(0), do_all)
 
     def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh); with dropout dP = (dO Vᵀ) ∘ Z
@@ -375,9 +383,12 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     bias_grad = None if dbias is None else _BiasGrad(p, acc)
 
     delta = np.zeros(rows, dtype=acc)  # D, (B, Hkv, G, Sq, 1)
-    for j0, j1, k_t, v_t in key_tiles:
-        for i0, i1, p_t, dp, _ in grad_tiles(j0, j1, k_t, v_t):
-            delta[..., i0:i1, :] += _weighted(p_t, dp).sum(axis=-1, keepdims=True)
+    if given_stats:  # D = rowsum(dO ∘ O) over every key of the row, not only this block's
+        delta = np.where(empty, acc.type(0), (do_all * heads.queries(out, acc)).sum(axis=-1, keepdims=True))
+    else:
+        for j0, j1, k_t, v_t in key_tiles:
+            for i0, i1, p_t, dp, _ in grad_tiles(j0, j1, k_t, v_t):
+                delta[..., i0:i1, :] += _weighted(p_t, dp).sum(axis=-1, keepdims=True)
     dq_all = np.zeros_like(q_all)
     scale = acc.type(p.softmax_scale)
     for j0, j1, k_t, v_t in key_tiles:

@@ -6,10 +6,12 @@ import re
 import pytest
 
 import cuflash
-from cuflash import reference
+from cuflash import parallel, reference
 
 PUBLIC = [getattr(cuflash, name) for name in cuflash.__all__
           if callable(getattr(cuflash, name)) and not isinstance(getattr(cuflash, name), type)]  # functions, not error classes
+PUBLIC += [parallel.ring_attention, parallel.ring_attention_backward, parallel.shard, parallel.unshard,
+           parallel.decode_with_sharded_cache, parallel.run_local]
 PUBLIC += [reference.attention_ref, reference.attention_backward_ref, reference.attention_varlen_ref,
            reference.attention_varlen_backward_ref, reference.naive_attention, reference.max_error_ratio]
 

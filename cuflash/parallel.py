@@ -1,0 +1,589 @@
+"""Attention over several devices: ring (context-parallel) attention and sharded-cache decoding.
+
+Each rank holds a slice of the sequence.  In ring attention (Liu et al., "Ring Attention with
+Blockwise Transformers", 2023; Brandon et al., "Striped Attention", 2023, for the causal balance)
+the key/value slices travel around a ring of ranks while each rank attends its queries to the
+slice it holds; the partial results are merged exactly through their log-sum-exp
+(:func:`cuflash.merge_states`, the Flash-Decoding merge), so the result equals attention over the
+whole sequence up to rounding.  The backward pass sends each key/value slice around the ring
+with its dK/dV accumulators, and each rank's gradient of a slice uses the merged ``out`` and
+``lse`` of its queries (FlashAttention-2's recomputation with the global statistics).
+
+Transport is whatever implements the small :class:`Communicator` interface: :class:`NcclComm`
+over ``cupy.cuda.nccl`` for one process per GPU, or :func:`run_local`'s in-process
+communicators (threads, NumPy or CuPy arrays) for tests and examples.
+
+Causal balance: with ``scheme="zigzag"`` the sequence is cut into 2·world chunks and rank r holds
+chunks r and 2·world−1−r (:func:`shard`), so every rank does the same causal work; every pair of
+chunks is then full, diagonal (plain causal) or skipped.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Protocol
+
+import numpy as np
+
+from . import _arrays
+from . import _validate as V
+from .api import attention, merge_states
+
+DEFAULT_TIMEOUT = 300.0  # seconds a collective may take before it raises naming the rank
+SCHEMES = ("zigzag", "contiguous")
+
+
+class Communicator(Protocol):
+    """What the ring needs from a transport: the rank, the world size, a simultaneous
+    send-to-one / receive-from-another of a tuple of arrays, and an all-gather of small
+    Python objects (option checks) or arrays."""
+
+    rank: int
+    size: int
+
+    def sendrecv(self, arrays: tuple, dest: int, source: int) -> tuple: ...
+
+    def allgather(self, obj) -> list: ...
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete within the communicator's timeout (a peer died or hangs)."""
+
+
+# --- in-process communicators (tests, examples, one GPU) ---------------------------------------
+
+
+class _Hub:
+    """Mailboxes between the ranks of one process: a queue per (source, destination, kind)."""
+
+    def __init__(self, size: int, timeout: float):
+        self.size, self.timeout = size, timeout
+        self.boxes = {(s, d, kind): queue.Queue() for s in range(size) for d in range(size) for kind in ("p2p", "all")}
+        self.failed = threading.Event()  # a rank raised: the others stop waiting
+
+    def get(self, source, dest, kind):
+        waited = 0.0
+        while True:
+            try:
+                return self.boxes[(source, dest, kind)].get(timeout=0.05)
+            except queue.Empty:
+                waited += 0.05
+                if self.failed.is_set():
+                    raise CollectiveTimeout(f"rank {dest}: rank {source} failed; giving up the {kind} exchange")
+                if waited >= self.timeout:
+                    raise CollectiveTimeout(f"rank {dest}: nothing from rank {source} within {self.timeout:g} s "
+                                            f"({kind} exchange)") from None
+
+
+class LocalComm:
+    """One rank of an in-process group (see :func:`run_local`); arrays are passed by reference."""
+
+    def __init__(self, hub: _Hub, rank: int):
+        self._hub, self.rank, self.size = hub, rank, hub.size
+
+    def sendrecv(self, arrays, dest, source):
+        self._hub.boxes[(self.rank, dest, "p2p")].put(arrays)
+        return self._hub.get(source, self.rank, "p2p")
+
+    def allgather(self, obj):
+        for d in range(self.size):
+            self._hub.boxes[(self.rank, d, "all")].put(obj)
+        return [self._hub.get(s, self.rank, "all") for s in range(self.size)]
+
+
+def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
+    """Run ``fn(comm, *args, **kwargs)`` on ``world`` ranks, one thread each, with in-process
+    communicators; return their results in rank order.
+
+    Parameters
+    ----------
+    world : int
+        Number of ranks, >= 1.
+    fn : callable
+        Called as ``fn(comm, *args, **kwargs)``; ``comm.rank`` tells it which rank it is.
+    timeout : float
+        Seconds any exchange may wait for a peer.
+
+    Returns
+    -------
+    list
+        What ``fn`` returned on each rank.
+
+    Raises
+    ------
+    ValueError
+        ``world`` < 1.
+    Exception
+        The first exception a rank raised (the other ranks stop waiting for it).
+
+    Notes
+    -----
+    For tests and examples of :func:`ring_attention` without NCCL (which refuses two ranks on one
+    GPU); the arrays never leave the process (Liu et al. 2023's ring of FlashAttention calls,
+    with its ranks as threads).
+    """
+    if not isinstance(world, (int, np.integer)) or world < 1:
+        raise ValueError(f"world must be an integer >= 1; got {world!r}")
+    hub = _Hub(int(world), float(timeout))
+    results, errors = [None] * world, [None] * world
+
+    def run(rank):
+        try:
+            results[rank] = fn(LocalComm(hub, rank), *args, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors[rank] = exc
+            hub.failed.set()
+
+    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    first = next((e for e in errors if e is not None and not isinstance(e, CollectiveTimeout)), None)
+    first = first or next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+class NcclComm:
+    """A :class:`Communicator` over ``cupy.cuda.nccl`` (one process per GPU).
+
+    Parameters
+    ----------
+    nccl_comm : cupy.cuda.nccl.NcclCommunicator
+        Made by the caller, e.g. after exchanging ``cupy.cuda.nccl.get_unique_id()`` through
+        ``cupyx.distributed``'s TCP store or ``mpi4py``.
+    rank, size : int
+    stream : cupy.cuda.Stream, optional
+        Stream of the transfers (default: the current stream).
+    timeout : float
+        Seconds a transfer may take before it raises naming the rank (the stream is polled).
+
+    Notes
+    -----
+    Tensors are sent with ``ncclSend``/``ncclRecv`` inside one NCCL group per exchange, the
+    transport of ring attention (Liu et al. 2023).  Run with NVLink multicast off
+    (``NCCL_NVLS_ENABLE=0``) where the machine's notes ask for it.
+    """
+
+    def __init__(self, nccl_comm, rank: int, size: int, stream=None, timeout: float = DEFAULT_TIMEOUT):
+        self.comm, self.rank, self.size, self.stream, self.timeout = nccl_comm, rank, size, stream, timeout
+
+    def _stream(self):
+        cp = _arrays.cupy_module()
+        return self.stream if self.stream is not None else cp.cuda.get_current_stream()
+
+    def _wait(self, stream, what):
+        import time
+
+        cp = _arrays.cupy_module()
+        start = time.monotonic()
+        while not stream.done:
+            if time.monotonic() - start > self.timeout:
+                raise CollectiveTimeout(f"rank {self.rank}: {what} did not complete within {self.timeout:g} s")
+            time.sleep(1e-4)
+        del cp
+
+    def sendrecv(self, arrays, dest, source):
+        cp = _arrays.cupy_module()
+        from cupy.cuda import nccl
+
+        stream = self._stream()
+        received = tuple(cp.empty_like(a) for a in arrays)  # every rank's slices share shapes
+        nccl.groupStart()
+        for a, r in zip(arrays, received):
+            a = cp.ascontiguousarray(a)
+            self.comm.send(a.data.ptr, a.size * a.itemsize, nccl.NCCL_UINT8, dest, stream.ptr)
+            self.comm.recv(r.data.ptr, r.size * r.itemsize, nccl.NCCL_UINT8, source, stream.ptr)
+        nccl.groupEnd()
+        self._wait(stream, f"the exchange with ranks {dest} and {source}")
+        return received
+
+    def allgather(self, obj):
+        cp = _arrays.cupy_module()
+        from cupy.cuda import nccl
+
+        if _arrays.is_gpu(obj):
+            stream = self._stream()
+            x = cp.ascontiguousarray(obj)
+            out = cp.empty((self.size,) + x.shape, dtype=x.dtype)
+            self.comm.allGather(x.data.ptr, out.data.ptr, x.size * x.itemsize, nccl.NCCL_UINT8, stream.ptr)
+            self._wait(stream, "an all-gather")
+            return list(out)
+        data = np.frombuffer(repr(obj).encode(), dtype=np.uint8)  # small option tuples: by their repr
+        size = self.allgather(cp.asarray(np.array([data.size], np.int64)))
+        width = int(max(int(s.get()[0]) for s in size))
+        padded = np.zeros(width, np.uint8)
+        padded[:data.size] = data
+        parts = self.allgather(cp.asarray(padded))
+        return [bytes(p.get()[:int(n.get()[0])]).decode() for p, n in zip(parts, size)]
+
+
+# --- sharding ----------------------------------------------------------------------------------
+
+
+def _check_scheme(scheme):
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme must be one of {SCHEMES}; got {scheme!r}")
+
+
+def _chunk_ids(rank: int, world: int, scheme: str) -> list:
+    """Global chunk numbers a rank holds, in local order (all chunks of one size)."""
+    return [rank] if scheme == "contiguous" else [rank, 2 * world - 1 - rank]
+
+
+def shard(x, rank: int, world: int, *, scheme: str = "zigzag", axis: int = 1):
+    """The slice of a whole sequence that ``rank`` holds.
+
+    Parameters
+    ----------
+    x : array
+        The whole sequence along ``axis`` (default 1: (batch, seqlen, nheads, headdim)).
+    rank, world : int
+        This rank and the number of ranks.
+    scheme : {"zigzag", "contiguous"}
+        "contiguous": rank r holds the r-th of ``world`` equal pieces; "zigzag": the sequence is
+        cut into 2·world pieces and rank r holds pieces r and 2·world−1−r, concatenated (every
+        rank then does the same causal work).
+    axis : int
+        The sequence axis.
+
+    Returns
+    -------
+    array
+        A view (contiguous scheme) or a concatenation (zigzag) along ``axis``.
+
+    Raises
+    ------
+    ValueError
+        A length not divisible by ``world`` (contiguous) or 2·world (zigzag), a bad rank or scheme.
+
+    Notes
+    -----
+    Zig-zag sharding balances causal ring attention (Brandon et al., "Striped Attention", 2023;
+    the zig-zag form of Zhu's ring attention over FlashAttention kernels).
+    """
+    _check_scheme(scheme)
+    if not (0 <= rank < world):
+        raise ValueError(f"rank must lie in [0, {world}); got {rank}")
+    xp = _arrays.module_of(x)
+    n = x.shape[axis]
+    pieces = world if scheme == "contiguous" else 2 * world
+    if n % pieces:
+        raise ValueError(f"a sequence of {n} positions does not cut into {pieces} equal pieces ({scheme} over "
+                         f"{world} ranks)")
+    size = n // pieces
+    parts = [xp.take(x, xp.arange(c * size, (c + 1) * size), axis=axis) for c in _chunk_ids(rank, world, scheme)]
+    return parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=axis)
+
+
+def unshard(shards, *, scheme: str = "zigzag", axis: int = 1):
+    """The whole sequence from every rank's shard (in rank order): the inverse of :func:`shard`.
+
+    Parameters
+    ----------
+    shards : sequence of arrays
+        ``shard(x, r, world)`` for r = 0 .. world-1.
+    scheme : {"zigzag", "contiguous"}
+    axis : int
+
+    Returns
+    -------
+    array
+
+    Raises
+    ------
+    ValueError
+        Shards of different lengths, a zig-zag shard of odd length, a bad scheme.
+
+    Notes
+    -----
+    See :func:`shard` (Brandon et al. 2023; ring attention over FlashAttention kernels).
+    """
+    _check_scheme(scheme)
+    world = len(shards)
+    xp = _arrays.module_of(shards[0])
+    n = shards[0].shape[axis]
+    if any(s.shape[axis] != n for s in shards):
+        raise ValueError(f"shards must all have {n} positions along axis {axis}; got {[s.shape[axis] for s in shards]}")
+    if scheme == "contiguous":
+        return xp.concatenate(list(shards), axis=axis)
+    if n % 2:
+        raise ValueError(f"zig-zag shards hold two equal pieces; got a length of {n}")
+    half = n // 2
+    pieces = [None] * (2 * world)
+    for r, s in enumerate(shards):
+        first, second = _chunk_ids(r, world, scheme)
+        pieces[first] = xp.take(s, xp.arange(half), axis=axis)
+        pieces[second] = xp.take(s, xp.arange(half, n), axis=axis)
+    return xp.concatenate(pieces, axis=axis)
+
+
+# --- ring attention ----------------------------------------------------------------------------
+
+
+def _pair(cq: int, ck: int, causal: bool):
+    """How query chunk cq sees key chunk ck: "full", "diag" (causal within the chunk) or None."""
+    if not causal or ck < cq:
+        return "full"
+    return "diag" if ck == cq else None
+
+
+def _local_chunks(x, rank, world, scheme, axis=1):
+    """(global chunk number, slice) of a local shard."""
+    ids = _chunk_ids(rank, world, scheme)
+    size = x.shape[axis] // len(ids)
+    return [(c, slice(i * size, (i + 1) * size)) for i, c in enumerate(ids)]
+
+
+def _check_ring(comm, q, k, v, scheme, options):
+    _check_scheme(scheme)
+    if not (hasattr(comm, "rank") and hasattr(comm, "size") and hasattr(comm, "sendrecv")):
+        raise TypeError(f"comm must be a cuflash.parallel communicator (rank, size, sendrecv, allgather); "
+                        f"got {type(comm).__name__}")
+    V.check_qkv(q, k, v)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"ring attention is self-attention over one sequence: q and k must have the same local "
+                         f"length; got {q.shape[1]} and {k.shape[1]}")
+    if scheme == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"zig-zag shards hold two equal pieces; got a local length of {q.shape[1]}")
+    mine = repr((scheme, tuple(q.shape), tuple(k.shape), tuple(v.shape), sorted(options.items())))
+    everyone = comm.allgather(mine)
+    if any(o != mine for o in everyone):
+        bad = next(r for r, o in enumerate(everyone) if o != mine)
+        raise ValueError(f"rank {comm.rank}: rank {bad} called with other shapes or options ({everyone[bad]}) "
+                         f"than this rank ({mine})")
+
+
+def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0.0, scheme="zigzag",
+                   return_lse=False):
+    """Attention over a sequence split across ranks, each holding its shard of q, k and v.
+
+    Parameters
+    ----------
+    q : array of shape (batch, seqlen_local, nheads, headdim)
+        This rank's queries (``shard(q_whole, rank, world, scheme=scheme)``).
+    k, v : arrays of shape (batch, seqlen_local, nheads_k, headdim[_v])
+        This rank's keys and values, the same positions as q (GQA allowed).
+    comm : Communicator
+        :class:`NcclComm`, or a :func:`run_local` communicator.
+    causal : bool
+        Causal over the whole sequence (positions from the shard scheme).
+    softmax_scale, softcap
+        As in :func:`cuflash.attention`.
+    scheme : {"zigzag", "contiguous"}
+        How the sequence was sharded (:func:`shard`).
+    return_lse : bool
+        Also return the LSE of the local rows, (batch, nheads, seqlen_local).
+
+    Returns
+    -------
+    out : array like q (the local rows of attention over the whole sequence)
+    lse : float32 array (float64 for float64 inputs), only with ``return_lse``
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cuflash.attention`; q and k of different local lengths, an odd zig-zag
+        length, ranks called with different shapes or options.
+    CollectiveTimeout
+        A peer did not answer within the communicator's timeout.
+
+    Notes
+    -----
+    Ring attention (Liu et al. 2023): world steps; at each the rank attends its query chunks to
+    the key/value shard it holds (one FlashAttention call per chunk pair: full, diagonal-causal
+    or skipped) and passes the shard on; partial (out, lse) are merged in float32 (float64 for
+    float64 inputs) through :func:`cuflash.merge_states`, the merge of Flash-Decoding.
+    """
+    q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    options = dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap)
+    _check_ring(comm, q, k, v, scheme, options)
+    rank, world = comm.rank, comm.size
+    acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
+    q_chunks = _local_chunks(q, rank, world, scheme)
+    state = {c: None for c, _ in q_chunks}
+    block, owner = (k, v), rank
+    for step in range(world):
+        for ck, ks in _local_chunks(block[0], owner, world, scheme):
+            for cq, qs in q_chunks:
+                mode = _pair(cq, ck, bool(causal))
+                if mode is None:
+                    continue
+                o, lse = attention(q[:, qs], block[0][:, ks], block[1][:, ks], causal=mode == "diag",
+                                   softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
+                o = o.astype(acc)
+                state[cq] = (o, lse) if state[cq] is None else merge_states(*state[cq], o, lse)
+        if step < world - 1:
+            block = comm.sendrecv(block, (rank + 1) % world, (rank - 1) % world)
+            owner = (owner - 1) % world
+    xp = _arrays.module_of(q)
+    out = xp.concatenate([state[c][0] for c, _ in q_chunks], axis=1).astype(q.dtype)
+    lse = xp.concatenate([state[c][1] for c, _ in q_chunks], axis=2)
+    return (out, lse) if return_lse else out
+
+
+def _block_backward(dout, q, k, v, out, lse, *, causal, softmax_scale, softcap):
+    """Gradients of one key block from the rows' global out and lse (as the GPU kernels use them)."""
+    p = V.make_problem(q, k, v, softmax_scale=softmax_scale, causal=causal, softcap=softcap)
+    xp = _arrays.module_of(q)
+    grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
+    if _arrays.is_gpu(q):
+        from . import _gpu
+
+        _gpu.backward(p, dout, q, k, v, out, lse, *grads, deterministic=True, call="ring_attention_backward")
+    else:
+        from . import _cpu
+
+        _cpu.backward(p, dout, q, k, v, out, lse, *grads, given_stats=True)
+    return grads
+
+
+def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, softmax_scale=None, softcap=0.0,
+                            scheme="zigzag"):
+    """Gradients of :func:`ring_attention` for this rank's shard.
+
+    Parameters
+    ----------
+    dout : array like out
+        Gradient of the loss with respect to this rank's ``out``.
+    q, k, v : arrays
+        This rank's shards, as given to :func:`ring_attention`.
+    out, lse : arrays
+        This rank's :func:`ring_attention` results (``return_lse=True``).
+    comm : Communicator
+    causal, softmax_scale, softcap, scheme
+        As given to :func:`ring_attention`.
+
+    Returns
+    -------
+    dq, dk, dv : arrays with the shapes and dtypes of q, k, v (this rank's shard)
+
+    Raises
+    ------
+    TypeError, ValueError, CollectiveTimeout
+        As :func:`ring_attention`.
+
+    Notes
+    -----
+    Each key/value shard travels once around the ring with its dK/dV accumulators (float32,
+    float64 for float64 inputs) and comes back to its owner; each rank adds the gradient of its
+    queries against the shard it holds, computed from the merged ``out`` and ``lse``
+    (FlashAttention-2, Dao 2024, Algorithm 2, with the global statistics).
+    """
+    dout, q, k, v, out, lse = (_arrays.as_array(x, n) for x, n in zip(
+        (dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse")))
+    options = dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap)
+    _check_ring(comm, q, k, v, scheme, options)
+    rank, world = comm.rank, comm.size
+    xp = _arrays.module_of(q)
+    acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
+    dq = xp.zeros(q.shape, dtype=acc)
+    block, owner = (k, v, xp.zeros(k.shape, dtype=acc), xp.zeros(v.shape, dtype=acc)), rank
+    q_chunks = _local_chunks(q, rank, world, scheme)
+    for _ in range(world):
+        bk, bv, dk_acc, dv_acc = block
+        for ck, ks in _local_chunks(bk, owner, world, scheme):
+            for cq, qs in q_chunks:
+                mode = _pair(cq, ck, bool(causal))
+                if mode is None:
+                    continue
+                g = _block_backward(dout[:, qs], q[:, qs], bk[:, ks], bv[:, ks], out[:, qs], lse[:, :, qs],
+                                    causal=mode == "diag", softmax_scale=softmax_scale, softcap=softcap)
+                dq[:, qs] += g[0].astype(acc)
+                dk_acc[:, ks] += g[1].astype(acc)
+                dv_acc[:, ks] += g[2].astype(acc)
+        block = comm.sendrecv(block, (rank + 1) % world, (rank - 1) % world)  # world sends: home again
+        owner = (owner - 1) % world
+    return dq.astype(q.dtype), block[2].astype(k.dtype), block[3].astype(v.dtype)
+
+
+# --- decoding against a cache sharded over ranks ------------------------------------------------
+
+
+def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, v=None, *, softmax_scale=None,
+                              softcap=0.0, return_lse=False):
+    """Decode-style attention against a KV cache whose positions are split across ranks.
+
+    Rank r holds positions ``[start_r, start_r + capacity_r)`` of every sequence, ``start_r``
+    being the capacities of the ranks before it (gathered once per call).  Each rank attends
+    its part, one all-gather of the partial ``(out, lse)`` and a merge give every rank the
+    whole result; new tokens are written by the rank that owns their positions.
+
+    Parameters
+    ----------
+    q : array of shape (batch, seqlen_q, nheads, headdim)
+        The same queries on every rank; they see every valid key (no causal mask).
+    k_cache, v_cache : arrays of shape (batch, capacity_r, nheads_k, headdim[_v])
+        This rank's positions of each sequence's cache.
+    cache_seqlens : int or int array of shape (batch,)
+        Valid length of each whole sequence before the new tokens (the same on every rank).
+        NumPy (or an int) when appending.
+    comm : Communicator
+    k, v : arrays of shape (batch, seqlen_new, nheads_k, headdim[_v]), optional
+        New tokens, written at positions ``cache_seqlens[b] + t`` by their owners.
+    softmax_scale, softcap
+        As in :func:`cuflash.attention`.
+    return_lse : bool
+
+    Returns
+    -------
+    out : array of shape (batch, seqlen_q, nheads, headdim_v)
+    lse : float32 array (batch, nheads, seqlen_q), only with ``return_lse``
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`cuflash.attention_with_kvcache`; appending with GPU ``cache_seqlens`` (their
+        owners must be known on the host); lengths plus new tokens past the whole capacity.
+    CollectiveTimeout
+        A peer did not answer within the communicator's timeout.
+
+    Notes
+    -----
+    The split-KV merge of Flash-Decoding (Dao et al. 2023), with the splits on different
+    devices: lse = log Σ_r exp(lse_r), out = Σ_r exp(lse_r − lse) out_r (:func:`cuflash.merge_states`).
+    """
+    from .kvcache import attention_with_kvcache
+
+    q, k_cache, v_cache = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    if not (hasattr(comm, "rank") and hasattr(comm, "allgather")):
+        raise TypeError(f"comm must be a cuflash.parallel communicator; got {type(comm).__name__}")
+    xp = _arrays.module_of(q)
+    batch = q.shape[0]
+    caps = [int(c) for c in comm.allgather(int(k_cache.shape[1]))]
+    start, cap, total = sum(caps[:comm.rank]), caps[comm.rank], sum(caps)
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    cache_seqlens, host = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+    lengths = cache_seqlens.astype(np.int64)
+    if k is not None or v is not None:
+        if k is None or v is None:
+            raise ValueError("k and v must be given together (new tokens to append) or both omitted")
+        if host is None:
+            raise ValueError("appending to a sharded cache needs cache_seqlens on the host (a NumPy array or an int): "
+                             "each rank must know which new tokens it owns")
+        k, v = _arrays.as_array(k, "k"), _arrays.as_array(v, "v")
+        new = k.shape[1]
+        if host.size and int(host.max()) + new > total:
+            raise ValueError(f"cache_seqlens + {new} new tokens exceed the whole cache capacity {total} "
+                             f"(ranks' capacities {caps}); got max length {int(host.max()) + new}")
+        if host.size and int(host.min()) < 0:
+            raise ValueError(f"cache_seqlens must be >= 0; got min {int(host.min())}")
+        pos = host.astype(np.int64)[:, None] + np.arange(new)[None, :] - start  # (batch, new) local positions
+        b_idx, t_idx = np.nonzero((pos >= 0) & (pos < cap))
+        if b_idx.size:
+            rows, slots, toks = (xp.asarray(x) for x in (b_idx, pos[b_idx, t_idx], t_idx))
+            k_cache[rows, slots] = k[rows, toks]
+            v_cache[rows, slots] = v[rows, toks]
+        lengths = lengths + new
+    local = xp.clip(lengths - start, 0, cap)
+    out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=local, softmax_scale=softmax_scale,
+                                      softcap=softcap, return_lse=True)
+    acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
+    outs, lses = comm.allgather(out.astype(acc)), comm.allgather(lse)
+    out, lse = merge_states(xp.stack(outs), xp.stack(lses))
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out

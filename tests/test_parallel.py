@@ -1,0 +1,116 @@
+"""Ring attention and sharding (cuflash.parallel) with in-process communicators: every world size
+from 1 to 8, both shard schemes, causal and not, GQA, against cuflash.attention on the whole
+sequence.  Multi-GPU runs over NCCL need a machine with several GPUs (issue 25)."""
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import parallel
+from cuflash import reference as R
+
+
+def _whole(rng, total, dtype=np.float64, hq=4, hk=2, d=8):
+    return tuple((rng.standard_normal((2, total, h, d)) * s).astype(dtype) for h, s in ((hq, 2.0), (hk, 1.0), (hk, 1.0)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("scheme", parallel.SCHEMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_equals_whole_sequence_attention(rng, world, scheme, causal):
+    total = 2 * world * 5  # 5 positions per zig-zag piece
+    q, k, v = _whole(rng, total)
+    dout = rng.standard_normal(q.shape)
+
+    def step(comm):
+        shards = [parallel.shard(x, comm.rank, world, scheme=scheme) for x in (q, k, v, dout)]
+        out, lse = parallel.ring_attention(*shards[:3], comm, causal=causal, scheme=scheme, return_lse=True)
+        grads = parallel.ring_attention_backward(shards[3], *shards[:3], out, lse, comm, causal=causal, scheme=scheme)
+        return out, lse, grads
+
+    results = parallel.run_local(world, step)
+    out = parallel.unshard([r[0] for r in results], scheme=scheme)
+    lse = parallel.unshard([r[1] for r in results], scheme=scheme, axis=2)
+    ref, ref_lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+    assert np.allclose(out, ref, atol=1e-12) and np.allclose(lse, ref_lse, atol=1e-12)
+    refs = cuflash.attention_backward(dout, q, k, v, ref, ref_lse, causal=causal)
+    for i, r in enumerate(refs):
+        g = parallel.unshard([res[2][i] for res in results], scheme=scheme)
+        assert np.allclose(g, r, atol=1e-11), i
+
+
+def test_ring_float16_meets_the_exactness_rule(rng):
+    world, scheme = 4, "zigzag"
+    q, k, v = _whole(rng, 2 * world * 16, np.float16, hq=2, hk=2, d=16)
+
+    def step(comm):
+        return parallel.ring_attention(*(parallel.shard(x, comm.rank, world) for x in (q, k, v)), comm, causal=True)
+
+    out = parallel.unshard(parallel.run_local(world, step), scheme=scheme)
+    R.assert_exact(out, R.attention_ref(q, k, v, causal=True)[0], R.naive_attention(q, k, v, causal=True), "out")
+
+
+def test_shard_unshard_roundtrip_and_errors(rng):
+    x = rng.standard_normal((1, 24, 2, 4))
+    for scheme in parallel.SCHEMES:
+        for world in (1, 2, 3, 4, 6):
+            assert np.array_equal(parallel.unshard([parallel.shard(x, r, world, scheme=scheme) for r in range(world)],
+                                                   scheme=scheme), x)
+    assert np.array_equal(parallel.shard(x, 1, 3)[:, :4], x[:, 4:8])  # zig-zag: pieces 1 and 4 of 6
+    assert np.array_equal(parallel.shard(x, 1, 3)[:, 4:], x[:, 16:20])
+    with pytest.raises(ValueError, match="does not cut into 10 equal pieces"):
+        parallel.shard(x, 0, 5)
+    with pytest.raises(ValueError, match="scheme"):
+        parallel.shard(x, 0, 2, scheme="striped")
+    with pytest.raises(ValueError, match="rank must lie"):
+        parallel.shard(x, 2, 2)
+
+
+def test_ranks_with_different_options_or_silent_peers(rng):
+    q, k, v = _whole(rng, 8)
+
+    def step(comm):
+        return parallel.ring_attention(q[:, :4], k[:, :4], v[:, :4], comm, causal=comm.rank == 0)
+
+    with pytest.raises(ValueError, match="called with other shapes or options"):
+        parallel.run_local(2, step)
+
+    def silent(comm):
+        if comm.rank == 1:
+            return None  # never joins the ring
+        return parallel.ring_attention(q[:, :4], k[:, :4], v[:, :4], comm)
+
+    with pytest.raises(parallel.CollectiveTimeout, match="rank 0: nothing from rank 1 within 0.3 s"):
+        parallel.run_local(2, silent, timeout=0.3)
+    with pytest.raises(TypeError, match="comm must be a cuflash.parallel communicator"):
+        parallel.ring_attention(q, k, v, object())
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_cache_decode_equals_one_cache(rng, world):
+    """Each rank holds a piece of every sequence's cache (unequal pieces); appends go to the owner."""
+    caps = [7 * (r + 1) for r in range(world)]
+    total = sum(caps)
+    batch, hk = 3, 2
+    kc, vc = (rng.standard_normal((batch, total, hk, 8)) for _ in range(2))
+    lengths = np.array([0, total // 2, total - 2])
+    q = rng.standard_normal((batch, 1, 4, 8))
+    kn, vn = rng.standard_normal((batch, 2, hk, 8)), rng.standard_normal((batch, 2, hk, 8))
+    edges = np.cumsum([0] + caps)
+
+    def step(comm):
+        r = comm.rank
+        k_local, v_local = kc[:, edges[r]:edges[r + 1]].copy(), vc[:, edges[r]:edges[r + 1]].copy()
+        out, lse = parallel.decode_with_sharded_cache(q, k_local, v_local, lengths, comm, kn, vn, return_lse=True)
+        return out, lse, k_local
+
+    results = parallel.run_local(world, step)
+    whole_k, whole_v = kc.copy(), vc.copy()
+    ref, ref_lse = cuflash.attention_with_kvcache(q, whole_k, whole_v, kn, vn, cache_seqlens=lengths, return_lse=True)
+    for out, lse, _ in results:
+        assert np.allclose(out, ref, atol=1e-12) and np.allclose(lse, ref_lse, atol=1e-12)
+    assert np.array_equal(np.concatenate([r[2] for r in results], axis=1), whole_k)  # appended by the owners
+    with pytest.raises(ValueError, match="exceed the whole cache capacity"):
+        parallel.run_local(world, lambda comm: parallel.decode_with_sharded_cache(
+            q, kc[:, edges[comm.rank]:edges[comm.rank + 1]].copy(), vc[:, edges[comm.rank]:edges[comm.rank + 1]].copy(),
+            np.array([total - 1] * batch), comm, kn, vn))
