@@ -114,3 +114,28 @@ def test_sharded_cache_decode_equals_one_cache(rng, world):
         parallel.run_local(world, lambda comm: parallel.decode_with_sharded_cache(
             q, kc[:, edges[comm.rank]:edges[comm.rank + 1]].copy(), vc[:, edges[comm.rank]:edges[comm.rank + 1]].copy(),
             np.array([total - 1] * batch), comm, kn, vn))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("cuflash")._arrays.gpu_available(), reason="needs a CUDA GPU (CuPy arrays)")
+@pytest.mark.parametrize("causal", [False, True])
+def test_ring_on_one_gpu_with_a_stream_per_rank(rng, causal):
+    """The in-process ring over CuPy arrays, each rank on its own stream; bf16, against the
+    whole-sequence GPU call with the exactness rule."""
+    import ml_dtypes
+
+    from cuflash import _arrays
+
+    cp = _arrays.cupy_module()
+    world = 4
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in _whole(rng, 2 * world * 64, np.float32, hq=8, hk=2, d=64))
+
+    def step(comm):
+        with cp.cuda.Stream(non_blocking=True) as stream:
+            shards = [cp.asarray(parallel.shard(x, comm.rank, world)) for x in (q, k, v)]
+            out = parallel.ring_attention(*shards, comm, causal=causal)
+            stream.synchronize()
+            return out.get()
+
+    out = parallel.unshard(parallel.run_local(world, step))
+    R.assert_exact(out, R.attention_ref(q, k, v, causal=causal)[0], R.naive_attention(q, k, v, causal=causal), "out")
