@@ -76,20 +76,40 @@ class _Hub:
                                             f"({kind} exchange)") from None
 
 
+def _ready(obj):
+    """``obj`` with an event recorded on the current CuPy stream when it holds GPU arrays, so
+    that a rank on another stream waits for the kernels that produced them (see _use)."""
+    items = obj if isinstance(obj, tuple) else (obj,)
+    if any(_arrays.is_gpu(x) for x in items):
+        event = _arrays.cupy_module().cuda.Event(disable_timing=True)
+        event.record()
+        return obj, event
+    return obj, None
+
+
+def _use(message):
+    obj, event = message
+    if event is not None:
+        _arrays.cupy_module().cuda.get_current_stream().wait_event(event)
+    return obj
+
+
 class LocalComm:
-    """One rank of an in-process group (see :func:`run_local`); arrays are passed by reference."""
+    """One rank of an in-process group (see :func:`run_local`); arrays are passed by reference
+    (GPU arrays with an event, so ranks may run on different streams)."""
 
     def __init__(self, hub: _Hub, rank: int):
         self._hub, self.rank, self.size = hub, rank, hub.size
 
     def sendrecv(self, arrays, dest, source):
-        self._hub.boxes[(self.rank, dest, "p2p")].put(arrays)
-        return self._hub.get(source, self.rank, "p2p")
+        self._hub.boxes[(self.rank, dest, "p2p")].put(_ready(arrays))
+        return _use(self._hub.get(source, self.rank, "p2p"))
 
     def allgather(self, obj):
+        message = _ready(obj)
         for d in range(self.size):
-            self._hub.boxes[(self.rank, d, "all")].put(obj)
-        return [self._hub.get(s, self.rank, "all") for s in range(self.size)]
+            self._hub.boxes[(self.rank, d, "all")].put(message)
+        return [_use(self._hub.get(s, self.rank, "all")) for s in range(self.size)]
 
 
 def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list:
