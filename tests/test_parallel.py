@@ -139,3 +139,18 @@ def test_ring_on_one_gpu_with_a_stream_per_rank(rng, causal):
 
     out = parallel.unshard(parallel.run_local(world, step))
     R.assert_exact(out, R.attention_ref(q, k, v, causal=causal)[0], R.naive_attention(q, k, v, causal=causal), "out")
+
+
+def test_run_local_and_unshard_bad_arguments(rng):
+    with pytest.raises(ValueError, match="world must be an integer >= 1"):
+        parallel.run_local(0, lambda comm: None)
+    with pytest.raises(ValueError, match="shards must all have 4 positions"):
+        parallel.unshard([np.zeros((1, 4, 1, 1)), np.zeros((1, 6, 1, 1))])
+    q, k, v = _whole(rng, 6)
+    with pytest.raises(ValueError, match="zig-zag shards hold two equal pieces"):
+        parallel.run_local(1, lambda comm: parallel.ring_attention(q[:, :3], k[:, :3], v[:, :3], comm))
+    with pytest.raises(ValueError, match="same local length"):
+        parallel.run_local(1, lambda comm: parallel.ring_attention(q[:, :4], k[:, :2], v[:, :2], comm))
+    with pytest.raises(ValueError, match="k and v must be given together"):
+        parallel.run_local(1, lambda comm: parallel.decode_with_sharded_cache(
+            q[:, :1], k, v, np.array([2, 2]), comm, k[:, :1]))  # k without v
