@@ -163,17 +163,23 @@ class _Modifiers:
         """The mask tile (True = attend), or None without a mask."""
         return None if self.mask is None else self._tile(self.mask, i0, i1, j0, j1, bool)
 
-    def dropped(self, p_t, i0, i1, j0, j1):
-        """P of a tile after dropout: kept entries scaled by 1 / (1 - p), the others 0."""
+    def kept(self, i0, i1, j0, j1):
+        """The dropout keep-mask of a tile (drawn once per tile, then applied with
+        :meth:`dropped`), or None without dropout."""
         if self.dropout is None:
-            return p_t
+            return None
         from .dropout import keep_mask_block
 
         rate, seed, offset, _ = self.dropout
         i = np.arange(i0, i1, dtype=np.uint64)[:, None]
         j = np.arange(j0, j1, dtype=np.uint64)[None, :]
-        kept = keep_mask_block(seed, offset, rate, self.bh, i, j)
-        return np.where(kept, p_t * p_t.dtype.type(1.0 / (1.0 - rate)), p_t.dtype.type(0))
+        return keep_mask_block(seed, offset, rate, self.bh, i, j)
+
+    def dropped(self, x, kept):
+        """x (P or dP of a tile) after dropout: kept entries scaled by 1 / (1 - p), the others 0."""
+        if kept is None:
+            return x
+        return np.where(kept, x * x.dtype.type(1.0 / (1.0 - self.dropout[0])), x.dtype.type(0))
 
 
 def _blocks(lo, hi, size):
@@ -298,7 +304,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
             s, _ = _score_tile(p, band, slopes, q_t, k_all[..., j0:j1, :], i0, i1, j0, j1, mods)
             m, l, alpha, p_t = _online_step(m, l, s, acc)  # p_t: (B, Hkv, G, m, n)
             if mods is not None:  # dropout acts on P after the row statistics (the LSE ignores it)
-                p_t = mods.dropped(p_t, i0, i1, j0, j1)
+                p_t = mods.dropped(p_t, mods.kept(i0, i1, j0, j1))
             o = alpha * o + _group_matmul(p_t, v_all[..., j0:j1, :])
         empty = l == 0  # rows that saw no key: exactly 0, even where 0 * inf in V made o NaN
         row_lse = _final_lse(m, l, acc)
@@ -372,12 +378,13 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
     do_all = np.where(empty, acc.type(0), do_all)
 
-    def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh); with dropout dP = (dO Vᵀ) ∘ Z
+    def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh, keep-mask); with dropout dP = (dO Vᵀ) ∘ Z
         for i0, i1, s, tanh in query_tiles(j0, j1, k_t):
             dp = _group_matmul(do_all[..., i0:i1, :], v_t.swapaxes(-1, -2))
-            if mods is not None:
-                dp = mods.dropped(dp, i0, i1, j0, j1)
-            yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), dp, tanh
+            kept = None if mods is None else mods.kept(i0, i1, j0, j1)
+            if kept is not None:
+                dp = mods.dropped(dp, kept)
+            yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), dp, tanh, kept
 
     dlse_all = None if dlse is None else np.asarray(dlse, dtype=acc).reshape(rows[:-1])[..., None]
     bias_grad = None if dbias is None else _BiasGrad(p, acc)
@@ -387,16 +394,16 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
         delta = np.where(empty, acc.type(0), (do_all * heads.queries(out, acc)).sum(axis=-1, keepdims=True))
     else:
         for j0, j1, k_t, v_t in key_tiles:
-            for i0, i1, p_t, dp, _ in grad_tiles(j0, j1, k_t, v_t):
+            for i0, i1, p_t, dp, _, _ in grad_tiles(j0, j1, k_t, v_t):
                 delta[..., i0:i1, :] += _weighted(p_t, dp).sum(axis=-1, keepdims=True)
     dq_all = np.zeros_like(q_all)
     scale = acc.type(p.softmax_scale)
     for j0, j1, k_t, v_t in key_tiles:
         dk_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_qk), dtype=acc)
         dv_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_v), dtype=acc)
-        for i0, i1, p_t, dp, tanh in grad_tiles(j0, j1, k_t, v_t):
+        for i0, i1, p_t, dp, tanh, kept in grad_tiles(j0, j1, k_t, v_t):
             q_t, do_t = q_all[..., i0:i1, :], do_all[..., i0:i1, :]
-            dv_t += _sum_over_group(p_t if mods is None else mods.dropped(p_t, i0, i1, j0, j1), do_t)
+            dv_t += _sum_over_group(p_t if kept is None else mods.dropped(p_t, kept), do_t)
             dp = dp - delta[..., i0:i1, :]
             if dlse_all is not None:
                 dp = dp + dlse_all[..., i0:i1, :]

@@ -198,13 +198,11 @@ class NcclComm:
     def _wait(self, stream, what):
         import time
 
-        cp = _arrays.cupy_module()
         start = time.monotonic()
         while not stream.done:
             if time.monotonic() - start > self.timeout:
                 raise CollectiveTimeout(f"rank {self.rank}: {what} did not complete within {self.timeout:g} s")
             time.sleep(1e-4)
-        del cp
 
     def sendrecv(self, arrays, dest, source):
         cp = _arrays.cupy_module()
