@@ -462,7 +462,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             gx.append(g_out if direct else cp.zeros(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
         variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, smem_limit=_smem_limit(device))
-        main = _hopper_variant(device, dtype, max(d8, dv8), features, _kernels.sm90_bwd_variant) or variant
+        main = _hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic),
+                               _kernels.sm90_bwd_variant) or variant
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
                         alibi_slopes=p.alibi_slopes)
         indices = dict(seqlens_k=p.seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

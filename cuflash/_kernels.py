@@ -189,19 +189,22 @@ SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
-def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) -> Variant | None:
-    """The wgmma backward kernels for ``headdim``'s bucket (``<name>_dq`` + ``<name>_dkdv``, or
-    ``<name>_dkdv_dq`` + ``<name>_dq_convert`` with atomic dQ; the D pre-pass is
-    :func:`bwd_variant`'s), or None where only flash_bwd.cu serves."""
+def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
+                     deterministic: bool = False) -> Variant | None:
+    """The wgmma backward kernels for ``headdim``'s bucket: ``<name>_dkdv_dq`` +
+    ``<name>_dq_convert`` (atomic fp32 dQ), or with ``deterministic`` ``<name>_dq`` +
+    ``<name>_dkdv`` (a module of their own, so a first call compiles only what it launches; the
+    D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves."""
     d = headdim_bucket(headdim)
     if d not in SM90_BWD_TILES:
         return None
     inner, wgs, min_blocks = SM90_BWD_TILES[d]
-    name = f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap + "_alibi" * alibi
+    name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
+            + "_alibi" * alibi + "_det" * deterministic)
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
         ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
-        ("CUFLASH_ALIBI", int(alibi)),
+        ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_DETERMINISTIC", int(deterministic)),
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv), two stages of
     # two inner tiles, LSE and D of the _dkdv stages, the dS tile of _dkdv_dq, 1 KB for the
@@ -280,10 +283,10 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
-                    for hopper in (sm90_fwd_variant, sm90_bwd_variant):
-                        v = hopper(dtype, d, softcap=softcap, alibi=alibi)
-                        if v is not None:
-                            out.append(v)
+                    hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi)]
+                    hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)
+                               for det in (False, True)]
+                    out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant()]
     return out

@@ -39,6 +39,9 @@
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
+#ifndef CUFLASH_DETERMINISTIC
+#define CUFLASH_DETERMINISTIC 0
+#endif
 #ifndef CUFLASH_ALIBI
 #define CUFLASH_ALIBI 0
 #endif
@@ -384,6 +387,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     store_tile<T, kD, kBN, kThreads>(dv, seq.poison(1.f), sV, wg * 64, gdV, p.dv_row_stride, rows_valid, v_chunks, tid);
 }
 
+// One module per dQ scheme, so that a first call compiles only the kernels it launches (a module
+// of all four took 2.6 s to build on the H200 host, perf-notes c2): CUFLASH_DETERMINISTIC=1 builds
+// _dq + _dkdv (dQ summed in order, no atomics), 0 builds _dkdv_dq + _dq_convert (fp32 dQ atomics).
+#if CUFLASH_DETERMINISTIC
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dq_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
 }
@@ -391,7 +398,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false>(p);
 }
-
+#else
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true>(p);
 }
@@ -420,3 +427,4 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_C
         *reinterpret_cast<uint4*>(gdQ + r * p.dq_row_stride + col * 8) = packed;
     }
 }
+#endif  // CUFLASH_DETERMINISTIC

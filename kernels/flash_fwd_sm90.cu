@@ -64,9 +64,19 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     if (m0 >= seq.sq) return;
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    // K/V of this sequence and head, rebuilt per tile from seqinfo.cuh's shared batch row.
-    auto gK = [&] { return static_cast<const u16*>(p.k) + seq.kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride; };
-    auto gV = [&] { return static_cast<const u16*>(p.v) + seq.kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride; };
+    // K/V of this sequence and head: element offsets formed once.  With one block per SM (d256)
+    // they stay in registers; at two blocks per SM, held in registers they made d128 spill, so
+    // they are kept per warp in shared memory (one LDS.64 per tile).  Rebuilt per tile from the
+    // batch row instead, they cost 3-5 % (perf-notes r2).
+    constexpr bool kOffsetsInRegs = kD > 128;
+    const long long kv_b = seq.kv_row();
+    const long long k_offset = kv_b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
+    const long long v_offset = kv_b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    __shared__ long long s_kv_offset[kOffsetsInRegs ? 1 : kThreads / 32][2];
+    if (!kOffsetsInRegs && lane == 0) s_kv_offset[warp][0] = k_offset, s_kv_offset[warp][1] = v_offset;
+    __syncwarp();
+    auto gK = [&] { return static_cast<const u16*>(p.k) + (kOffsetsInRegs ? k_offset : s_kv_offset[threadIdx.x / 32][0]); };
+    auto gV = [&] { return static_cast<const u16*>(p.v) + (kOffsetsInRegs ? v_offset : s_kv_offset[threadIdx.x / 32][1]); };
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, seq.sq - m0);

@@ -2,12 +2,12 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck + racecheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [tests|sanitize|host|bench|backward|decode|varlen|paper|ab]...
+#   scripts/gpu_check.sh [tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab]...
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
 # BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, AB_BASE (the
 # checkout the ab stage compares this one with, e.g. a `git archive` of the previous commit
-# carried in an ignored folder; AB_PARTS narrows it).
+# carried in an ignored folder; AB_PARTS narrows it, AB_ROUNDS sets its rounds).
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
 # --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
 # device call's carry list.
@@ -56,8 +56,12 @@ for stage in $stages; do
     decode) bench_stage decode ${DECODE_TIMEOUT:-150} --suite decode ;;
     varlen) bench_stage varlen ${VARLEN_TIMEOUT:-90} --suite varlen ;;
     paper) bench_stage paper ${PAPER_TIMEOUT:-60} --suite paper ;;
+    firstcall)
+      timeout ${FIRSTCALL_TIMEOUT:-240} $PY scripts/first_call.py --markdown "$OUT/firstcall.md" >"$OUT/firstcall.log" 2>&1
+      rc=$?; summary+=("firstcall rc=$rc ($(elapsed))")
+      cat "$OUT/firstcall.md" 2>/dev/null || tail -n 20 "$OUT/firstcall.log" ;;
     ab)
-      timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py "${AB_BASE:?set AB_BASE}" . --parts "${AB_PARTS:-fwd,bwd,decode,varlen,host}" \
+      timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py "${AB_BASE:?set AB_BASE}" . --parts "${AB_PARTS:-fwd,bwd,decode,varlen,host}" --rounds ${AB_ROUNDS:-3} \
         --markdown "$OUT/ab.md" >"$OUT/ab.log" 2>&1
       rc=$?; summary+=("ab rc=$rc ($(elapsed))")
       cat "$OUT/ab.md" 2>/dev/null || tail -n 20 "$OUT/ab.log" ;;

@@ -36,12 +36,12 @@ VARIANTS = _kernels.all_variants()
 
 
 def _one_per_source(variants):
-    """Per kernel file, element type and split-KV or not, the variant with the most switches on
+    """Per kernel file, element type, split-KV or not and dQ scheme, the variant with the most switches on
     and the largest head dim: the one that exercises the most code."""
     best = {}
     for v in variants:
         d = dict(v.defines)
-        key = (v.filename, d.get("CUFLASH_DTYPE"), d.get("CUFLASH_SPLITKV", 0))
+        key = (v.filename, d.get("CUFLASH_DTYPE"), d.get("CUFLASH_SPLITKV", 0), d.get("CUFLASH_DETERMINISTIC", 0))
         rank = (d.get("CUFLASH_SOFTCAP", 0) + d.get("CUFLASH_ALIBI", 0), d.get("CUFLASH_HEADDIM", 0))
         if key not in best or rank > best[key][0]:
             best[key] = (rank, v)
@@ -103,7 +103,8 @@ def test_sources_are_found_and_includes_inlined():
 
 def test_hopper_variants_cover_the_panel_buckets():
     names = [v.name for v in VARIANTS if v.arch == "90a"]
-    assert len(names) == 2 * (3 + 2) * 4  # dtypes x (forward 64/128/256, backward 64/128) x (softcap, alibi)
+    # dtypes x (forward 64/128/256, backward 64/128 in both dQ schemes) x (softcap, alibi)
+    assert len(names) == 2 * (3 + 2 * 2) * 4
     assert _kernels.sm90_fwd_variant("bfloat16", 96, softcap=False, alibi=False) is None
     v = _kernels.sm90_fwd_variant("float16", 111, softcap=False, alibi=True)
     assert v.name.startswith("cuflash_fwd_sm90_fp16_d128_") and "-arch=sm_90a" in v.options()
@@ -153,3 +154,15 @@ def test_prefetch_compiles_a_calls_modules_side_by_side(monkeypatch):
     calls.clear()
     _kernels.prefetch([(dsum, "")], 0)
     assert calls == []
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_hopper_backward_module_holds_only_the_kernels_its_scheme_launches(deterministic):
+    """Issue 20: the atomic-dQ and the deterministic Hopper backward are modules of their own, so
+    that a first call compiles two kernels, not four."""
+    _nvrtc_or_skip()
+    v = _kernels.sm90_bwd_variant("bfloat16", 128, softcap=False, alibi=False, deterministic=deterministic)
+    cubin = _kernels.compile_for_arch(v, "90")
+    entries = {s: (v.name + s).encode() + b"\0" in cubin for s in ("_dq", "_dkdv", "_dkdv_dq", "_dq_convert")}
+    want = {"_dq", "_dkdv"} if deterministic else {"_dkdv_dq", "_dq_convert"}
+    assert {s for s, found in entries.items() if found} == want

@@ -86,6 +86,7 @@ def test_b01_fully_masked_rows_through_cuflash(xp, rng, dtype, form):
     mask = np.zeros((8, 8), dtype=bool)
     mask[:4, :4] = True
     opts = dict(mask=mask) if form == "mask" else dict(bias=np.where(mask, 0.0, -np.inf).astype(np.float32))
+    opts = {name: xp.asarray(x) for name, x in opts.items()}  # with q's kind of array
     out, lse = cuflash.attention(*run(xp, q, k, v), return_lse=True, **opts)
     _rule_forward(out, lse, q, k, v, mask=mask)
     assert np.all(np_(out)[:, 4:] == 0) and np.all(np_(lse)[..., 4:] == -np.inf)
@@ -99,7 +100,7 @@ def test_b01_masked_row_inside_a_tile(xp, rng):
     q, k, v = make_qkv(rng, np.float16, 1, 441, 441, 2, 2, 32)
     mask = rng.random((441, 441)) < 0.8
     mask[200] = False
-    out, lse = cuflash.attention(*run(xp, q, k, v), mask=mask, return_lse=True)
+    out, lse = cuflash.attention(*run(xp, q, k, v), mask=xp.asarray(mask), return_lse=True)
     assert np.all(np_(out)[0, 200] == 0) and np.all(np_(lse)[0, :, 200] == -np.inf)
     _rule_forward(out, lse, q, k, v, mask=mask)
 
@@ -108,7 +109,7 @@ def test_b01_finite_minimum_bias_through_cuflash(xp, rng):
     q, k, v = (rng.random((1, 8, 1, 8)).astype(np.float32) for _ in range(3))
     bias = np.zeros((8, 8), dtype=np.float32)
     bias[4:] = np.finfo(np.float32).min
-    out = np_(cuflash.attention(*run(xp, q, k, v), bias=bias))
+    out = np_(cuflash.attention(*run(xp, q, k, v), bias=xp.asarray(bias)))
     np.testing.assert_allclose(out[0, 4:, 0], np.broadcast_to(v[0, :, 0].astype(np.float64).mean(0), (4, 8)),
                                rtol=1e-5)
     assert np.all(np.isfinite(out))
@@ -127,11 +128,12 @@ def test_b29_lse_gradient(xp, rng, heads, causal):
     mask = np.ones((2, 1, 113, 203), dtype=bool)
     mask[1, 0, 7] = False  # a fully masked row with dlse != 0
     opts = dict(causal=causal, mask=mask)
-    out, lse = cuflash.attention(*run(xp, q, k, v), return_lse=True, **opts)
+    gpu_opts = dict(opts, mask=xp.asarray(mask))  # with q's kind of array
+    out, lse = cuflash.attention(*run(xp, q, k, v), return_lse=True, **gpu_opts)
     # Loss = sum(lse): dO = 0, dlse = 1.  Then dv = 0 exactly and dq_i = scale sum_j p_ij k_j.
     ones = np.ones(np_(lse).shape, np.float32)
     dq, dk, dv = cuflash.attention_backward(*run(xp, np.zeros(out.shape, BF16), q, k, v), out, lse,
-                                            dlse=xp.asarray(ones), **opts)
+                                            dlse=xp.asarray(ones), **gpu_opts)
     assert np.all(np_(dv).astype(np.float32) == 0)
     refs = R.attention_backward_ref(np.zeros(out.shape), q, k, v, dlse=ones, **opts)
     naives = R.naive_attention_backward(np.zeros(out.shape, BF16), q, k, v, dlse=ones, **opts)
@@ -140,7 +142,7 @@ def test_b29_lse_gradient(xp, rng, heads, causal):
     # Random dO and dlse together.
     dout = rand(rng, out.shape, BF16)
     dlse = rng.standard_normal(np_(lse).shape).astype(np.float32)
-    grads = cuflash.attention_backward(*run(xp, dout, q, k, v), out, lse, dlse=xp.asarray(dlse), **opts)
+    grads = cuflash.attention_backward(*run(xp, dout, q, k, v), out, lse, dlse=xp.asarray(dlse), **gpu_opts)
     refs = R.attention_backward_ref(dout, q, k, v, dlse=dlse, **opts)
     naives = R.naive_attention_backward(dout, q, k, v, dlse=dlse, **opts)
     _rule_backward(grads, refs, naives)
