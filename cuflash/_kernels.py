@@ -268,6 +268,15 @@ def kv_append_variant() -> Variant:
 
 
 @functools.lru_cache(maxsize=None)
+def tma_copy_variant(headdim: int = 128, rows: int = 64, stages: int = 2) -> Variant:
+    """The check of the Hopper producer/consumer pieces (kernels/tma_copy.cu; not attention):
+    tiles copied through a ring of shared-memory stages by the bulk tensor copy engine."""
+    name = f"cuflash_tma_copy_d{headdim}_r{rows}_s{stages}"
+    defines = (("CUFLASH_HEADDIM", headdim), ("CUFLASH_TILE_ROWS", rows), ("CUFLASH_STAGES", stages))
+    return Variant("tma_copy.cu", name, defines, 256, stages * rows * headdim * 2 + 1024, arch="90a")
+
+
+@functools.lru_cache(maxsize=None)
 def read_bandwidth_variant() -> Variant:
     """The decode benchmark's reference: a kernel that only reads two buffers (not attention)."""
     return Variant("read_bandwidth.cu", "cuflash_read_bandwidth", (), 1024)
@@ -288,7 +297,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                for det in (False, True)]
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
-    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant()]
+    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant(),
+            tma_copy_variant()]
     return out
 
 
