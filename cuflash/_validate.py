@@ -74,7 +74,7 @@ def is_float_dtype(dtype) -> bool:
     return np.dtype(dtype).name in FLOAT_DTYPES
 
 
-def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v")):
+def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v"), unbatched: bool = False):
     """Check array kinds, dtypes and ranks of q, k, v (called ``names`` in messages); return the dtype."""
     arrays = tuple(zip(names, (q, k, v)))
     for name, x in arrays:
@@ -93,14 +93,11 @@ def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v")):
         raise TypeError(f"{names[0]} has dtype {dt}; expected one of {', '.join(FLOAT_DTYPES)}")
     rank = 3 if packed else 4
     what = "(total_tokens, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
+    if unbatched:  # the entry points that also take one sequence (their 3-D inputs never get here)
+        what += ", or 3 (seqlen, nheads, headdim) for one unbatched sequence"
     for name, x in arrays:
         if x.ndim != rank:
-            hint = ""
-            if x.ndim == 2 and not packed:  # (seqlen, headdim): one head, no batch
-                hint = (f", or unbatched (seqlen, nheads, headdim); for a single head pass {name}[:, None, :], "
-                        f"a (seqlen, 1, headdim) view")
-            elif x.ndim == 2:
-                hint = f"; for a single head pass {name}[:, None, :]"
+            hint = f"; for a single head pass {name}[:, None, :], a (seqlen, 1, headdim) view" if x.ndim == 2 else ""
             raise ValueError(f"{name} must have {rank} dimensions {what}{hint}; got shape {tuple(x.shape)}")
     return q.dtype
 
@@ -207,7 +204,7 @@ def make_problem(
     layout="bshd",
 ) -> AttnProblem:
     """Check a padded-batch call and return its :class:`AttnProblem` (shapes in bshd order)."""
-    check_qkv(q, k, v)
+    check_qkv(q, k, v, unbatched=True)
     check_layout(layout)
     qb, kb, vb = (to_bshd(x, layout) for x in (q, k, v))
     batch, seqlen_q, nheads_q, headdim_qk = qb.shape

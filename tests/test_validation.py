@@ -104,6 +104,17 @@ def test_two_dimensional_input_says_how_to_reshape():
         cuflash.attention(q[0, :, 0], k[0, :, 0], v[0, :, 0])
 
 
+@pytest.mark.parametrize("rank", [1, 5])
+def test_any_wrong_rank_names_the_unbatched_form(rank):
+    """A newcomer's 1-D or 5-D input learns that one unbatched sequence (3-D) is taken too."""
+    q, k, v = make(b=1)
+    bad = q[0, :, 0, 0] if rank == 1 else q[None]
+    with pytest.raises(ValueError, match=r"or 3 \(seqlen, nheads, headdim\) for one unbatched sequence"):
+        cuflash.attention(bad, k, v)
+    with pytest.raises(ValueError, match=r"must have 4 dimensions \(batch, seqlen, nheads, headdim\); got"):
+        cuflash.attention_with_kvcache(bad, k, v, cache_seqlens=np.zeros(1, np.int32))  # takes no unbatched form
+
+
 class _CpuDLPack:
     """A CPU array known only through DLPack (as a CPU torch tensor or JAX array is)."""
 
