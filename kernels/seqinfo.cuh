@@ -115,15 +115,13 @@ struct SeqInfo {
         bool found = false;  // (a plain loop and one barrier: block_first_bad here made ptxas spill)
         for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) found |= bad_page(i);
         if (!__syncthreads_or(found)) return;
-        if (threadIdx.x == 0) {
+        if (threadIdx.x == 0)
             for (int i = lo; i < hi; ++i)
                 if (bad_page(i)) {
                     report_bad_index(p, kArgBlockTable, row + i);
                     break;
                 }
-            s_seq_bad = 1;
-        }
-        __syncthreads();
+        s_seq_bad = 1;  // by every thread before it reads the flag: no barrier needed
         sk = 0;
         set_diagonal(p);
     }
