@@ -38,13 +38,19 @@ __device__ __forceinline__ void mbar_wait(u64* bar, int phase) {
         "}\n" :: "r"(smem_addr(bar)), "r"(phase) : "memory");
 }
 
-// Position in a ring of kStages stages: the producer starts at phase 1 (the stages are free), the
-// consumers at phase 0 (nothing has landed).
+// Position in a ring of kStages stages: the consumers start at phase 0 (nothing has landed), the
+// producer at phase 1 (producer_start: the stages are free).
 template <int kStages>
 struct RingState {
     int stage = 0, phase = 0;
     __device__ __forceinline__ void advance() {
         if (++stage == kStages) stage = 0, phase ^= 1;
+    }
+    // The producer's start: every stage free (waits on `empty` pass at once).
+    __device__ __forceinline__ static RingState producer_start() {
+        RingState r;
+        r.phase = 1;
+        return r;
     }
 };
 
@@ -83,11 +89,12 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* dst, const TensorMa
 // --- warpgroup coordination ------------------------------------------------------------------
 
 // Named barriers 1..15 (0 is __syncthreads): `threads` is a multiple of 32, the same at every use.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(threads) : "memory");
+// The id is an immediate, so that ptxas counts only the barriers a kernel uses.
+template <int kId> __device__ __forceinline__ void named_barrier_sync(int threads) {
+    asm volatile("bar.sync %0, %1;" :: "n"(kId), "r"(threads) : "memory");
 }
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(threads) : "memory");
+template <int kId> __device__ __forceinline__ void named_barrier_arrive(int threads) {
+    asm volatile("bar.arrive %0, %1;" :: "n"(kId), "r"(threads) : "memory");
 }
 
 // Move registers between warpgroups (every thread of the warpgroup executes it): the producer

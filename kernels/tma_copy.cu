@@ -44,8 +44,7 @@ CUFLASH_KERNEL_NAME(const __grid_constant__ TensorMap src, u16* out, int tiles_p
     if (tid < 128) {  // producer warpgroup: one thread issues every copy
         if (tid != 0) return;
         tma_prefetch(src);
-        RingState<kStages> ring;
-        ring.phase = 1;
+        auto ring = RingState<kStages>::producer_start();
         for (int i = 0; i < tiles; ++i, ring.advance()) {
             const long long t = first + i;
             const int rt = static_cast<int>(t % row_tiles), h = static_cast<int>((t / row_tiles) % heads);
@@ -67,7 +66,8 @@ CUFLASH_KERNEL_NAME(const __grid_constant__ TensorMap src, u16* out, int tiles_p
             const int r = c / kChunks, col = c % kChunks;
             *reinterpret_cast<uint4*>(dst + r * kD + col * 8) = *reinterpret_cast<const uint4*>(tile + swizzled_chunk<kRows>(r, col));
         }
-        named_barrier_sync(1, 128);  // every consumer thread is done reading the stage
+        fence_async_smem();  // these generic reads before the copy engine's next write of the stage
+        named_barrier_sync<1>(128);  // every consumer thread is done reading the stage
         if (ctid == 0) mbar_arrive(&empty[ring.stage]);
     }
 }
