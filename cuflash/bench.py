@@ -5,7 +5,8 @@ halved when causal; backward = 2.5 × forward.  Standard sweep (FlashAttention-2
 batch·seqlen = 16k tokens, nheads·headdim = 2048, head dims 64/128/256, seqlen 512 … 16k.
 Every cuflash configuration is checked against plain attention on a slice before it is timed.
 Peers: plain CuPy attention (matmul, softmax, matmul) always; torch SDPA (flash and cuDNN
-backends) and JAX's cuDNN attention when importable.  cuflash never imports them.
+backends), JAX's cuDNN attention and FlashAttention-3 (the ``flash-attn3-jax`` wheel, head dim
+128) when importable.  cuflash never imports them.
 
 Usage: cuflash bench [--suite standard|paper|decode|varlen|host] [--backward] [--json FILE] [--plot FILE.png] ...
 (or python scripts/bench.py with the same options).  Needs a GPU with CuPy.
@@ -124,6 +125,39 @@ def _jax_peer():
     return {"jax-cudnn": run}
 
 
+def _fa3_peer(backward: bool = False):
+    """FlashAttention-3's Hopper kernels through the ``flash-attn3-jax`` wheel (a JAX FFI
+    binding, built for head dim 128), when it and a GPU JAX are importable: the forward under
+    ``jax.jit``, or the backward alone (the VJP's residuals computed once, then only the
+    backward jitted).  Never a dependency: scripts/gpu_check.sh installs a carried wheel."""
+    try:
+        import flash_attn3_jax
+        import jax
+        import jax.numpy as jnp
+    except Exception:
+        return {}
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        return {}
+
+    def run(q, k, v, causal):
+        jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))  # (B, S, H, D), FA3's layout too
+
+        def fwd(a, b, c):
+            return flash_attn3_jax.flash_mha(a, b, c, is_causal=causal)
+
+        if not backward:
+            f = jax.jit(fwd)
+            f(jq, jk, jv).block_until_ready()
+            return lambda: f(jq, jk, jv).block_until_ready()
+        out, vjp = jax.vjp(fwd, jq, jk, jv)
+        do = jnp.ones_like(out)
+        g = jax.jit(lambda fn, d: fn(d))
+        jax.block_until_ready(g(vjp, do))
+        return lambda: jax.block_until_ready(g(vjp, do))
+
+    return {"fa3-jax": run}
+
+
 def check_against_plain(q, k, v, causal, out):
     """Compare the last 64 query rows of one head with plain float32 attention (catches garbage)."""
     qs, ks, vs = (x[:1, :, :1].astype(cp.float32) for x in (q, k, v))
@@ -209,12 +243,19 @@ def environment():
         "nvrtc": ".".join(map(str, cp.cuda.nvrtc.getVersion())),
         "python": platform.python_version(),
     }
-    for mod in ("torch", "jax"):
+    for mod in ("torch", "jax", "flash_attn3_jax"):
         try:
-            env[mod] = __import__(mod).__version__
+            module = __import__(mod)
+            env[mod] = getattr(module, "__version__", None) or _dist_version(mod)
         except Exception:
             pass
     return env
+
+
+def _dist_version(module: str) -> str:
+    from importlib import metadata
+
+    return metadata.version(module.replace("_", "-"))
 
 
 def _systems(rows, fixed, names=()):
@@ -230,7 +271,7 @@ def to_markdown(rows, env):
     names = _systems(rows, fixed, ["cuflash"])
     lines = [
         f"GPU {env['gpu']} (sm_{env['cc']}), {env['date']}, cuflash {env['cuflash']}, CuPy {env['cupy']}, "
-        f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax") if m in env),
+        f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax", "flash_attn3_jax") if m in env),
         "",
         "| dtype | hdim | causal | seqlen | " + " | ".join(names) + " | cuflash / torch-flash |",
         "|---|---|---|---|" + "---|" * len(names) + "---|",
@@ -565,9 +606,9 @@ def main(argv=None, progress=_plain_progress):
         return
 
     base_peers = {} if args.no_peers else {"cupy-plain": None, **_torch_peers()}
-    jax_peers = {} if args.no_peers else _jax_peer()
+    jax_peers = {} if args.no_peers else {**_jax_peer(), **_fa3_peer()}
     if args.backward:
-        base_peers, jax_peers = ({} if args.no_peers else _torch_bwd_peers()), {}
+        base_peers, jax_peers = ({} if args.no_peers else _torch_bwd_peers()), ({} if args.no_peers else _fa3_peer(True))
     rows = []
     configs = [(dtype_name, headdim, causal, seqlen) for dtype_name in args.dtypes.split(",")
                for headdim in map(int, args.headdims.split(","))
@@ -576,8 +617,8 @@ def main(argv=None, progress=_plain_progress):
     with progress(configs, "cuflash bench") as configs:
         for dtype_name, headdim, causal, seqlen in configs:
             peers = dict(base_peers)
-            if str(headdim) in args.jax_headdims.split(",") and dtype_name == "bf16":
-                peers.update(jax_peers)
+            if str(headdim) in args.jax_headdims.split(","):  # JAX's cuDNN in bf16; FA3 in both dtypes
+                peers.update({n: f for n, f in jax_peers.items() if dtype_name == "bf16" or n == "fa3-jax"})
             bench = bench_backward if args.backward else bench_config
             rows.append(bench(dtype_name, headdim, seqlen, causal, peers))
             _echo(rows[-1], progress)

@@ -24,6 +24,16 @@ elapsed() { echo "$(( $(date +%s) - start ))s"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
+# FlashAttention-3 as a benchmark peer: a carried .wheels/flash_attn3_jax-*.whl (23 MB, fetched with
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+# flash-attn3-jax -d .wheels`; name ".wheels" in the call's carry, not together with .data/minilm)
+# is installed beside the machine's JAX, which then leaves GPU memory to CuPy.
+if ls .wheels/flash_attn3_jax-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-deps --target /tmp/fa3 .wheels/flash_attn3_jax-*.whl >"$OUT/fa3_install.log" 2>&1 \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/fa3 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+    && summary+=("fa3 wheel installed")
+fi
+
 # bench_stage NAME TIMEOUT ARGS...: one scripts/bench.py run, its table in $OUT/NAME.md, its log appended to bench.log.
 bench_stage() {
   local name=$1 limit=$2; shift 2
