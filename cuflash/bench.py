@@ -107,14 +107,21 @@ def _torch_peers():
     return _torch_backends(make)
 
 
-def _jax_peer():
+def _gpu_jax():
+    """(jax, jax.numpy) when JAX is importable and sees a GPU, else None."""
     try:
         import jax
         import jax.numpy as jnp
     except Exception:
+        return None
+    return (jax, jnp) if any(d.platform == "gpu" for d in jax.devices()) else None
+
+
+def _jax_peer():
+    found = _gpu_jax()
+    if found is None:
         return {}
-    if not any(d.platform == "gpu" for d in jax.devices()):
-        return {}
+    jax, jnp = found
 
     def run(q, k, v, causal):
         jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))  # (B, S, H, D), JAX's own layout
@@ -132,12 +139,12 @@ def _fa3_peer(backward: bool = False):
     backward jitted).  Never a dependency: scripts/gpu_check.sh installs a carried wheel."""
     try:
         import flash_attn3_jax
-        import jax
-        import jax.numpy as jnp
     except Exception:
         return {}
-    if not any(d.platform == "gpu" for d in jax.devices()):
+    found = _gpu_jax()
+    if found is None:
         return {}
+    jax, jnp = found
 
     def run(q, k, v, causal):
         jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))  # (B, S, H, D), FA3's layout too
