@@ -160,7 +160,9 @@ def _grid_yz(bh: int):
 
 def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None, lse_strides, call,
                           block_table=None, cache_batch_idx=None, seq_bad=None, seqlen_new=0, num_splits=0,
-                          record=None):
+                          record=None, tail_only=False):
+    """``tail_only`` (packed): launch only varlen_tail.cu, which checks the offsets against the
+    rows and max_seqlen_* and NaN-fills the rows of bad sequences (the caller wrote 0 and -inf)."""
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table, cache_batch_idx,
@@ -170,7 +172,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         q, scale, _ = _positive_scale(p, q)
         qx, kx, vx = _prepare(q, d8), _prepare(k, d8), _prepare(v, dv8)
         direct = out.shape[-1] == dv8 and _aligned(out)
-        ox = out if direct else cp.empty(out.shape[:-1] + (dv8,), dtype=out.dtype)
+        ox = out if direct else (cp.zeros if tail_only else cp.empty)(out.shape[:-1] + (dv8,), dtype=out.dtype)
         decode = not packed and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
         variant = _hopper_variant(device, dtype, max(d8, dv8), features) if not decode else None
@@ -184,10 +186,12 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         _set_extents(prm, p, q, k, packed, block_table, cache_batch_idx)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm, seqlen_new))
-        if packed:  # the tail kernel's module compiles beside the forward's
+        if packed and not tail_only:  # the tail kernel's module compiles beside the forward's
             _kernels.prefetch([(_kernels.varlen_tail_variant(), ""), (variant, "")], device)
-        fn = _kernels.get_function(variant, device)
-        if decode:
+        fn = _kernels.get_function(variant, device) if not tail_only else None
+        if tail_only:
+            launches, accum = [], None
+        elif decode:
             launches, accum = _decode_launches(p, prm, variant, fn, device, num_splits)
         else:
             block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
@@ -390,9 +394,12 @@ def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=None, call="attentio
     """Packed: q (total_q, H, D); lse (H, total_q); rows past cu_q[-1] get out = 0, lse = -inf,
     rows of sequences with malformed offsets NaN (kernels/varlen_tail.cu).  ``record`` as in
     :func:`forward`."""
-    if p.seqlen_q == 0 or k.shape[0] == 0:
+    if p.seqlen_q == 0 or p.seqlen_k == 0 or k.shape[0] == 0:  # no row sees a key: 0 and -inf; offsets still checked
         out[...] = 0
         lse[...] = -np.inf
+        if q.shape[0] and p.nheads_q and p.batch:
+            _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]),
+                                  call=call, tail_only=True)
         return
     _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]),
                           record=record, call=call)

@@ -256,8 +256,9 @@ def softmax_variant(dtype: str) -> Variant:
 def varlen_tail_variant() -> Variant:
     """The packed rows no well-formed sequence owns (any 16-bit dtype): ``cuflash_varlen_tail``
     (out = 0 and lse = -inf past cu_seqlens_q[-1], NaN where the offsets are malformed or a
-    sequence outgrows max_seqlen_q) and ``..._grads`` (NaN in dq, dk, dv: the backward's); both
-    publish the first bad entry of each cu_seqlens for the attention kernels launched after them."""
+    sequence outgrows max_seqlen_q or its keys max_seqlen_k) and ``..._grads`` (NaN in dq, dk, dv:
+    the backward's); both publish the first bad entry of each cu_seqlens for the attention kernels
+    launched after them, and with max_seqlen_* = 0 the forward's runs alone as the offsets' check."""
     return Variant("varlen_tail.cu", "cuflash_varlen_tail", (), 256)
 
 

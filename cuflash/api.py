@@ -554,7 +554,11 @@ def attention_varlen(
     if not (launch and _arrays.is_gpu(q)):  # the GPU kernels write every row, those of no sequence too
         out[...] = 0
         lse[...] = -np.inf
-    if launch:
+    if not launch and _arrays.is_gpu(q) and q.shape[0] and p.nheads_q and p.batch:
+        from . import _gpu  # max_seqlen_* = 0 or no keys: GPU offsets are still checked on the device
+
+        _gpu.forward_varlen(p, q, k, v, out, lse, cu_q, cu_k)
+    elif launch:
         if fast_key is None:
             _run("forward_varlen", _cpu.forward_varlen, p, q, k, v, out, lse, cu_q, cu_k)
         else:

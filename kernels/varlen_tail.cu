@@ -5,8 +5,9 @@
 //     (forward; the backward's gradients start at 0);
 //   - if cu is malformed from entry e on (metadata.cuh), rows [cu[e - 1], total) (all rows when
 //     e = 0) belong to sequences whose rows cannot be trusted: NaN, and the LSE NaN;
-//   - rows of a sequence past max_seqlen (p.seqlen_q / p.seqlen_k), which no block of the grid
-//     reaches: NaN.
+//   - rows of a sequence longer than max_seqlen (p.seqlen_q / p.seqlen_k): NaN, reported (the
+//     attention kernels reach no row past max_seqlen); forward, also the query rows of a sequence
+//     whose keys outnumber max_seqlen_k.
 // Entry points: <name> (forward: out and lse, q side) and <name>_grads (dq, q side; dk and dv,
 // k side).  Launched before the attention kernels, grid-stride over rows; values are written in
 // 16-byte chunks of 16-bit elements at the array's strides.  The u16 pattern 0x7fff is NaN in
@@ -60,7 +61,8 @@ __device__ __forceinline__ void find_bad_offsets(const FlashParams& p, long long
 
 template <int kArrays>
 __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu, int bit, long long e, long long total,
-                                            long long max_len, const PackedRows (&a)[kArrays], float* lse, bool zero_tail) {
+                                            long long max_len, const PackedRows (&a)[kArrays], float* lse, bool zero_tail,
+                                            int max_arg) {
     const float kNaN = __int_as_float(0x7fffffff), kInf = __int_as_float(0x7f800000);
     const uint4 nan = make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu), zero = make_uint4(0, 0, 0, 0);
     const long long batch = p.batch, heads = p.nheads_q;
@@ -72,15 +74,44 @@ __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu
     } else {
         fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan, lse, heads, total, kNaN, first, step);
     }
-    // Sequences longer than max_len: the rows past it (looked for by the whole block at once, then
-    // one sequence after another, which only a bad call pays for).
+    // Sequences longer than max_len: all their rows NaN and the violation reported (looked for by
+    // the whole block at once, then one sequence after another, which only a bad call pays for).
+    // The attention kernels launched next give those sequences NaN too (SeqInfo), but reach no row
+    // past max_len, and with max_seqlen_* = 0 no attention kernel runs at all.
     bool any_long = false;
     for (long long b = threadIdx.x; b < good; b += blockDim.x)
         any_long |= load_index(p, cu, bit, b + 1) - load_index(p, cu, bit, b) > max_len;
     if (!__syncthreads_or(any_long)) return;  // (block-uniform)
     for (long long b = 0; b < good; ++b) {
         const long long start = load_index(p, cu, bit, b), end = load_index(p, cu, bit, b + 1);
-        if (end - start > max_len) fill_rows(a, start + max_len, end, nan, lse, heads, total, kNaN, first, step);
+        if (end - start <= max_len) continue;
+        fill_rows(a, start, end, nan, lse, heads, total, kNaN, first, step);
+        if (blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, max_arg, b);
+    }
+}
+
+// Forward: the query rows of sequences whose keys outnumber max_seqlen_k (reported), or that come
+// at or after the first bad entry of cu_seqlens_k, are NaN, for the calls that launch no attention
+// kernel (max_seqlen_* = 0, or no key rows); the attention kernels' SeqInfo does the same otherwise.
+__device__ __forceinline__ void long_key_sequences(const FlashParams& p, long long e_q, long long e_k, const PackedRows (&out)[1]) {
+    const float kNaN = __int_as_float(0x7fffffff);
+    const uint4 nan = make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu);
+    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    const long long good_q = e_q < 0 ? p.batch : max(e_q - 1, 0ll);
+    const long long good = min(good_q, e_k < 0 ? p.batch : max(e_k - 1, 0ll));
+    if (good < good_q)  // malformed cu_seqlens_k: the query rows of the sequences from its first bad entry on
+        fill_rows(out, load_index(p, p.cu_seqlens_q, kIndexCuQ, good), load_index(p, p.cu_seqlens_q, kIndexCuQ, good_q),
+                  nan, p.lse, p.nheads_q, p.total_q, kNaN, first, step);
+    bool any_long = false;
+    for (long long b = threadIdx.x; b < good; b += blockDim.x)
+        any_long |= load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1) - load_index(p, p.cu_seqlens_k, kIndexCuK, b) > p.seqlen_k;
+    if (!__syncthreads_or(any_long)) return;  // (block-uniform)
+    for (long long b = 0; b < good; ++b) {
+        if (load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1) - load_index(p, p.cu_seqlens_k, kIndexCuK, b) <= p.seqlen_k) continue;
+        fill_rows(out, load_index(p, p.cu_seqlens_q, kIndexCuQ, b), load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1), nan,
+                  p.lse, p.nheads_q, p.total_q, kNaN, first, step);
+        if (blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, kArgMaxSeqlenK, b);
     }
 }
 
@@ -88,7 +119,8 @@ extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __gr
     long long e_q, e_k;
     find_bad_offsets(p, e_q, e_k);
     const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
-    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, out, p.lse, true);
+    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, out, p.lse, true, kArgMaxSeqlenQ);
+    long_key_sequences(p, e_q, e_k, out);
 }
 
 // The backward's: dq rows (q side) and dk, dv rows (k side), in one launch.
@@ -96,8 +128,8 @@ extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAM
     long long e_q, e_k;
     find_bad_offsets(p, e_q, e_k);
     const PackedRows dq[1] = {{p.dq, p.dq_row_stride, p.dq_head_stride, p.nheads_q, p.headdim_qk / 8}};
-    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, dq, nullptr, false);
+    varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, dq, nullptr, false, kArgMaxSeqlenQ);
     const PackedRows dkdv[2] = {{p.dk, p.dk_row_stride, p.dk_head_stride, p.nheads_k, p.headdim_qk / 8},
                                 {p.dv, p.dv_row_stride, p.dv_head_stride, p.nheads_k, p.headdim_v / 8}};
-    varlen_tail(p, p.cu_seqlens_k, kIndexCuK, e_k, p.total_k, p.seqlen_k, dkdv, nullptr, false);
+    varlen_tail(p, p.cu_seqlens_k, kIndexCuK, e_k, p.total_k, p.seqlen_k, dkdv, nullptr, false, kArgMaxSeqlenK);
 }

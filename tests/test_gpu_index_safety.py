@@ -69,6 +69,30 @@ VARLEN_CASES = {
 }
 
 
+@pytest.mark.parametrize("which", ["q", "k"])
+def test_varlen_max_seqlen_zero_still_checks_the_offsets(rng, which):
+    """max_seqlen_q (or _k) = 0 launches no attention kernel, but GPU offsets naming longer
+    sequences are still an error (session 12 left this returning zeros silently)."""
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, s, np.float16)) for s in ((50, 2, 64), (60, 2, 64), (60, 2, 64)))
+    cu_q, cu_k = cp.asarray(np.array([0, 20, 50], np.int32)), cp.asarray(np.array([0, 30, 60], np.int32))
+    args = dict(max_seqlen_q=0 if which == "q" else 50, max_seqlen_k=0 if which == "k" else 60)
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, return_lse=True, **args)
+    _expect_error("attention_varlen", f"max_seqlen_{which} = 0")
+    assert _nan_rows(out).all() and np.isnan(lse.get()).all()  # every sequence is longer than 0
+    # Malformed key offsets with max_seqlen_k = 0: sequence 0 (no keys) is fine, sequence 1 on is NaN.
+    out, lse = cuflash.attention_varlen(q, k, v, cu_q, cp.asarray(np.array([0, 0, -3], np.int32)), return_lse=True,
+                                        max_seqlen_q=50, max_seqlen_k=0)
+    _expect_error("attention_varlen", "cu_seqlens_k[2]")
+    rows = _nan_rows(out)
+    assert rows[20:].all() and not rows[:20].any() and not out.get()[:20].astype(np.float32).any()
+    # All sequences empty: legal, zeros and -inf, no error.
+    empty = cp.zeros(3, np.int32)
+    out, lse = cuflash.attention_varlen(q, k, v, empty, empty, return_lse=True, max_seqlen_q=0, max_seqlen_k=0)
+    cuflash.synchronize()
+    assert not out.get().astype(np.float32).any() and np.isneginf(lse.get()).all()
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
