@@ -292,10 +292,10 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
         Tile sizes (query rows, keys); small values are useful in tests.
     """
     acc = _acc_dtype(p.dtype)
-    heads, band, slopes, mods = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc)
-    k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
+    heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), _operands(p)
+    k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(x, acc))) for x in (k, v))  # (B, Hkv, Sk, d)
     for i0, i1 in _blocks(0, p.seqlen_q, block_m):
-        q_t = heads.queries(q[:, i0:i1], acc)  # (B, Hkv, G, m, D)
+        q_t = rnd(heads.queries(q[:, i0:i1], acc))  # (B, Hkv, G, m, D)
         row_shape = q_t.shape[:-1] + (1,)
         m = np.full(row_shape, -np.inf, dtype=acc)  # running row max
         l = np.zeros(row_shape, dtype=acc)  # running sum of exp(s - m)
@@ -305,7 +305,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
             m, l, alpha, p_t = _online_step(m, l, s, acc)  # p_t: (B, Hkv, G, m, n)
             if mods is not None:  # dropout acts on P after the row statistics (the LSE ignores it)
                 p_t = mods.dropped(p_t, mods.kept(i0, i1, j0, j1))
-            o = alpha * o + _group_matmul(p_t, v_all[..., j0:j1, :])
+            o = alpha * o + _group_matmul(rnd(p_t), v_all[..., j0:j1, :])
         empty = l == 0  # rows that saw no key: exactly 0, even where 0 * inf in V made o NaN
         row_lse = _final_lse(m, l, acc)
         o = np.where(empty, acc.type(0), o / np.where(empty, acc.type(1), l))
@@ -352,9 +352,9 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     """
     del deterministic  # one thread, fixed loop order: always repeatable
     acc = _acc_dtype(p.dtype)
-    heads, band, slopes, mods = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc)
-    k_all, v_all = (band.zero_invalid_keys(heads.keys(x, acc)) for x in (k, v))  # (B, Hkv, Sk, d)
-    q_all, do_all = heads.queries(q, acc), heads.queries(dout, acc)  # (B, Hkv, G, Sq, d)
+    heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), _operands(p)
+    k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(x, acc))) for x in (k, v))  # (B, Hkv, Sk, d)
+    q_all, do_all = rnd(heads.queries(q, acc)), rnd(heads.queries(dout, acc))  # (B, Hkv, G, Sq, d)
     key_tiles = [(j0, j1, k_all[..., j0:j1, :], v_all[..., j0:j1, :])  # (B, Hkv, n, d) views
                  for j0, j1 in _blocks(0, p.seqlen_k, block_n)]
 
@@ -403,7 +403,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
         dv_t = np.zeros((p.batch, p.nheads_k, j1 - j0, p.headdim_v), dtype=acc)
         for i0, i1, p_t, dp, tanh, kept in grad_tiles(j0, j1, k_t, v_t):
             q_t, do_t = q_all[..., i0:i1, :], do_all[..., i0:i1, :]
-            dv_t += _sum_over_group(p_t if kept is None else mods.dropped(p_t, kept), do_t)
+            dv_t += _sum_over_group(rnd(p_t if kept is None else mods.dropped(p_t, kept)), do_t)
             dp = dp - delta[..., i0:i1, :]
             if dlse_all is not None:
                 dp = dp + dlse_all[..., i0:i1, :]
@@ -412,6 +412,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
                 bias_grad.add(ds, i0, i1, j0, j1)
             if tanh is not None:
                 ds *= 1 - tanh * tanh
+            ds = rnd(ds)  # (the operand of the two products)
             dq_all[..., i0:i1, :] += scale * _group_matmul(ds, k_t)
             dk_t += scale * _sum_over_group(ds, q_t)
         dk[:, j0:j1] = dk_t.transpose(0, 2, 1, 3)
@@ -419,6 +420,16 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     dq[...] = heads.rows(np.where(empty, acc.type(0), dq_all))  # not 0 * inf where K is not finite
     if bias_grad is not None:
         dbias[...] = bias_grad.total.reshape(dbias.shape)
+
+
+def _operands(p):
+    """What the operands of every product go through: TF32 rounding with ``precision="tf32"``
+    (as the tensor cores see float32 operands then), else nothing."""
+    if p.precision != "tf32":
+        return lambda x: x
+    from ._precision import tf32_round
+
+    return lambda x: tf32_round(x).astype(x.dtype)
 
 
 def _modifiers(p, acc):

@@ -54,6 +54,7 @@ class AttnProblem:
     bias: Any = None  # None or a float array broadcastable to (batch, nheads_q, seqlen_q, seqlen_k)
     mask: Any = None  # None or a bool array broadcastable likewise (True = attend)
     dropout: Any = None  # None or (dropout_p, seed, offset, first batch index), dropout_p > 0 (cuflash/dropout.py)
+    precision: str = "ieee"  # or "tf32": float32 products on TF32 operands (cuflash/_precision.py)
 
     @property
     def group_size(self) -> int:
@@ -304,6 +305,14 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
     if bias is None and mask is None and dropout is None:
         return p
     return dataclasses.replace(p, bias=bias, mask=mask, dropout=dropout)
+
+
+def with_precision(q, p: AttnProblem, precision) -> AttnProblem:
+    """``p`` with the checked ``precision=`` option (cuflash/_precision.py)."""
+    from ._precision import check_precision
+
+    checked = check_precision(precision, dtype_name(q))
+    return p if checked == p.precision else dataclasses.replace(p, precision=checked)
 
 
 def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance: int):

@@ -67,6 +67,14 @@ _METHOD_DOC = """\
 _VARLEN_OPTIONS_DOC = _OPTIONS_DOC[: _OPTIONS_DOC.index("    seqlens_k :")].rstrip("\n")
 
 
+_PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
+        Products of float32 inputs: None, "ieee" or "highest" (JAX's name) in IEEE float32 (as
+        CuPy's float32 matmul without TF32); "tf32" on operands rounded to TF32 (10-bit mantissa,
+        float32 accumulation; the error of a TF32 matmul; the NumPy path rounds likewise).
+        float16/bfloat16 inputs take only None, float64 inputs no "tf32".  float32/float64 GPU
+        kernels: issue 24 (until then the NumPy path runs them)."""
+
+
 def _doc(fn):
     takes_seqlens_k = "seqlens_k" in inspect.signature(fn).parameters
     options = _OPTIONS_DOC if takes_seqlens_k else _VARLEN_OPTIONS_DOC
@@ -74,6 +82,8 @@ def _doc(fn):
         options += "\n" + _MODIFIERS_DOC
     elif "dropout_p" in inspect.signature(fn).parameters:  # varlen: dropout only
         options += "\n" + _MODIFIERS_DOC[_MODIFIERS_DOC.index("    dropout_p :"):]
+    if "precision" in inspect.signature(fn).parameters:
+        options += "\n" + _PRECISION_DOC
     fn.__doc__ = fn.__doc__.replace("{options}", options).replace("{method}", _METHOD_DOC)
     return fn
 
@@ -118,6 +128,7 @@ def attention(
     mask=None,
     dropout_p=0.0,
     dropout_seed=None,
+    precision=None,
     return_lse=False,
     out=None,
     layout="bshd",
@@ -192,7 +203,7 @@ def attention(
         from . import _fastpath
 
         if (alibi_slopes is None and bias is None and mask is None and type(dropout_p) is float and dropout_p == 0.0
-                and dropout_seed is None):
+                and dropout_seed is None and precision is None):
             fast_key = _fastpath.signature("attention", (q, k, v, seqlens_k, out),
                                            (softmax_scale, causal, window_size, softcap, return_lse, layout))
         plan = _fastpath.lookup(fast_key)
@@ -205,7 +216,7 @@ def attention(
         _check_unbatched(layout, k=k, v=v, out=out)
         res = attention(q[None], k[None], v[None], softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
-                        bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                        bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed, precision=precision,
                         return_lse=return_lse, out=None if out is None else out[None], layout=layout)
         res_out, lse = res if isinstance(res, tuple) else (res, None)
         res_out = out if out is not None else res_out[0]
@@ -215,6 +226,7 @@ def attention(
         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
     )
     p = V.check_modifiers(q, p, bias, mask, dropout_p, dropout_seed)
+    p = V.with_precision(q, p, precision)
     _modifiers_on_gpu(p, q)
     xp = _arrays.module_of(q)
     out_shape = (p.batch, p.seqlen_q, p.nheads_q, p.headdim_v)
@@ -266,6 +278,7 @@ def attention_backward(
     mask=None,
     dropout_p=0.0,
     dropout_seed=None,
+    precision=None,
     layout="bshd",
     deterministic=False,
     dq=None,
@@ -358,7 +371,8 @@ def attention_backward(
         grads = attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
                                    softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
-                                   bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed, layout=layout,
+                                   bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
+                                   precision=precision, layout=layout,
                                    deterministic=deterministic, dq=lift[0], dk=lift[1], dv=lift[2],
                                    dlse=None if dlse is None else _arrays.as_array(dlse, "dlse")[None],
                                    return_dbias=return_dbias)
@@ -368,6 +382,7 @@ def attention_backward(
         softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k, layout=layout,
     )
     p = V.check_modifiers(q, p, bias, mask, dropout_p, dropout_seed)
+    p = V.with_precision(q, p, precision)
     deterministic = V.check_bool(deterministic, "deterministic")
     return_dbias = V.check_bool(return_dbias, "return_dbias")
     if return_dbias and bias is None:
@@ -467,6 +482,7 @@ def attention_varlen(
     alibi_slopes=None,
     dropout_p=0.0,
     dropout_seed=None,
+    precision=None,
     return_lse=False,
     out=None,
 ):
@@ -525,7 +541,7 @@ def attention_varlen(
         from . import _fastpath
 
         if (alibi_slopes is None and max_seqlen_q is not None and max_seqlen_k is not None
-                and type(dropout_p) is float and dropout_p == 0.0 and dropout_seed is None):
+                and type(dropout_p) is float and dropout_p == 0.0 and dropout_seed is None and precision is None):
             fast_key = _fastpath.signature("varlen", (q, k, v, cu_seqlens_q, cu_seqlens_k, out),
                                            (max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size, softcap,
                                             return_lse))
@@ -541,6 +557,7 @@ def attention_varlen(
         causal, window_size, softcap, alibi_slopes,
     )
     p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
+    p = V.with_precision(q, p, precision)
     _modifiers_on_gpu(p, q)
     xp = _arrays.module_of(q)
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
@@ -593,6 +610,7 @@ def attention_varlen_backward(
     alibi_slopes=None,
     dropout_p=0.0,
     dropout_seed=None,
+    precision=None,
     deterministic=False,
 ):
     """Gradients of :func:`attention_varlen` by recomputation.
@@ -632,6 +650,7 @@ def attention_varlen_backward(
         causal, window_size, softcap, alibi_slopes,
     )
     p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
+    p = V.with_precision(q, p, precision)
     _modifiers_on_gpu(p, q)
     o_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     V.check_out(dout, "dout", o_shape, q.dtype, q)

@@ -39,6 +39,7 @@ def attention_with_kvcache(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    precision=None,
 ):
     """Decode-style attention: write ``k``, ``v`` into the cache, then attend to the valid prefix.
 
@@ -129,7 +130,7 @@ def attention_with_kvcache(
     ((2, 1, 4, 8), True)
     """
     fast_key = None
-    if k is None and v is None and cache_batch_idx is None and alibi_slopes is None and _arrays.is_gpu(q):
+    if k is None and v is None and cache_batch_idx is None and alibi_slopes is None and precision is None and _arrays.is_gpu(q):
         from . import _fastpath  # warm decode steps replay an earlier launch
 
         inputs = (q, k_cache, v_cache, cache_seqlens, block_table)
@@ -146,6 +147,7 @@ def attention_with_kvcache(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, seqlens_k=c.lengths, k_name="k_cache",
     )
+    p = V.with_precision(c.q, p, precision)
     return_lse = V.check_bool(return_lse, "return_lse")
     if c.new:
         _check_append_targets(c)

@@ -472,10 +472,20 @@ def attention_varlen_backward_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **o
 # ---------------------------------------------------------------------------------------------
 
 
-def _naive_setup(q, k, v, layout, options):
+def _tf32_operand(precision):
+    """Rounding of product operands: TF32 with ``precision="tf32"`` (float32 inputs), else none."""
+    if precision != "tf32":
+        return lambda x: x
+    from ._precision import tf32_round
+
+    return lambda x: tf32_round(x).astype(x.dtype)
+
+
+def _naive_setup(q, k, v, layout, options, precision=None):
     dtype = np.dtype(_host(q).dtype)
     acc = _compute_dtype(dtype)
-    q, k, v, opts = _prepare(q, k, v, layout, options, convert=lambda x: _host(x).astype(acc))
+    op = _tf32_operand(precision)
+    q, k, v, opts = _prepare(q, k, v, layout, options, convert=lambda x: op(_host(x).astype(acc)))
     s, tanh = _scores(q, k, opts, round_to=dtype)
     # Softmax in the compute dtype (as torch does for fp16), then rounded to the input dtype.
     with np.errstate(over="ignore"):
@@ -486,7 +496,7 @@ def _naive_setup(q, k, v, layout, options):
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, bias=None, mask=None, seqlens_k=None, layout="bshd",
-                    return_lse=False, dropout_p=0.0, dropout_keep=None):
+                    return_lse=False, dropout_p=0.0, dropout_keep=None, precision=None):
     """``softmax(scale · QKᵀ) V`` computed plainly in the input dtype, stage by stage.
 
     Each stage (the scores and every score modifier, the softmax, P·V) is computed in float32
@@ -500,6 +510,9 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         As in :func:`attention_ref`.
     return_lse : bool
         Also return the LSE computed from the rounded scores.
+    precision : {None, "ieee", "highest", "tf32"}
+        "tf32" (float32 inputs): the operands of both products (q, k, P, v) rounded to TF32,
+        as a TF32 matmul sees them (the error scale of cuflash's ``precision="tf32"``).
 
     Returns
     -------
@@ -515,15 +528,15 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     q, k, v, opts, dtype, acc, s, tanh, probs, lse = _naive_setup(q, k, v, layout, dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
-        dropout_keep=dropout_keep))
+        dropout_keep=dropout_keep), precision)
     dropped = opts.dropped(probs).astype(dtype).astype(acc) if opts.keep is not None else probs
-    out = _heads_major((dropped @ _repeat_heads(v, opts)).astype(dtype), layout)
+    out = _heads_major((_tf32_operand(precision)(dropped) @ _repeat_heads(v, opts)).astype(dtype), layout)
     return (out, lse.astype(acc)) if return_lse else out
 
 
 def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
                              softcap=0.0, alibi_slopes=None, bias=None, mask=None, seqlens_k=None,
-                             layout="bshd", dropout_p=0.0, dropout_keep=None, dlse=None):
+                             layout="bshd", dropout_p=0.0, dropout_keep=None, dlse=None, precision=None):
     """Gradients of :func:`naive_attention`, each stage rounded to the input dtype.
 
     Parameters
@@ -531,6 +544,8 @@ def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False,
     dout : array of shape (batch, seqlen_q, nheads, headdim_v), q's dtype
     q, k, v, options
         As in :func:`attention_ref`.
+    precision : {None, "ieee", "highest", "tf32"}
+        "tf32": the operands of every product (q, k, v, dout, P, dS) rounded to TF32.
 
     Returns
     -------
@@ -552,10 +567,11 @@ def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False,
     q, k, v, opts, dtype, acc, s, tanh, probs, lse = _naive_setup(q, k, v, layout, dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
-        dropout_keep=dropout_keep))
+        dropout_keep=dropout_keep), precision)
     rnd = lambda x: x.astype(dtype).astype(acc)  # noqa: E731
-    dout = _heads_major(_host(dout).astype(acc), layout)
-    dv = (rnd(opts.dropped(probs)) if opts.keep is not None else probs).swapaxes(-1, -2) @ dout
+    op = _tf32_operand(precision)
+    dout = op(_heads_major(_host(dout).astype(acc), layout))
+    dv = op(rnd(opts.dropped(probs)) if opts.keep is not None else probs).swapaxes(-1, -2) @ dout
     dp = rnd(dout @ _repeat_heads(v, opts).swapaxes(-1, -2))
     if opts.keep is not None:
         dp = rnd(opts.dropped(dp))
@@ -566,6 +582,7 @@ def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False,
     dbias = None if opts.bias is None else _reduce_to_shape(ds, opts.bias.shape)
     if tanh is not None:
         ds = rnd(ds * (1.0 - tanh**2))
+    ds = op(ds)
     dq = opts.scale * (ds @ _repeat_heads(k, opts))
     dk = opts.scale * (ds.swapaxes(-1, -2) @ q)
     grads = tuple(_heads_major(g.astype(dtype), layout)
