@@ -245,6 +245,9 @@ def _prepare(q, k, v, layout, options, convert=_f64):
     if sk is not None and (sk.shape != (q.shape[0],) or np.any(sk < 0) or np.any(sk > k.shape[2])):
         raise ValueError(f"seqlens_k must have shape ({q.shape[0]},) and values in [0, {k.shape[2]}]; "
                          f"got {sk.tolist()}")
+    if sk is not None:  # keys past seqlens_k are never read: padding there (even NaN) changes nothing
+        unread = np.arange(k.shape[2])[None, None, :, None] >= sk[:, None, None, None]
+        k, v = (np.where(unread, x.dtype.type(0), x) for x in (k, v))
     return q, k, v, opts
 
 

@@ -557,3 +557,16 @@ def test_b23_backward_every_mode(xp, rng, seqlen, causal):
 def test_b23_backward_sq_ne_sk(xp, rng, opts):
     q, k, v = make_qkv(rng, np.float16, 2, 512, 256, 4, 4, 64)
     check_backward(xp, q, k, v, rng=rng, **opts)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_padding_past_seqlens_k_is_never_read(xp, rng, dtype):
+    """Keys and values past seqlens_k are padding a caller may leave uninitialised (NaN, Inf):
+    out, lse and the gradients are those of the valid keys alone, and dk, dv are 0 there; the
+    oracle (cuflash.reference) does not read them either."""
+    q, k, v = make_qkv(rng, dtype, 2, 70, 90, 4, 2, 32)
+    lengths = np.array([33, 90], np.int32)
+    k[0, 33:], v[0, 33:] = np.nan, np.inf
+    check_forward(xp, q, k, v, seqlens_k=xp.asarray(lengths), causal=True)
+    dq, dk, dv = check_backward(xp, q, k, v, rng=rng, seqlens_k=xp.asarray(lengths), causal=True)
+    assert not np.any(dk[0, 33:]) and not np.any(dv[0, 33:])
