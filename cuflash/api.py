@@ -52,7 +52,7 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
     dropout_p : float in [0, 1), default 0.0
         Dropout on the attention probabilities after the row statistics, kept values scaled by
         1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.
-    dropout_seed : int or (int, int), optional
+    dropout_seed : int, (int, int) or integer array of shape (2,), optional
         Seed, or (seed, offset), of the keep-mask, a pure function of the seed and of the
         element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10);
         required with ``dropout_p > 0``, and the same value must go to the backward."""

@@ -60,8 +60,13 @@ def keep_threshold(dropout_p: float) -> int:
 
 
 def seed_and_offset(dropout_seed, name: str = "dropout_seed"):
-    """(seed, offset) as Python ints from an int or an (int, int) pair (a GPU (2,) int64 array is
-    read by the kernels, not here)."""
+    """(seed, offset) as Python ints from an int, an (int, int) pair or a NumPy integer array of
+    shape (2,) (a GPU (2,) int64 array is read by the kernels, not here)."""
+    if isinstance(dropout_seed, np.ndarray):
+        if dropout_seed.shape != (2,) or dropout_seed.dtype.kind not in "iu":
+            raise TypeError(f"{name} as an array must be integers of shape (2,) (seed, offset); got "
+                            f"{dropout_seed.dtype.name} of shape {dropout_seed.shape}")
+        dropout_seed = tuple(int(x) for x in dropout_seed)
     if isinstance(dropout_seed, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int or a (seed, offset) pair of ints; got {dropout_seed!r}")
     if isinstance(dropout_seed, (int, np.integer)):
@@ -92,7 +97,7 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
 
     Parameters
     ----------
-    dropout_seed : int or (int, int)
+    dropout_seed : int, (int, int) or NumPy integer array of shape (2,)
         The seed, or a (seed, offset) pair, as passed to :func:`cuflash.attention`; each in
         [0, 2**64).
     shape : tuple of 4 ints
