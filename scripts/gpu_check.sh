@@ -2,7 +2,8 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck + racecheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab]...
+# (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
 # BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, AB_BASE (the
@@ -44,9 +45,13 @@ bench_stage() {
 
 for stage in $stages; do
   case $stage in
+    warm)
+      timeout ${WARM_TIMEOUT:-180} $PY scripts/warm_kernels.py --threads ${WARM_THREADS:-16} >"$OUT/warm.log" 2>&1
+      rc=$?; summary+=("warm rc=$rc ($(elapsed)): $(tail -n 1 "$OUT/warm.log")")
+      tail -n 3 "$OUT/warm.log" ;;
     tests)
       workers=${PYTEST_WORKERS:-6}
-      timeout ${TEST_TIMEOUT:-330} $PY -m pytest -q -m gpu -p no:cacheprovider --maxfail=40 --timeout=300 -rfE \
+      timeout ${TEST_TIMEOUT:-330} $PY -m pytest -q -m gpu -p no:cacheprovider --maxfail=40 --timeout=300 -rfE --durations=25 \
         ${workers:+-n $workers} ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
       rc=$?; summary+=("tests rc=$rc ($(elapsed)): $(tail -n 1 "$OUT/tests.log")")
       tail -n 30 "$OUT/tests.log" ;;
