@@ -31,7 +31,7 @@ import cuflash
 from . import _demo
 from ._io_model import attention_flops
 
-DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16}
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp16": np.float16, "fp32": np.float32, "fp64": np.float64}
 
 
 def _plain_progress(items, label):
@@ -89,7 +89,8 @@ def _torch_backends(make):
         return {}
     torch, SDPBackend, sdpa_kernel, sdpa = found
     return {name: make(backend, torch, sdpa_kernel, sdpa)
-            for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION))}
+            for name, backend in (("torch-flash", SDPBackend.FLASH_ATTENTION), ("torch-cudnn", SDPBackend.CUDNN_ATTENTION),
+                                  ("torch-efficient", SDPBackend.EFFICIENT_ATTENTION))}  # (float32's fused peer)
 
 
 def _torch_peers():
@@ -193,15 +194,19 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
     rng = np.random.default_rng(0)
     shape = (batch, seqlen, nheads, headdim)
     q, k, v, dout = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(DTYPES[dtype_name]) for _ in range(4))
-    out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
     flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, backward=True)
     row = dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal)
-    grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-    for g in grads:
-        if not bool(cp.isfinite(g.astype(cp.float32)).all()):
-            raise RuntimeError("non-finite gradient")
-    row["cuflash"] = flops / time_gpu(lambda: cuflash.attention_backward(
-        dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
+    try:
+        out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
+    except NotImplementedError as exc:  # NotAvailableOnGPU: float32/float64 kernels (issue 24)
+        row["cuflash"], row["cuflash_error"] = None, f"{type(exc).__name__}: {str(exc)[:80]}"
+    else:
+        for g in grads:
+            if not bool(cp.isfinite(g.astype(cp.float32)).all()):
+                raise RuntimeError("non-finite gradient")
+        row["cuflash"] = flops / time_gpu(lambda: cuflash.attention_backward(
+            dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
     for name, make in peers.items():
         try:
             row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
@@ -219,10 +224,14 @@ def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidde
     q, k, v = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)).astype(dtype) for _ in range(3))
     flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal)
     row = dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal)
-    out = cuflash.attention(q, k, v, causal=causal)
-    check_against_plain(q, k, v, causal, out)
-    ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
-    row["cuflash"] = flops / ms / 1e9
+    try:
+        out = cuflash.attention(q, k, v, causal=causal)
+    except NotImplementedError as exc:  # NotAvailableOnGPU: float32/float64 kernels (issue 24)
+        row["cuflash"], row["cuflash_error"] = None, f"{type(exc).__name__}: {str(exc)[:80]}"
+    else:
+        check_against_plain(q, k, v, causal, out)
+        ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
+        row["cuflash"] = flops / ms / 1e9
     for name, make in peers.items():
         try:
             if name == "cupy-plain":
@@ -259,6 +268,14 @@ def environment():
     return env
 
 
+def matmul_tflops(dtype_name: str, n: int = 8192) -> float:
+    """TF/s of an (n x n) @ (n x n) ``cupy.matmul`` in this dtype (CuPy's TF32 setting for float32,
+    CUPY_TF32): the ceiling the float32/float64 rows of a sweep are read against (issue 24)."""
+    a = cp.ones((n, n), dtype=DTYPES[dtype_name])
+    out = cp.empty_like(a)
+    return 2 * n**3 / time_gpu(lambda: cp.matmul(a, a, out=out), reps=5) / 1e9
+
+
 def _dist_version(module: str) -> str:
     from importlib import metadata
 
@@ -279,13 +296,14 @@ def to_markdown(rows, env):
     lines = [
         f"GPU {env['gpu']} (sm_{env['cc']}), {env['date']}, cuflash {env['cuflash']}, CuPy {env['cupy']}, "
         f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax", "flash_attn3_jax") if m in env),
+        *([f"cupy.matmul 8192³: " + ", ".join(f"{d} {t:.1f} TF/s" for d, t in env["matmul"].items())] if env.get("matmul") else []),
         "",
         "| dtype | hdim | causal | seqlen | " + " | ".join(names) + " | cuflash / torch-flash |",
         "|---|---|---|---|" + "---|" * len(names) + "---|",
     ]
     for r in rows:
         vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
-        ratio = f"{r['cuflash'] / r['torch-flash']:.2f}" if r.get("torch-flash") else "–"
+        ratio = f"{r['cuflash'] / r['torch-flash']:.2f}" if r.get("torch-flash") and r.get("cuflash") else "–"
         lines.append(f"| {r['dtype']} | {r['headdim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(vals) + f" | {ratio} |")
     return "\n".join(lines)
 
@@ -625,11 +643,15 @@ def main(argv=None, progress=_plain_progress):
         for dtype_name, headdim, causal, seqlen in configs:
             peers = dict(base_peers)
             if str(headdim) in args.jax_headdims.split(","):  # JAX's cuDNN in bf16; FA3 in both dtypes
-                peers.update({n: f for n, f in jax_peers.items() if dtype_name == "bf16" or n == "fa3-jax"})
+                peers.update({n: f for n, f in jax_peers.items()
+                              if dtype_name == "bf16" or (n == "fa3-jax" and dtype_name == "fp16")})
             bench = bench_backward if args.backward else bench_config
             rows.append(bench(dtype_name, headdim, seqlen, causal, peers))
             _echo(rows[-1], progress)
     env = environment()
+    wide = [d for d in args.dtypes.split(",") if d in ("fp32", "fp64")]
+    if wide:
+        env["matmul"] = {d: matmul_tflops(d) for d in wide}
     md = ("Backward (TF/s = 2.5 x forward FLOPs / time)\n" if args.backward else "") + to_markdown(rows, env)
     print(md)
     if args.json:

@@ -403,13 +403,14 @@ def _check_writable(path: str, option: str):
 
 def _check_sweep(dtypes, headdims, seqlens):
     """The comma lists of the standard sweep: known dtypes, head dims 1..256, positive lengths.
-    Returns the dtypes in bench's short spelling (bfloat16 and float16 are accepted too)."""
-    long_to_short = {long: short for short, long in _SHORT_DTYPES.items()}
+    Returns the dtypes in bench's short spelling (the long names are accepted too)."""
+    long_to_short = {long: short for short, long in _SHORT_DTYPES.items()} | {"float64": "fp64"}
     short = []
     for d in dtypes.split(","):
         spelled = long_to_short.get(d, d)
-        if spelled not in ("bf16", "fp16"):
-            raise click.BadParameter(f"{d!r} is not one of bf16, fp16 (bfloat16, float16)", param_hint="--dtypes")
+        if spelled not in ("bf16", "fp16", "fp32", "fp64"):
+            raise click.BadParameter(f"{d!r} is not one of bf16, fp16, fp32, fp64 (bfloat16, float16, float32, "
+                                     "float64)", param_hint="--dtypes")
         short.append(spelled)
     for name, text, low, high in (("--headdims", headdims, 1, 256), ("--seqlens", seqlens, 1, 1 << 24)):
         for item in text.split(","):
@@ -426,7 +427,9 @@ def _check_sweep(dtypes, headdims, seqlens):
                    "microseconds per call and cold compile seconds.")
 @click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard suite).")
 @click.option("--dtypes", default="bf16,fp16", show_default=True,
-              help="Comma list of bf16, fp16 (bfloat16, float16 also accepted).")
+              help="Comma list of bf16, fp16, fp32, fp64 (bfloat16, float16, float32, float64 also accepted); "
+                   "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate (cuflash's float32/float64 "
+                   "GPU kernels: issue 24).")
 @click.option("--headdims", default="64,128,256", show_default=True,
               help="Comma list of head dims to sweep (standard suite), each 1 to 256.")
 @click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True,

@@ -207,3 +207,15 @@ def test_every_option_has_help_and_help_shows_whole_descriptions():
     for name, cmd in cli.main.commands.items():
         first = " ".join(cmd.help.strip().splitlines()[0].split())
         assert first in text, f"--help does not show all of {name!r}: {first!r}"
+
+
+def test_bench_sweep_takes_the_wide_dtypes():
+    """Issue 24: the standard sweep takes fp32/fp64 (peers and cupy.matmul rates now, cuflash's own
+    float32/float64 kernels once they exist), in short or long spelling."""
+    import click
+
+    from cuflash.cli import _check_sweep
+
+    assert _check_sweep("float64,fp32,bf16,float16", "64", "512") == "fp64,fp32,bf16,fp16"
+    with pytest.raises(click.BadParameter, match="not one of bf16, fp16, fp32, fp64"):
+        _check_sweep("int8", "64", "512")
