@@ -29,7 +29,8 @@ def check_precision(precision, dtype_name: str, name: str = "precision") -> str:
         raise ValueError(f"{name} applies to float32 (and float64) inputs; {dtype_name} inputs take only "
                          f"precision=None (their products are exact in float32 accumulation)")
     if precision == "tf32" and dtype_name != "float32":
-        raise ValueError(f"{name}='tf32' applies to float32 inputs; {dtype_name} inputs compute in {dtype_name}")
+        raise ValueError(f"{name}='tf32' applies to float32 inputs; {dtype_name} inputs compute in {dtype_name}: "
+                         f"pass precision=None (or 'ieee'), or cast the inputs to float32 for TF32 products")
     return "tf32" if precision == "tf32" else "ieee"
 
 

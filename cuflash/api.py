@@ -70,7 +70,8 @@ _VARLEN_OPTIONS_DOC = _OPTIONS_DOC[: _OPTIONS_DOC.index("    seqlens_k :")].rstr
 _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         Products of float32 inputs: None, "ieee" or "highest" (JAX's name) in IEEE float32 (as
         CuPy's float32 matmul without TF32); "tf32" on operands rounded to TF32 (10-bit mantissa,
-        float32 accumulation; the error of a TF32 matmul; the NumPy path rounds likewise).
+        float32 accumulation; the error of a TF32 matmul; the NumPy path rounds likewise; an
+        operand within 2^-11 of float32's largest value rounds to infinity, as on the tensor cores).
         float16/bfloat16 inputs take only None, float64 inputs no "tf32".  float32/float64 GPU
         kernels: issue 24 (until then the NumPy path runs them)."""
 
@@ -213,6 +214,8 @@ def attention(
 
     q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     if q.ndim == 3:  # unbatched: one sequence, run as a batch of one
+        if out is not None:
+            _arrays.check_array(out, "out")
         _check_unbatched(layout, k=k, v=v, out=out)
         res = attention(q[None], k[None], v[None], softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
@@ -364,6 +367,9 @@ def attention_backward(
         for x, n in zip((dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse"))
     )
     if q.ndim == 3:  # unbatched: one sequence, run as a batch of one
+        for name, x in (("dq", dq), ("dk", dk), ("dv", dv)):
+            if x is not None:
+                _arrays.check_array(x, name)
         _check_unbatched(layout, k=k, v=v, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
         if lse.ndim != 2:
             raise ValueError(f"lse of an unbatched call must have shape (nheads, seqlen_q); got {tuple(lse.shape)}")
@@ -453,6 +459,8 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)
+    if isinstance(options.get("dropout_seed"), np.ndarray):  # the keep-mask of this forward, even if the
+        options["dropout_seed"] = tuple(int(x) for x in options["dropout_seed"])  # array advances later
     with_bias = options.get("bias") is not None
 
     def vjp(dout, dlse=None):

@@ -63,10 +63,13 @@ def seed_and_offset(dropout_seed, name: str = "dropout_seed"):
     """(seed, offset) as Python ints from an int, an (int, int) pair or a NumPy integer array of
     shape (2,) (a GPU (2,) int64 array is read by the kernels, not here)."""
     if isinstance(dropout_seed, np.ndarray):
-        if dropout_seed.shape != (2,) or dropout_seed.dtype.kind not in "iu":
-            raise TypeError(f"{name} as an array must be integers of shape (2,) (seed, offset); got "
-                            f"{dropout_seed.dtype.name} of shape {dropout_seed.shape}")
-        dropout_seed = tuple(int(x) for x in dropout_seed)
+        if dropout_seed.dtype.kind not in "iu":
+            raise TypeError(f"{name} as an array must hold integers, (seed, offset) of shape (2,) or a seed of "
+                            f"shape (); got {dropout_seed.dtype.name}")
+        if dropout_seed.shape not in ((2,), ()):
+            raise ValueError(f"{name} as an array must have shape (2,) (seed, offset) or () (a seed); got "
+                             f"{dropout_seed.shape}")
+        dropout_seed = tuple(int(x) for x in dropout_seed) if dropout_seed.ndim else int(dropout_seed)
     if isinstance(dropout_seed, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int or a (seed, offset) pair of ints; got {dropout_seed!r}")
     if isinstance(dropout_seed, (int, np.integer)):

@@ -475,9 +475,12 @@ def attention_varlen_backward_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **o
 # ---------------------------------------------------------------------------------------------
 
 
-def _tf32_operand(precision):
-    """Rounding of product operands: TF32 with ``precision="tf32"`` (float32 inputs), else none."""
-    if precision != "tf32":
+def _tf32_operand(precision, dtype=np.float32):
+    """Rounding of product operands: TF32 with ``precision="tf32"`` (float32 inputs), else none;
+    the values cuflash refuses for this dtype are refused here too."""
+    from ._precision import check_precision
+
+    if check_precision(precision, np.dtype(dtype).name) != "tf32":
         return lambda x: x
     from ._precision import tf32_round
 
@@ -487,7 +490,7 @@ def _tf32_operand(precision):
 def _naive_setup(q, k, v, layout, options, precision=None):
     dtype = np.dtype(_host(q).dtype)
     acc = _compute_dtype(dtype)
-    op = _tf32_operand(precision)
+    op = _tf32_operand(precision, dtype)
     q, k, v, opts = _prepare(q, k, v, layout, options, convert=lambda x: op(_host(x).astype(acc)))
     s, tanh = _scores(q, k, opts, round_to=dtype)
     # Softmax in the compute dtype (as torch does for fp16), then rounded to the input dtype.
@@ -533,7 +536,7 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
         dropout_keep=dropout_keep), precision)
     dropped = opts.dropped(probs).astype(dtype).astype(acc) if opts.keep is not None else probs
-    out = _heads_major((_tf32_operand(precision)(dropped) @ _repeat_heads(v, opts)).astype(dtype), layout)
+    out = _heads_major((_tf32_operand(precision, dtype)(dropped) @ _repeat_heads(v, opts)).astype(dtype), layout)
     return (out, lse.astype(acc)) if return_lse else out
 
 
@@ -572,7 +575,7 @@ def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False,
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
         dropout_keep=dropout_keep), precision)
     rnd = lambda x: x.astype(dtype).astype(acc)  # noqa: E731
-    op = _tf32_operand(precision)
+    op = _tf32_operand(precision, dtype)
     dout = op(_heads_major(_host(dout).astype(acc), layout))
     dv = op(rnd(opts.dropped(probs)) if opts.keep is not None else probs).swapaxes(-1, -2) @ dout
     dp = rnd(dout @ _repeat_heads(v, opts).swapaxes(-1, -2))

@@ -57,8 +57,9 @@ def test_threshold_and_bad_arguments():
             cuflash.dropout_mask(seed, (1, 1, 2, 2), 0.1)
     with pytest.raises(ValueError, match="shape must be 4 non-negative ints"):
         cuflash.dropout_mask(1, (1, 2, 2), 0.1)
-    for seed in (np.zeros(3, np.int64), np.zeros(2, np.float64), np.zeros((1, 2), np.int64)):
-        with pytest.raises(TypeError, match="dropout_seed as an array must be integers of shape"):
+    for seed, exc in ((np.zeros(3, np.int64), ValueError), (np.zeros(2, np.float64), TypeError),
+                      (np.zeros((1, 2), np.int64), ValueError)):
+        with pytest.raises(exc, match="dropout_seed as an array must"):
             cuflash.dropout_mask(seed, (1, 1, 2, 2), 0.1)
 
 
@@ -67,6 +68,7 @@ def test_a_numpy_seed_array_is_the_pair():
     pair = cuflash.dropout_mask((7, 3), (1, 2, 5, 6), 0.4)
     for dtype in (np.int64, np.uint64, np.int32):
         assert np.array_equal(cuflash.dropout_mask(np.array([7, 3], dtype), (1, 2, 5, 6), 0.4), pair)
+    assert np.array_equal(cuflash.dropout_mask(np.array(7), (1, 2, 5, 6), 0.4), cuflash.dropout_mask(7, (1, 2, 5, 6), 0.4))
 
 
 def _problem(rng, b=2, sq=9, sk=13, hq=4, hk=2, d=8):

@@ -218,3 +218,17 @@ def test_no_numpy_warning_and_vjp_dlse_needs_return_lse(rng):
     with pytest.raises(ValueError, match="dlse needs attention_vjp"):
         vjp(out, np.zeros((1, 1, 1)))
     assert cuflash.dropout_mask(1, np.array([1, 1, 4, 4]), 0.5).shape == (1, 1, 4, 4)
+
+
+def test_vjp_keeps_the_forward_keep_mask_when_the_seed_array_advances(rng):
+    """A NumPy (seed, offset) array advanced in place after attention_vjp (as a training loop
+    advances its offset) must not change the backward of the forward already taken."""
+    q, k, v = _qkv(rng, np.float32)
+    seed = np.array([11, 0], np.int64)
+    out, vjp = cuflash.attention_vjp(q, k, v, dropout_p=0.3, dropout_seed=seed)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    before = vjp(dout)
+    seed[1] += 1
+    after = vjp(dout)
+    for a, b in zip(before, after):
+        assert np.array_equal(a, b)

@@ -120,3 +120,13 @@ def test_gpu_16_bit_inputs_refuse_a_precision_on_warm_calls_too(rng):
     cuflash.attention(q, k, v)  # a plan exists now
     with pytest.raises(ValueError, match="precision"):
         cuflash.attention(q, k, v, precision="highest")
+
+
+def test_the_oracle_refuses_what_cuflash_refuses():
+    q, k, v = _qkv(np.random.default_rng(1), np.float64)
+    for bad, exc in (("TF32", ValueError), (123, TypeError), ("tf32", ValueError)):
+        with pytest.raises(exc, match="precision"):
+            R.naive_attention(q, k, v, precision=bad)
+    h = q.astype(np.float16), k.astype(np.float16), v.astype(np.float16)
+    with pytest.raises(ValueError, match="take only precision=None"):
+        R.naive_attention_backward(h[0], *h, precision="tf32")

@@ -703,3 +703,12 @@ def test_softmax_scale_range_follows_the_score_dtype():
         warnings.simplefilter("error")  # a RuntimeWarning from NumPy would fail here
         out, lse = cuflash.attention(np.full_like(q, 4.0), np.full_like(k, 4.0), v, softmax_scale=3e38, return_lse=True)
     assert np.isnan(out).all() and np.isnan(lse).all()
+
+
+def test_unbatched_buffers_that_are_not_arrays_are_named():
+    q, k, v = make(b=1)
+    with pytest.raises(TypeError, match="out must be a NumPy or CuPy array; got list"):
+        cuflash.attention(q[0], k[0], v[0], out=[1.0])
+    out, lse = cuflash.attention(q[0], k[0], v[0], return_lse=True)
+    with pytest.raises(TypeError, match="dq must be a NumPy or CuPy array; got int"):
+        cuflash.attention_backward(out, q[0], k[0], v[0], out, lse, dq=3)
