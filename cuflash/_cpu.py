@@ -26,6 +26,8 @@ import dataclasses
 
 import numpy as np
 
+from ._precision import operand_rounding
+
 BLOCK_M = 64  # query rows per tile
 BLOCK_N = 64  # keys per tile
 SOFTMAX_BLOCK = 256  # elements per streamed block in softmax()
@@ -292,7 +294,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
         Tile sizes (query rows, keys); small values are useful in tests.
     """
     acc = _acc_dtype(p.dtype)
-    heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), _operands(p)
+    heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), operand_rounding(p.precision)
     k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(x, acc))) for x in (k, v))  # (B, Hkv, Sk, d)
     for i0, i1 in _blocks(0, p.seqlen_q, block_m):
         q_t = rnd(heads.queries(q[:, i0:i1], acc))  # (B, Hkv, G, m, D)
@@ -352,7 +354,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     """
     del deterministic  # one thread, fixed loop order: always repeatable
     acc = _acc_dtype(p.dtype)
-    heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), _operands(p)
+    heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), operand_rounding(p.precision)
     k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(x, acc))) for x in (k, v))  # (B, Hkv, Sk, d)
     q_all, do_all = rnd(heads.queries(q, acc)), rnd(heads.queries(dout, acc))  # (B, Hkv, G, Sq, d)
     key_tiles = [(j0, j1, k_all[..., j0:j1, :], v_all[..., j0:j1, :])  # (B, Hkv, n, d) views
@@ -420,16 +422,6 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     dq[...] = heads.rows(np.where(empty, acc.type(0), dq_all))  # not 0 * inf where K is not finite
     if bias_grad is not None:
         dbias[...] = bias_grad.total.reshape(dbias.shape)
-
-
-def _operands(p):
-    """What the operands of every product go through: TF32 rounding with ``precision="tf32"``
-    (as the tensor cores see float32 operands then), else nothing."""
-    if p.precision != "tf32":
-        return lambda x: x
-    from ._precision import tf32_round
-
-    return lambda x: tf32_round(x).astype(x.dtype)
 
 
 def _modifiers(p, acc):

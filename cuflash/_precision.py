@@ -41,3 +41,12 @@ def tf32_round(x) -> np.ndarray:
     a = np.asarray(x, dtype=np.float32)
     rounded = ((a.view(np.uint32) + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
     return np.where(np.isnan(a), a, rounded)
+
+
+def operand_rounding(checked: str):
+    """What the operands of every product go through for a checked precision (see
+    :func:`check_precision`): :func:`tf32_round` (kept in the operand's dtype) for ``"tf32"``,
+    else nothing.  Shared by the NumPy path and the naive oracle."""
+    if checked != "tf32":
+        return lambda x: x
+    return lambda x: tf32_round(x).astype(x.dtype)

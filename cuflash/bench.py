@@ -118,6 +118,13 @@ def _gpu_jax():
     return (jax, jnp) if any(d.platform == "gpu" for d in jax.devices()) else None
 
 
+def _jitted_call(jax, fn, *args):
+    """``fn(*args)`` under ``jax.jit``, compiled and run once: the callable a timing loop repeats."""
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
+    return lambda: jax.block_until_ready(f(*args))
+
+
 def _jax_peer():
     found = _gpu_jax()
     if found is None:
@@ -126,9 +133,8 @@ def _jax_peer():
 
     def run(q, k, v, causal):
         jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))  # (B, S, H, D), JAX's own layout
-        f = jax.jit(lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal, implementation="cudnn"))
-        f(jq, jk, jv).block_until_ready()
-        return lambda: f(jq, jk, jv).block_until_ready()
+        return _jitted_call(jax, lambda a, b, c: jax.nn.dot_product_attention(a, b, c, is_causal=causal,
+                                                                              implementation="cudnn"), jq, jk, jv)
 
     return {"jax-cudnn": run}
 
@@ -154,16 +160,16 @@ def _fa3_peer(backward: bool = False):
             return flash_attn3_jax.flash_mha(a, b, c, is_causal=causal)
 
         if not backward:
-            f = jax.jit(fwd)
-            f(jq, jk, jv).block_until_ready()
-            return lambda: f(jq, jk, jv).block_until_ready()
+            return _jitted_call(jax, fwd, jq, jk, jv)
         out, vjp = jax.vjp(fwd, jq, jk, jv)
-        do = jnp.ones_like(out)
-        g = jax.jit(lambda fn, d: fn(d))
-        jax.block_until_ready(g(vjp, do))
-        return lambda: jax.block_until_ready(g(vjp, do))
+        return _jitted_call(jax, lambda fn, d: fn(d), vjp, jnp.ones_like(out))
 
     return {"fa3-jax": run}
+
+
+def _error_text(exc) -> str:
+    """A row's note on a system that could not run (out of memory, unsupported shape or dtype)."""
+    return f"{type(exc).__name__}: {str(exc)[:80]}"
 
 
 def check_against_plain(q, k, v, causal, out):
@@ -200,7 +206,7 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
     except NotImplementedError as exc:  # NotAvailableOnGPU: float32/float64 kernels (issue 24)
-        row["cuflash"], row["cuflash_error"] = None, f"{type(exc).__name__}: {str(exc)[:80]}"
+        row["cuflash"], row["cuflash_error"] = None, _error_text(exc)
     else:
         for g in grads:
             if not bool(cp.isfinite(g.astype(cp.float32)).all()):
@@ -212,7 +218,7 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
             row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
         except Exception as exc:
             row[name] = None
-            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+            row[f"{name}_error"] = _error_text(exc)
     return row
 
 
@@ -227,7 +233,7 @@ def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidde
     try:
         out = cuflash.attention(q, k, v, causal=causal)
     except NotImplementedError as exc:  # NotAvailableOnGPU: float32/float64 kernels (issue 24)
-        row["cuflash"], row["cuflash_error"] = None, f"{type(exc).__name__}: {str(exc)[:80]}"
+        row["cuflash"], row["cuflash_error"] = None, _error_text(exc)
     else:
         check_against_plain(q, k, v, causal, out)
         ms = time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
@@ -241,7 +247,7 @@ def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidde
             row[name] = flops / time_gpu(fn, reps=10) / 1e9
         except Exception as exc:  # out of memory, unsupported shape: report, keep going
             row[name] = None
-            row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+            row[f"{name}_error"] = _error_text(exc)
         cp.get_default_memory_pool().free_all_blocks()
     return row
 
@@ -467,7 +473,7 @@ def _decode_row(name, batch, n, peers, page_size):
             row[peer] = kv_bytes / time_gpu(make(q, k, v), reps=10) / 1e9
         except Exception as exc:
             row[peer] = None
-            row[f"{peer}_error"] = f"{type(exc).__name__}: {str(exc)[:80]}"
+            row[f"{peer}_error"] = _error_text(exc)
     del k, v
     cp.get_default_memory_pool().free_all_blocks()
     return row

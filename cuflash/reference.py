@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+from ._precision import check_precision, operand_rounding
+
 __all__ = [
     "attention_ref",
     "attention_backward_ref",
@@ -475,29 +477,18 @@ def attention_varlen_backward_ref(dout, q, k, v, cu_seqlens_q, cu_seqlens_k, **o
 # ---------------------------------------------------------------------------------------------
 
 
-def _tf32_operand(precision, dtype=np.float32):
-    """Rounding of product operands: TF32 with ``precision="tf32"`` (float32 inputs), else none;
-    the values cuflash refuses for this dtype are refused here too."""
-    from ._precision import check_precision
-
-    if check_precision(precision, np.dtype(dtype).name) != "tf32":
-        return lambda x: x
-    from ._precision import tf32_round
-
-    return lambda x: tf32_round(x).astype(x.dtype)
-
-
 def _naive_setup(q, k, v, layout, options, precision=None):
     dtype = np.dtype(_host(q).dtype)
     acc = _compute_dtype(dtype)
-    op = _tf32_operand(precision, dtype)
+    # Every product's operands rounded for "tf32"; values cuflash refuses for this dtype are refused here too.
+    op = operand_rounding(check_precision(precision, dtype.name))
     q, k, v, opts = _prepare(q, k, v, layout, options, convert=lambda x: op(_host(x).astype(acc)))
     s, tanh = _scores(q, k, opts, round_to=dtype)
     # Softmax in the compute dtype (as torch does for fp16), then rounded to the input dtype.
     with np.errstate(over="ignore"):
         probs, lse = _softmax_rows(s)
     probs = probs.astype(dtype).astype(acc)
-    return q, k, v, opts, dtype, acc, s, tanh, probs, lse
+    return q, k, v, opts, dtype, acc, s, tanh, probs, lse, op
 
 
 def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -531,12 +522,12 @@ def naive_attention(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     ValueError
         As :func:`attention_ref`.
     """
-    q, k, v, opts, dtype, acc, s, tanh, probs, lse = _naive_setup(q, k, v, layout, dict(
+    q, k, v, opts, dtype, acc, s, tanh, probs, lse, op = _naive_setup(q, k, v, layout, dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
         dropout_keep=dropout_keep), precision)
     dropped = opts.dropped(probs).astype(dtype).astype(acc) if opts.keep is not None else probs
-    out = _heads_major((_tf32_operand(precision, dtype)(dropped) @ _repeat_heads(v, opts)).astype(dtype), layout)
+    out = _heads_major((op(dropped) @ _repeat_heads(v, opts)).astype(dtype), layout)
     return (out, lse.astype(acc)) if return_lse else out
 
 
@@ -570,12 +561,11 @@ def naive_attention_backward(dout, q, k, v, *, softmax_scale=None, causal=False,
     dS = P ∘ (dP − rowsum(P ∘ dP) + dlse); the softcap factor 1 − tanh²; dQ = scale · dS K;
     dK = scale · dSᵀ Q.  Each one is rounded.
     """
-    q, k, v, opts, dtype, acc, s, tanh, probs, lse = _naive_setup(q, k, v, layout, dict(
+    q, k, v, opts, dtype, acc, s, tanh, probs, lse, op = _naive_setup(q, k, v, layout, dict(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, bias=bias, mask=mask, seqlens_k=seqlens_k, dropout_p=dropout_p,
         dropout_keep=dropout_keep), precision)
     rnd = lambda x: x.astype(dtype).astype(acc)  # noqa: E731
-    op = _tf32_operand(precision, dtype)
     dout = op(_heads_major(_host(dout).astype(acc), layout))
     dv = op(rnd(opts.dropped(probs)) if opts.keep is not None else probs).swapaxes(-1, -2) @ dout
     dp = rnd(dout @ _repeat_heads(v, opts).swapaxes(-1, -2))

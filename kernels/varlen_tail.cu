@@ -26,12 +26,14 @@ struct PackedRows {  // one (total, nheads, headdim) array at its strides
     long long row_stride, head_stride, heads, chunks;
 };
 
-// Write rows [lo, hi) of each array: `fill` (a 16-byte pattern) into out, `lse_fill` into the LSE.
+// Write rows [lo, hi) of each array: `fill` (a 16-byte pattern) into out, `lse_fill` into the LSE;
+// grid-stride over all threads of the launch.
 template <int kArrays>
 __device__ __forceinline__ void fill_rows(const PackedRows (&a)[kArrays], long long lo, long long hi, uint4 fill, float* lse,
-                                          long long lse_heads, long long lse_stride, float lse_fill, long long first_thread,
-                                          long long step) {
+                                          long long lse_heads, long long lse_stride, float lse_fill) {
     if (lo >= hi) return;
+    const long long first_thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
     const long long rows = hi - lo;
 #pragma unroll
     for (int k = 0; k < kArrays; ++k) {
@@ -44,6 +46,23 @@ __device__ __forceinline__ void fill_rows(const PackedRows (&a)[kArrays], long l
     }
     if (lse)
         for (long long i = first_thread; i < rows * lse_heads; i += step) lse[i / rows * lse_stride + lo + i % rows] = lse_fill;
+}
+
+// The NaN of the rows of bad sequences: 0x7fff in float16 and bfloat16 alike, and in the LSE.
+__device__ __forceinline__ uint4 nan_chunk() { return make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu); }
+__device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fffffff); }
+
+// Length of sequence b of a cu_seqlens whose entries b and b + 1 are well formed.
+__device__ __forceinline__ long long seq_len(const FlashParams& p, const void* cu, int bit, long long b) {
+    return load_index(p, cu, bit, b + 1) - load_index(p, cu, bit, b);
+}
+
+// Whether any of sequences [0, good) of cu is longer than max_len (block-uniform: every thread of
+// the block calls it; looked for by the whole block at once).
+__device__ __forceinline__ bool any_longer(const FlashParams& p, const void* cu, int bit, long long good, long long max_len) {
+    bool found = false;
+    for (long long b = threadIdx.x; b < good; b += blockDim.x) found |= seq_len(p, cu, bit, b) > max_len;
+    return __syncthreads_or(found);
 }
 
 // The first bad entry of cu_seqlens_q and of cu_seqlens_k (-1 when well formed), found by every
@@ -63,29 +82,22 @@ template <int kArrays>
 __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu, int bit, long long e, long long total,
                                             long long max_len, const PackedRows (&a)[kArrays], float* lse, bool zero_tail,
                                             int max_arg) {
-    const float kNaN = __int_as_float(0x7fffffff), kInf = __int_as_float(0x7f800000);
-    const uint4 nan = make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu), zero = make_uint4(0, 0, 0, 0);
+    const float kInf = __int_as_float(0x7f800000);
     const long long batch = p.batch, heads = p.nheads_q;
-    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
     const long long good = e < 0 ? batch : max(e - 1, 0ll);  // sequences [0, good) are well formed
     if (e < 0) {
-        if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, zero, lse, heads, total, -kInf, first, step);
+        if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, make_uint4(0, 0, 0, 0), lse, heads, total, -kInf);
     } else {
-        fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan, lse, heads, total, kNaN, first, step);
+        fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan_chunk(), lse, heads, total, nan_f32());
     }
-    // Sequences longer than max_len: all their rows NaN and the violation reported (looked for by
-    // the whole block at once, then one sequence after another, which only a bad call pays for).
-    // The attention kernels launched next give those sequences NaN too (SeqInfo), but reach no row
-    // past max_len, and with max_seqlen_* = 0 no attention kernel runs at all.
-    bool any_long = false;
-    for (long long b = threadIdx.x; b < good; b += blockDim.x)
-        any_long |= load_index(p, cu, bit, b + 1) - load_index(p, cu, bit, b) > max_len;
-    if (!__syncthreads_or(any_long)) return;  // (block-uniform)
+    // Sequences longer than max_len: all their rows NaN and the violation reported (one sequence
+    // after another, which only a bad call pays for).  The attention kernels launched next give
+    // those sequences NaN too (SeqInfo), but reach no row past max_len, and with max_seqlen_* = 0 no
+    // attention kernel runs at all.
+    if (!any_longer(p, cu, bit, good, max_len)) return;
     for (long long b = 0; b < good; ++b) {
-        const long long start = load_index(p, cu, bit, b), end = load_index(p, cu, bit, b + 1);
-        if (end - start <= max_len) continue;
-        fill_rows(a, start, end, nan, lse, heads, total, kNaN, first, step);
+        if (seq_len(p, cu, bit, b) <= max_len) continue;
+        fill_rows(a, load_index(p, cu, bit, b), load_index(p, cu, bit, b + 1), nan_chunk(), lse, heads, total, nan_f32());
         if (blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, max_arg, b);
     }
 }
@@ -94,23 +106,15 @@ __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu
 // at or after the first bad entry of cu_seqlens_k, are NaN, for the calls that launch no attention
 // kernel (max_seqlen_* = 0, or no key rows); the attention kernels' SeqInfo does the same otherwise.
 __device__ __forceinline__ void long_key_sequences(const FlashParams& p, long long e_q, long long e_k, const PackedRows (&out)[1]) {
-    const float kNaN = __int_as_float(0x7fffffff);
-    const uint4 nan = make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu);
-    const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
+    auto q_row = [&](long long b) { return load_index(p, p.cu_seqlens_q, kIndexCuQ, b); };
     const long long good_q = e_q < 0 ? p.batch : max(e_q - 1, 0ll);
     const long long good = min(good_q, e_k < 0 ? p.batch : max(e_k - 1, 0ll));
     if (good < good_q)  // malformed cu_seqlens_k: the query rows of the sequences from its first bad entry on
-        fill_rows(out, load_index(p, p.cu_seqlens_q, kIndexCuQ, good), load_index(p, p.cu_seqlens_q, kIndexCuQ, good_q),
-                  nan, p.lse, p.nheads_q, p.total_q, kNaN, first, step);
-    bool any_long = false;
-    for (long long b = threadIdx.x; b < good; b += blockDim.x)
-        any_long |= load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1) - load_index(p, p.cu_seqlens_k, kIndexCuK, b) > p.seqlen_k;
-    if (!__syncthreads_or(any_long)) return;  // (block-uniform)
+        fill_rows(out, q_row(good), q_row(good_q), nan_chunk(), p.lse, p.nheads_q, p.total_q, nan_f32());
+    if (!any_longer(p, p.cu_seqlens_k, kIndexCuK, good, p.seqlen_k)) return;
     for (long long b = 0; b < good; ++b) {
-        if (load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1) - load_index(p, p.cu_seqlens_k, kIndexCuK, b) <= p.seqlen_k) continue;
-        fill_rows(out, load_index(p, p.cu_seqlens_q, kIndexCuQ, b), load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1), nan,
-                  p.lse, p.nheads_q, p.total_q, kNaN, first, step);
+        if (seq_len(p, p.cu_seqlens_k, kIndexCuK, b) <= p.seqlen_k) continue;
+        fill_rows(out, q_row(b), q_row(b + 1), nan_chunk(), p.lse, p.nheads_q, p.total_q, nan_f32());
         if (blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, kArgMaxSeqlenK, b);
     }
 }
