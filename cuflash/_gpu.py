@@ -197,6 +197,10 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
             grid = ((p.seqlen_q + block_m - 1) // block_m, *_grid_yz(p.batch * p.nheads_q))
             launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
+            if variant.filename == "flash_fwd_sm90_ws.cu":  # + the tensor maps of Q, K, V
+                maps = _fwd_maps(qx, kx, vx, packed, dict(variant.defines)["CUFLASH_BLOCK_N"])
+                launches = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)]
+                record = None  # (the warm-call replay would need the maps re-encoded)
         if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
             tail = _kernels.get_function(_kernels.varlen_tail_variant(), device)
             launches.insert(0, (tail, (2 * _sm_resources(device)[0],), (256,), 0))
@@ -231,6 +235,8 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
     CUFLASH_DISABLE_SM90 unset (a switch for comparing with the sm_80 kernels).  None otherwise."""
     if not _is_hopper(device) or _kernels.sm90_disabled():
         return None
+    if family is _kernels.sm90_fwd_variant and _kernels.sm90_ws_enabled():
+        family = _kernels.sm90_ws_fwd_variant
     return family(dtype, headdim, **features)
 
 
@@ -249,8 +255,19 @@ def _offsets_scratch(prm):
     return words
 
 
+def _fwd_maps(q, k, v, packed, block_n):
+    """Tensor maps of Q (128-row boxes), K and V (block_n-row boxes) for the warp-specialised
+    forward: a (address, owner) pair of its FwdMaps struct (cuflash/_tma.py)."""
+    from . import _tma
+
+    as4 = (lambda x: x[None]) if packed else (lambda x: x)  # packed rows: one batch entry
+    maps = [_tma.tile_map(as4(q), 128), _tma.tile_map(as4(k), block_n), _tma.tile_map(as4(v), block_n)]
+    return _tma.pack_maps(*maps)
+
+
 def execute(prm, launches, accum):
-    """Run the recorded launches: point the split kernel at its scratch (if any), then launch in order."""
+    """Run the recorded launches: point the split kernel at its scratch (if any), then launch in
+    order.  A launch may carry a fifth item, (address, owner) of a second by-value parameter."""
     first_bad = _offsets_scratch(prm) if prm.cu_seqlens_q else None  # noqa: F841 (alive until queued)
     if accum is not None:
         out_floats, lse_floats, groups = accum
@@ -258,8 +275,9 @@ def execute(prm, launches, accum):
         base = partials.data.ptr  # partial outputs, then their LSEs (out_floats is a multiple of 8: aligned)
         prm.out_accum, prm.lse_accum, prm.split_counters = base, base + 4 * out_floats, counters.data.ptr
     arg = _pointer(prm)
-    for fn, grid, block, smem in launches:
-        fn(grid, block, (arg,), shared_mem=smem)
+    for fn, grid, block, smem, *extra in launches:
+        args = (arg,) + tuple(_cpointer()(address) for address, _owner in extra)
+        fn(grid, block, args, shared_mem=smem)
 
 
 # The split kernel's scratch, kept per (device, stream): counters, one per row group, 0 between

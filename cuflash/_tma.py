@@ -107,5 +107,20 @@ def tile_map(x, rows: int):
     item = x.dtype.itemsize
     if x.strides[3] != item:
         raise ValueError(f"the head dim must be contiguous for the copy engine; strides are {x.strides}")
-    return encode_tiled(x.dtype.name, x.data.ptr, (headdim, seqlen, heads, batch), (x.strides[1], x.strides[2], x.strides[0]),
+    batch_stride = x.strides[0]
+    if batch == 1:  # any stride will do (e.g. a packed array viewed as one batch entry): a legal one
+        batch_stride = -(-max(seqlen * x.strides[1], heads * x.strides[2], 16) // 16) * 16
+    return encode_tiled(x.dtype.name, x.data.ptr, (headdim, seqlen, heads, batch), (x.strides[1], x.strides[2], batch_stride),
                         (64, rows, 1, 1))
+
+
+def pack_maps(*maps):
+    """Tensor maps laid out back to back, 64-byte aligned, as a kernel's struct of maps
+    (``FwdMaps`` of kernels/flash_fwd_sm90_ws.cu).  Returns (address, owner): keep ``owner``
+    alive until the launch is queued."""
+    size = ctypes.sizeof(TensorMap)
+    raw = ctypes.create_string_buffer(size * len(maps) + 64)
+    base = ctypes.addressof(raw) + (-ctypes.addressof(raw)) % 64
+    for i, m in enumerate(maps):
+        ctypes.memmove(base + i * size, ctypes.addressof(m), size)
+    return base, raw

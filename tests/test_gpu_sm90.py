@@ -15,7 +15,7 @@ import pytest
 from cuflash import _arrays, _fastpath, _gpu, _kernels
 
 from .conftest import HAS_GPU, requires_gpu
-from .test_cpu import check_backward, make_qkv
+from .test_cpu import check_backward, check_varlen, make_qkv, varlen_inputs
 from .test_gpu_forward import _check, _rand
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -32,11 +32,14 @@ requires_hopper = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["sm90", "sm80"])
+@pytest.fixture(params=["sm90", "sm90ws", "sm80"])
 def kernel(request, monkeypatch):
-    """Run the test once on the default (Hopper) kernel and once with it switched off."""
+    """Run the test on the default (Hopper) kernel, on the warp-specialised one (issue 21, while
+    it is measured against the default) and with the Hopper kernels switched off."""
     if request.param == "sm80":
         monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
+    if request.param == "sm90ws":
+        monkeypatch.setenv("CUFLASH_SM90_WS", "1")
     _fastpath.PLANS.clear()  # warm-call plans remember the kernel of their first call
     yield request.param
     _fastpath.PLANS.clear()
@@ -92,6 +95,34 @@ def test_both_kernels_options(rng, kernel, dtype, headdim, opts):
     q = _rand(rng, (b, sq, h, headdim), dtype, 3.0)
     k, v = _rand(rng, (b, sk, hk, headdim), dtype), _rand(rng, (b, sk, hk, headdim), dtype)
     _check(q, k, v, **opts)
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_keys_past_seqlens_k_are_never_read_into_the_output(rng, kernel, headdim):
+    """Rows of k and v past seqlens_k are padding and may hold NaN: the copy engine of the
+    warp-specialised kernel reads them with the tile, which must still give exact rows."""
+    b, sq, sk = 2, 200, 300
+    q = _rand(rng, (b, sq, 2, headdim), ml_dtypes.bfloat16, 3.0)
+    k, v = _rand(rng, (b, sk, 2, headdim), ml_dtypes.bfloat16), _rand(rng, (b, sk, 2, headdim), ml_dtypes.bfloat16)
+    lengths = np.array([77, 300], dtype=np.int32)
+    _check(q, k, v, seqlens_k=lengths)  # exact with finite padding
+    cp = _arrays.cupy_module()
+    import cuflash
+
+    clean = cuflash.attention(*(cp.asarray(x) for x in (q, k, v)), seqlens_k=cp.asarray(lengths))
+    k[0, 77:], v[0, 77:] = np.nan, np.inf
+    poisoned = cuflash.attention(*(cp.asarray(x) for x in (q, k, v)), seqlens_k=cp.asarray(lengths))
+    assert cp.array_equal(poisoned.view(cp.uint16), clean.view(cp.uint16))  # the padding is never read into it
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_packed_sequences_on_every_forward(rng, kernel, headdim):
+    """Varlen through each Hopper forward: tiles that run into the next sequence's rows."""
+    lens_q, lens_k = [1, 130, 7, 257], [65, 300, 1, 129]
+    q, k, v, cu_q, cu_k = varlen_inputs(rng, ml_dtypes.bfloat16, lens_q, lens_k, 4, 2, headdim)
+    check_varlen(_arrays.cupy_module(), q, k, v, cu_q, cu_k, rng=rng, causal=True)
 
 
 @requires_hopper

@@ -1,0 +1,231 @@
+// Exact attention forward for Hopper (sm_90a), warp-specialised (issue 21, first step): a
+// producer warp streams Q, K and V tiles with the bulk tensor copy engine (TMA) into a ring of
+// shared-memory stages (sm90_pipeline.cuh); two consumer warpgroups only compute, and take turns
+// issuing their matrix products (ping-pong) so that one warpgroup's softmax runs under the
+// other's wgmma.  setmaxnreg moves registers from the producer to the consumers.
+//
+// Shah et al., "FlashAttention-3", 2024: §3.1 (producer/consumer warp specialisation, ping-pong
+// scheduling of the two consumer warpgroups).  Not yet here: the intra-warpgroup overlap of §3.2
+// (S of the next tile issued before the current softmax), persistent scheduling, FA3's tile sizes.
+//
+// Block: warpgroup 0 = producer (its warp 0, lane 0 issues every copy; the rest exit at once),
+// warpgroups 1 and 2 = consumers owning query rows [0, 64) and [64, 128) of the block.  Shared
+// memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (128 x kD), then
+// kStages stages of K (kBN x kD) and of V (kBN x kD).  K and V have their own full/empty barriers,
+// so a consumer can start S = Q K^T before V has landed.  Per key tile, in each consumer:
+//   wait K full -> [turn] issue S = Q K^T -> [end turn] -> wait S, release K -> score pipeline and
+//   online softmax (softmax_tile.cuh) -> wait V full -> [turn] issue O += P V -> [end turn] ->
+//   wait, release V.
+// Turns: named barrier 1 + w is consumer w's; it syncs on its own and arrives on the other's
+// (consumer 1 pre-arrives on consumer 0's, so consumer 0 goes first; consumer 0 absorbs the last
+// arrival at the end).  The tail tile's V rows past the sequence's keys are set to zero by
+// consumer 0 before its P V (TMA reads them from the array: another sequence's rows, or padding
+// that may hold NaN), inside its turn, so consumer 1's P V of that stage comes after.
+#include "params.cuh"
+#include "sm90_pipeline.cuh"
+#include "softmax_tile.cuh"
+#include "swizzled_tile.cuh"
+#include "warp_gemm.cuh"
+
+#ifndef CUFLASH_DTYPE
+#define CUFLASH_DTYPE bf16_t
+#endif
+#ifndef CUFLASH_HEADDIM
+#define CUFLASH_HEADDIM 128
+#endif
+#ifndef CUFLASH_BLOCK_N
+#define CUFLASH_BLOCK_N 128
+#endif
+#ifndef CUFLASH_STAGES
+#define CUFLASH_STAGES 2
+#endif
+#ifndef CUFLASH_SOFTCAP
+#define CUFLASH_SOFTCAP 0
+#endif
+#ifndef CUFLASH_ALIBI
+#define CUFLASH_ALIBI 0
+#endif
+#ifndef CUFLASH_KERNEL_NAME
+#define CUFLASH_KERNEL_NAME cuflash_fwd_sm90_ws
+#endif
+
+// The tensor maps of one launch (cuflash/_tma.py): Q, K and V as (headdim, rows, heads, batch)
+// boxes of (64, rows, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
+struct FwdMaps {
+    TensorMap q, k, v;
+};
+
+namespace ws {
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
+constexpr int kTurnBarrier = 1;                         // + consumer index: 1, 2
+constexpr int kConsumerBarrier = 3;                     // + consumer index: 3, 4 (one warpgroup)
+}  // namespace ws
+
+template <class T, int kD, int kBN, int kStages, bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const FwdMaps& maps) {
+    constexpr int kBM = 128, kNT = kBN / 8, kOT = kD / 8;
+    constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
+    static_assert(kD % 64 == 0 && kBN % 64 == 0 && kBN <= 256, "bad tile shape");
+
+    extern __shared__ unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // host adds 1 KB
+    unsigned char* sQ = smem;                      // (kBM, kD), reused to stage O
+    unsigned char* sK = sQ + kTileQ;               // kStages x (kBN, kD)
+    unsigned char* sV = sK + kStages * kTileKV;    // kStages x (kBN, kD)
+    __shared__ u64 q_full, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);
+    const SeqInfo seq(p, b);
+    const int m0 = (static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)) * kBM;  // longest rows (causal) first
+    if (m0 >= seq.sq) return;
+    int n_lo, n_hi;
+    seq.key_range(m0, m0 + kBM, n_lo, n_hi);
+    const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    const bool packed = p.cu_seqlens_q != nullptr;
+
+    if (tid == 0) {
+        mbar_init(&q_full, 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);
+            mbar_init(&k_empty[s], 2), mbar_init(&v_empty[s], 2);  // one arrival per consumer warpgroup
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warp < 4) {  // ---- producer ----
+        regs_release<ws::kProducerRegs>();
+        if (tid != 0 || nb_lo >= nb_hi) return;
+        tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
+        const int kv_batch = packed ? 0 : static_cast<int>(seq.kv_row());
+        mbar_arrive_expect_tx(&q_full, kTileQ);
+        tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(seq.q_start) + m0, h, packed ? 0 : b);
+        RingState<kStages> ring;
+        ring.phase = 1;  // the stages start free
+        for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
+            const int row = static_cast<int>(seq.k_start) + nb * kBN;
+            mbar_wait(&k_empty[ring.stage], ring.phase);
+            mbar_arrive_expect_tx(&k_full[ring.stage], kTileKV);
+            tma_load_tile<kBN, kD>(sK + ring.stage * kTileKV, maps.k, &k_full[ring.stage], row, hk, kv_batch);
+            mbar_wait(&v_empty[ring.stage], ring.phase);
+            mbar_arrive_expect_tx(&v_full[ring.stage], kTileKV);
+            tma_load_tile<kBN, kD>(sV + ring.stage * kTileKV, maps.v, &v_full[ring.stage], row, hk, kv_batch);
+        }
+        for (int s = 0; s < kStages; ++s, ring.advance()) {  // leave only once the consumers are done
+            mbar_wait(&k_empty[ring.stage], ring.phase);
+            mbar_wait(&v_empty[ring.stage], ring.phase);
+        }
+        return;
+    }
+
+    // ---- consumers ----
+    regs_acquire<ws::kConsumerRegs>();
+    const int wg = warp / 4 - 1, wtid = tid - 128 * (wg + 1);  // consumer 0 or 1, thread within it
+    const int other = wg ^ 1;
+    auto take_turn = [&] { named_barrier_sync(ws::kTurnBarrier + wg, 256); };
+    auto end_turn = [&] { named_barrier_arrive(ws::kTurnBarrier + other, 256); };
+    if (wg == 1) end_turn();  // consumer 0 goes first
+
+    const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
+                                  static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
+    const int r_lo = wg * 64 + (warp % 4) * 16 + lane / 4;  // block row of this thread's first row; the other is + 8
+    const int qpos[2] = {m0 + r_lo, m0 + r_lo + 8};
+
+    float o[kOT][4];  // O accumulator of rows r_lo, r_lo + 8 (wgmma = C-fragment layout), fp32
+    zero(o);
+    RowState row[2];
+
+    if (nb_lo < nb_hi) {
+        const u32 q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
+        mbar_wait(&q_full, 0);
+        RingState<kStages> ring;
+        for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
+            const int n0 = nb * kBN;
+            const u32 k_tile = k_base + ring.stage * kTileKV, v_tile = v_base + ring.stage * kTileKV;
+
+            // S = Q K^T, in 16-wide steps over the head dim.
+            float s[kNT][4];
+            float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
+            mbar_wait(&k_full[ring.stage], ring.phase);
+            take_turn();
+            wgmma_fence();
+#pragma unroll
+            for (int ks = 0; ks < kD / 16; ++ks)
+                wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks), desc_k_major<kBN>(k_tile, 0, ks), ks > 0);
+            wgmma_commit();
+            end_turn();
+            wgmma_wait<0>();
+            wgmma_pin(s_flat);
+            if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
+
+            u32 pk[kBN / 16][4];
+            float alpha[2];
+            const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
+            softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked, seq, score_args, lane);
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // see flash_fwd.cu
+#pragma unroll
+                for (int ot = 0; ot < kOT; ++ot)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[ot][e] *= alpha[e / 2];
+            }
+
+            // O += P V, 16 keys per step.
+            mbar_wait(&v_full[ring.stage], ring.phase);
+            take_turn();
+            if (wg == 0 && n0 + kBN > seq.sk) {  // tail tile: V rows past the keys become zeros
+                unsigned char* tile = sV + ring.stage * kTileKV;
+                const int first = max(seq.sk - n0, 0);
+                for (int c = wtid; c < (kBN - first) * kOT; c += 128)
+                    *reinterpret_cast<uint4*>(tile + swizzled_chunk<kBN>(first + c / kOT, c % kOT)) = make_uint4(0, 0, 0, 0);
+                fence_async_smem();
+                named_barrier_sync(ws::kConsumerBarrier + wg, 128);
+            }
+            float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBN / 16; ++kk)
+                wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_tile, kk));
+            wgmma_commit();
+            end_turn();
+            wgmma_wait<0>();
+            wgmma_pin(o_flat);
+            if (wtid == 0) mbar_arrive(&v_empty[ring.stage]);
+        }
+    }
+    if (wg == 0) take_turn();  // absorbs consumer 1's last arrival
+
+    // Epilogue: O /= l and LSE; each consumer stages its own 64 rows of O in its rows of sQ (no
+    // longer read: its last S is done), then stores them in 16-byte chunks.
+    u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
+    float* gLse = p.lse + seq.lse_row(p, b, h, m0);
+    const int rows_valid = min(kBM, seq.sq - m0), v_chunks = static_cast<int>(p.headdim_v / 8);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        float lse;
+        const float inv_l = row[half].finalize(seq.poison(quad_sum(row[half].l)), lse);
+        const int r = r_lo + half * 8;
+        if (lane % 4 == 0 && r < rows_valid) gLse[r] = lse;
+#pragma unroll
+        for (int ot = 0; ot < kOT; ++ot)
+            *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
+                pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
+    }
+    named_barrier_sync(ws::kConsumerBarrier + wg, 128);
+#pragma unroll
+    for (int c = wtid; c < 64 * kOT; c += 128) {
+        const int r = wg * 64 + c / kOT, col = c % kOT;
+        if (r < rows_valid && col < v_chunks)
+            *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sQ + swizzled_chunk<kBM>(r, col));
+    }
+}
+
+// One block per SM: 384 threads; ptxas gives each 168 registers, which setmaxnreg re-balances.
+extern "C" __global__ void __launch_bounds__(384, 1)
+CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) {
+    flash_fwd_sm90_ws<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES, CUFLASH_SOFTCAP != 0,
+                      CUFLASH_ALIBI != 0>(p, maps);
+}
