@@ -260,9 +260,14 @@ def _fwd_maps(q, k, v, packed, block_n):
     forward: a (address, owner) pair of its FwdMaps struct (cuflash/_tma.py)."""
     from . import _tma
 
-    as4 = (lambda x: x[None]) if packed else (lambda x: x)  # packed rows: one batch entry
-    maps = [_tma.tile_map(as4(q), 128), _tma.tile_map(as4(k), block_n), _tma.tile_map(as4(v), block_n)]
-    return _tma.pack_maps(*maps)
+    def as4(x):  # packed rows: one batch entry; reversed or broadcast axes: a copy the copy engine can read
+        x = x[None] if packed else x
+        return x if all(s > 0 or n == 1 for s, n in zip(x.strides, x.shape)) else _cp().ascontiguousarray(x)
+
+    q, k, v = as4(q), as4(k), as4(v)  # (alive until the launch: the maps point into them)
+    maps = [_tma.tile_map(q, 128), _tma.tile_map(k, block_n), _tma.tile_map(v, block_n)]
+    address, owner = _tma.pack_maps(*maps)
+    return address, (owner, q, k, v)
 
 
 def execute(prm, launches, accum):

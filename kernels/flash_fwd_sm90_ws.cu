@@ -104,8 +104,7 @@ __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const Fw
         const int kv_batch = packed ? 0 : static_cast<int>(seq.kv_row());
         mbar_arrive_expect_tx(&q_full, kTileQ);
         tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(seq.q_start) + m0, h, packed ? 0 : b);
-        RingState<kStages> ring;
-        ring.phase = 1;  // the stages start free
+        auto ring = RingState<kStages>::producer_start();
         for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
             const int row = static_cast<int>(seq.k_start) + nb * kBN;
             mbar_wait(&k_empty[ring.stage], ring.phase);
@@ -125,9 +124,10 @@ __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const Fw
     // ---- consumers ----
     regs_acquire<ws::kConsumerRegs>();
     const int wg = warp / 4 - 1, wtid = tid - 128 * (wg + 1);  // consumer 0 or 1, thread within it
-    const int other = wg ^ 1;
-    auto take_turn = [&] { named_barrier_sync(ws::kTurnBarrier + wg, 256); };
-    auto end_turn = [&] { named_barrier_arrive(ws::kTurnBarrier + other, 256); };
+    // (immediate barrier ids: consumer 0 syncs on 1 and arrives on 2, consumer 1 the reverse)
+    auto take_turn = [&] { wg == 0 ? named_barrier_sync<ws::kTurnBarrier>(256) : named_barrier_sync<ws::kTurnBarrier + 1>(256); };
+    auto end_turn = [&] { wg == 0 ? named_barrier_arrive<ws::kTurnBarrier + 1>(256) : named_barrier_arrive<ws::kTurnBarrier>(256); };
+    auto consumer_barrier = [&] { wg == 0 ? named_barrier_sync<ws::kConsumerBarrier>(128) : named_barrier_sync<ws::kConsumerBarrier + 1>(128); };
     if (wg == 1) end_turn();  // consumer 0 goes first
 
     const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
@@ -182,7 +182,7 @@ __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const Fw
                 for (int c = wtid; c < (kBN - first) * kOT; c += 128)
                     *reinterpret_cast<uint4*>(tile + swizzled_chunk<kBN>(first + c / kOT, c % kOT)) = make_uint4(0, 0, 0, 0);
                 fence_async_smem();
-                named_barrier_sync(ws::kConsumerBarrier + wg, 128);
+                consumer_barrier();
             }
             float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
             wgmma_fence();
@@ -214,7 +214,7 @@ __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const Fw
             *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
                 pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
     }
-    named_barrier_sync(ws::kConsumerBarrier + wg, 128);
+    consumer_barrier();
 #pragma unroll
     for (int c = wtid; c < 64 * kOT; c += 128) {
         const int r = wg * 64 + c / kOT, col = c % kOT;
