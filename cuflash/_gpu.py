@@ -235,8 +235,9 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
     CUFLASH_DISABLE_SM90 unset (a switch for comparing with the sm_80 kernels).  None otherwise."""
     if not _is_hopper(device) or _kernels.sm90_disabled():
         return None
-    if family is _kernels.sm90_fwd_variant and _kernels.sm90_ws_enabled():
-        family = _kernels.sm90_ws_fwd_variant
+    mode = _kernels.sm90_ws_mode() if family is _kernels.sm90_fwd_variant else ""
+    if mode:
+        return _kernels.sm90_ws_fwd_variant(dtype, headdim, **features, overlap=mode != "nooverlap")
     return family(dtype, headdim, **features)
 
 

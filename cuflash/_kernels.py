@@ -194,26 +194,30 @@ SM90_WS_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
 
 
 @functools.lru_cache(maxsize=None)
-def sm90_ws_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) -> Variant | None:
+def sm90_ws_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True) -> Variant | None:
     """The warp-specialised wgmma forward (TMA producer warp, two ping-ponging consumer
-    warpgroups) for ``headdim``'s bucket, or None where it does not apply."""
+    warpgroups, with ``overlap`` the next tile's S issued with the current P V) for
+    ``headdim``'s bucket, or None where it does not apply."""
     d = headdim_bucket(headdim)
     if d not in SM90_WS_TILES:
         return None
     block_n, stages = SM90_WS_TILES[d]
-    name = f"cuflash_fwd_sm90ws_{_SHORT[dtype]}_d{d}_bn{block_n}_st{stages}" + "_softcap" * softcap + "_alibi" * alibi
+    name = (f"cuflash_fwd_sm90ws_{_SHORT[dtype]}_d{d}_bn{block_n}_st{stages}" + "_softcap" * softcap + "_alibi" * alibi
+            + "_nooverlap" * (not overlap))
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
         ("CUFLASH_STAGES", stages), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
-        ("CUFLASH_BLOCK_M", 128),
+        ("CUFLASH_BLOCK_M", 128), ("CUFLASH_OVERLAP", int(overlap)),
     )
     smem = (128 + 2 * stages * block_n) * d * 2 + 1024  # Q, the K and V stages, 1 KB for the alignment
     return Variant("flash_fwd_sm90_ws.cu", name, defines, 384, smem, arch="90a")
 
 
-def sm90_ws_enabled() -> bool:
-    """CUFLASH_SM90_WS=1 picks the warp-specialised forward (while it is being measured)."""
-    return os.environ.get("CUFLASH_SM90_WS", "") not in ("", "0")
+def sm90_ws_mode() -> str:
+    """CUFLASH_SM90_WS picks the warp-specialised forward while it is measured: "1" (with the
+    intra-warpgroup overlap), "nooverlap" (without), "" or "0" (the default kernel)."""
+    mode = os.environ.get("CUFLASH_SM90_WS", "")
+    return "" if mode == "0" else mode
 
 
 @functools.lru_cache(maxsize=None)
@@ -322,7 +326,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi),
-                              sm90_ws_fwd_variant(dtype, d, softcap=softcap, alibi=alibi)]
+                              sm90_ws_fwd_variant(dtype, d, softcap=softcap, alibi=alibi),
+                              sm90_ws_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=False)]
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)
                                for det in (False, True)]
                     out += [v for v in hopper if v is not None]

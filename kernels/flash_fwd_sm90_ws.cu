@@ -39,6 +39,9 @@
 #ifndef CUFLASH_STAGES
 #define CUFLASH_STAGES 2
 #endif
+#ifndef CUFLASH_OVERLAP
+#define CUFLASH_OVERLAP 1
+#endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
@@ -61,7 +64,7 @@ constexpr int kTurnBarrier = 1;                         // + consumer index: 1, 
 constexpr int kConsumerBarrier = 3;                     // + consumer index: 3, 4 (one warpgroup)
 }  // namespace ws
 
-template <class T, int kD, int kBN, int kStages, bool kSoftcap, bool kAlibi>
+template <class T, int kD, int kBN, int kStages, bool kSoftcap, bool kAlibi, bool kOverlap>
 __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const FwdMaps& maps) {
     constexpr int kBM = 128, kNT = kBN / 8, kOT = kD / 8;
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
@@ -141,55 +144,111 @@ __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const Fw
 
     if (nb_lo < nb_hi) {
         const u32 q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
-        mbar_wait(&q_full, 0);
-        RingState<kStages> ring;
-        for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
-            const int n0 = nb * kBN;
-            const u32 k_tile = k_base + ring.stage * kTileKV, v_tile = v_base + ring.stage * kTileKV;
+        float s[kNT][4];   // S of the current tile, then (overlap) its P in fp32
+        float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
+        float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
+        u32 pk[kBN / 16][4];  // P as the register A operand of O += P V
+        float alpha[2];
 
-            // S = Q K^T, in 16-wide steps over the head dim.
-            float s[kNT][4];
-            float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
-            mbar_wait(&k_full[ring.stage], ring.phase);
-            take_turn();
+        // S = Q K^T of the K tile in `stage`, 16-wide steps over the head dim (not waited for).
+        auto issue_s = [&](int stage) {
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < kD / 16; ++ks)
-                wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks), desc_k_major<kBN>(k_tile, 0, ks), ks > 0);
+                wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks),
+                                 desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
             wgmma_commit();
-            end_turn();
-            wgmma_wait<0>();
-            wgmma_pin(s_flat);
-            if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
-
-            u32 pk[kBN / 16][4];
-            float alpha[2];
-            const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
-            softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked, seq, score_args, lane);
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // see flash_fwd.cu
-#pragma unroll
-                for (int ot = 0; ot < kOT; ++ot)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) o[ot][e] *= alpha[e / 2];
-            }
-
-            // O += P V, 16 keys per step.
-            mbar_wait(&v_full[ring.stage], ring.phase);
-            take_turn();
-            if (wg == 0 && n0 + kBN > seq.sk) {  // tail tile: V rows past the keys become zeros
-                unsigned char* tile = sV + ring.stage * kTileKV;
+        };
+        // O += P V with the V tile of keys [n0, n0 + kBN) in `stage`, 16 keys per step (not waited
+        // for).  Called in the caller's turn: consumer 0 first sets the tail tile's V rows past the
+        // keys to zero (the copy engine read them from the array: another sequence's rows, or
+        // padding that may hold NaN); consumer 1's product of that stage comes in a later turn.
+        auto issue_pv = [&](int stage, int n0) {
+            if (wg == 0 && n0 + kBN > seq.sk) {
+                unsigned char* tile = sV + stage * kTileKV;
                 const int first = max(seq.sk - n0, 0);
                 for (int c = wtid; c < (kBN - first) * kOT; c += 128)
                     *reinterpret_cast<uint4*>(tile + swizzled_chunk<kBN>(first + c / kOT, c % kOT)) = make_uint4(0, 0, 0, 0);
                 fence_async_smem();
                 consumer_barrier();
             }
-            float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
             wgmma_fence();
 #pragma unroll
             for (int kk = 0; kk < kBN / 16; ++kk)
-                wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_tile, kk));
+                wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_base + stage * kTileKV, kk));
             wgmma_commit();
+            wgmma_pin(o_flat);  // the accumulator stays in its registers while the product runs
+        };
+        auto rescale_o = [&] {
+            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // see flash_fwd.cu
+#pragma unroll
+                for (int ot = 0; ot < kOT; ++ot)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) o[ot][e] *= alpha[e / 2];
+            }
+        };
+        auto masked = [&](int n0) { return !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN); };
+
+        mbar_wait(&q_full, 0);
+        RingState<kStages> ring;
+        if constexpr (!kOverlap) {
+            // Per tile: [turn] S [end] -> softmax -> [turn] P V [end], each product waited for at once.
+            for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
+                const int n0 = nb * kBN;
+                mbar_wait(&k_full[ring.stage], ring.phase);
+                take_turn();
+                issue_s(ring.stage);
+                end_turn();
+                wgmma_wait<0>();
+                wgmma_pin(s_flat);
+                if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
+                softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                rescale_o();
+                mbar_wait(&v_full[ring.stage], ring.phase);
+                take_turn();
+                issue_pv(ring.stage, n0);
+                end_turn();
+                wgmma_wait<0>();
+                wgmma_pin(o_flat);
+                if (wtid == 0) mbar_arrive(&v_empty[ring.stage]);
+            }
+        } else {
+            // FA3 §3.2: S of tile n is issued together with P V of tile n + 1 (the one before it in
+            // this descending order) in one turn, and tile n's softmax runs while that P V does.
+            // P stays fp32 in s until the product reading pk is done; O is rescaled after it.
+            int n0 = (nb_hi - 1) * kBN;
+            mbar_wait(&k_full[ring.stage], ring.phase);
+            take_turn();
+            issue_s(ring.stage);
+            end_turn();
+            wgmma_wait<0>();
+            wgmma_pin(s_flat);
+            if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
+            softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+            pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
+            for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
+                const int prev_stage = ring.stage, prev_n0 = n0;
+                ring.advance();
+                n0 = nb * kBN;
+                mbar_wait(&k_full[ring.stage], ring.phase);
+                mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
+                take_turn();
+                issue_s(ring.stage);
+                issue_pv(prev_stage, prev_n0);
+                end_turn();
+                wgmma_wait<1>();  // S is done (P V may still run)
+                wgmma_pin(s_flat);
+                if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
+                softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                wgmma_wait<0>();  // P V is done: pk and O are free
+                wgmma_pin(o_flat);
+                if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
+                rescale_o();
+                pack_probs<T, kNT>(s, pk);
+            }
+            mbar_wait(&v_full[ring.stage], ring.phase);
+            take_turn();
+            issue_pv(ring.stage, n0);
             end_turn();
             wgmma_wait<0>();
             wgmma_pin(o_flat);
@@ -227,5 +286,5 @@ __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const Fw
 extern "C" __global__ void __launch_bounds__(384, 1)
 CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) {
     flash_fwd_sm90_ws<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES, CUFLASH_SOFTCAP != 0,
-                      CUFLASH_ALIBI != 0>(p, maps);
+                      CUFLASH_ALIBI != 0, CUFLASH_OVERLAP != 0>(p, maps);
 }

@@ -14,7 +14,10 @@ struct ScoreArgs {
 // s: the (16 x 8 kNT) scores of rows lane/4 (e = 0, 1) and lane/4 + 8 (e = 2, 3), keys n0 + 8 nt +
 // 2 (lane % 4) + e % 2; qpos: the query positions of those two rows.  masked: the tile touches a
 // band edge or the key tail.  Writes pk (A fragments of P) and alpha (the O rescale per row).
-template <class T, int kNT, bool kSoftcap, bool kAlibi>
+// kKeepFp32: leave P in s (fp32) and pk untouched, for a caller whose previous P is still being
+// read from pk by an asynchronous P V (the intra-warpgroup overlap of flash_fwd_sm90_ws.cu); it
+// packs P with pack_probs once that product is done.
+template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
                                              float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
                                              const SeqInfo& seq, const ScoreArgs& a, int lane) {
@@ -62,10 +65,23 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                 p1 = exp2f(s[nt][half * 2 + 1] - m_use);
             }
             part_sum[nt % 2] += p0 + p1;
-            // The C fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15:
-            // rows lane/4 (+8 for half 1), keys +0..7 (nt even) or +8..15 (nt odd).
-            pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
+            if constexpr (kKeepFp32) {
+                s[nt][half * 2] = p0, s[nt][half * 2 + 1] = p1;
+            } else {
+                pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
+            }
         }
         row[half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
     }
+}
+
+// P (fp32, in the C-fragment layout of S) packed to 16 bits as the A operand of O += P V: the C
+// fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15, rows lane/4 (+8 for
+// e = 2, 3), keys +0..7 (nt even) or +8..15 (nt odd).
+template <class T, int kNT>
+__device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[kNT / 2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p[nt][half * 2], p[nt][half * 2 + 1]);
 }

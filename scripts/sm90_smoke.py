@@ -17,7 +17,7 @@ from cuflash.bench import attention_flops, time_gpu  # noqa: E402
 from cuflash.reference import attention_ref  # noqa: E402
 
 rng = np.random.default_rng(0)
-for d, ws in ((64, ""), (128, ""), (256, ""), (64, "1"), (128, "1"), (256, "1")):
+for d, ws in [(d, ws) for ws in ("", "1", "nooverlap") for d in (64, 128, 256)]:
     os.environ["CUFLASH_SM90_WS"] = ws  # "1": the warp-specialised forward (issue 21)
     _fastpath.PLANS.clear()
     for causal in (False, True):
@@ -26,13 +26,13 @@ for d, ws in ((64, ""), (128, ""), (256, ""), (64, "1"), (128, "1"), (256, "1"))
         ref, _ = attention_ref(q, k, v, causal=causal)
         err = np.abs(out - ref)
         bad = np.argwhere(err > 0.05)
-        print(f"d{d}{' ws' if ws else ''} causal={causal}: max err {err.max():.3g}, bad {len(bad)}"
+        print(f"d{d}{' ws=' + ws if ws else ''} causal={causal}: max err {err.max():.3g}, bad {len(bad)}"
               + (f", rows {np.unique(bad[:, 1])[:8]}, cols {np.unique(bad[:, 3])[:16]}" if len(bad) else ""))
 
 
-def tflops(d, s, causal, disable, backward=False, deterministic=False, ws=False):
+def tflops(d, s, causal, disable, backward=False, deterministic=False, ws=""):
     os.environ["CUFLASH_DISABLE_SM90"] = "1" if disable else ""
-    os.environ["CUFLASH_SM90_WS"] = "1" if ws else ""
+    os.environ["CUFLASH_SM90_WS"] = ws
     _fastpath.PLANS.clear()
     b, h = 16384 // s, 2048 // d
     q, k, v = (cp.asarray(rng.standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for _ in range(3))
@@ -43,12 +43,12 @@ def tflops(d, s, causal, disable, backward=False, deterministic=False, ws=False)
 
 
 for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:
-    print(f"{kind}: d causal seqlen: " + ("sm90 atomic dQ / sm90 deterministic" if kind == "bwd" else "sm90 / sm80 / sm90 warp-specialised") + " TF/s")
+    print(f"{kind}: d causal seqlen: " + ("sm90 atomic dQ / sm90 deterministic" if kind == "bwd" else "sm90 / sm80 / warp-specialised / ws without overlap") + " TF/s")
     for d in (64, 128, 256) if kind == "fwd" else (64, 128):
         for causal in (False, True):
             for s in (4096, 16384):
-                runs = [(False, False, False), (False, True, False)] if kind == "bwd" else [
-                    (False, False, False), (True, False, False), (False, False, True)]
+                runs = [(False, False, ""), (False, True, "")] if kind == "bwd" else [
+                    (False, False, ""), (True, False, ""), (False, False, "1"), (False, False, "nooverlap")]
                 rates = [tflops(d, s, causal, disable, kind == "bwd", det, ws) for disable, det, ws in runs]
                 print(f"{kind} d{d} {causal} {s}: " + " / ".join(f"{r:.0f}" for r in rates), flush=True)
 

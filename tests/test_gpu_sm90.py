@@ -118,6 +118,18 @@ def test_keys_past_seqlens_k_are_never_read_into_the_output(rng, kernel, headdim
 
 @requires_hopper
 @pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_warp_specialised_forward_without_the_overlap(rng, headdim, causal, monkeypatch):
+    """The ablation variant (each product waited for at once) stays exact too."""
+    monkeypatch.setenv("CUFLASH_SM90_WS", "nooverlap")
+    _fastpath.PLANS.clear()
+    q = _rand(rng, (2, 333, 4, headdim), ml_dtypes.bfloat16, 3.0)
+    k, v = _rand(rng, (2, 517, 2, headdim), ml_dtypes.bfloat16), _rand(rng, (2, 517, 2, headdim), ml_dtypes.bfloat16)
+    _check(q, k, v, causal=causal, softcap=5.0 if causal else 0.0)
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 256])
 def test_packed_sequences_on_every_forward(rng, kernel, headdim):
     """Varlen through each Hopper forward: tiles that run into the next sequence's rows."""
     lens_q, lens_k = [1, 130, 7, 257], [65, 300, 1, 129]
