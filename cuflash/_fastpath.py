@@ -72,6 +72,7 @@ class Plan:
         self.spans = tuple(_span(a) for a in inputs[:3])
         self.out_span = _span(out) if out_given else None
         self.scratch_lse = None  # written, never read, by calls that do not return the LSE
+        self.has_maps = any(len(launch) > 4 for launch in self.launches)
 
     def run(self, inputs, out=None, need_lse=True):
         """(out, lse), or None when this call must take the full path after all."""
@@ -97,7 +98,12 @@ class Plan:
         for field, a in zip(self.fields, inputs):
             setattr(prm, field, None if a is None else a.data.ptr)
         prm.out, prm.lse = out.data.ptr, lse.data.ptr
-        _gpu.execute(prm, self.launches, self.accum)
+        launches = self.launches
+        if self.has_maps:  # tensor maps re-pointed at this call's q, k, v
+            pointers = dict(q=qp, k=kp, v=vp)
+            launches = [(fn, grid, block, smem, *(m.repointed(pointers) for m in extra))
+                        for fn, grid, block, smem, *extra in launches]
+        _gpu.execute(prm, launches, self.accum)
         return out, lse
 
 
@@ -108,6 +114,10 @@ def remember(key, record, fields, inputs, out, out_given, lse_shape):
     given = tuple(None if a is None else a.data.ptr for a in (*inputs, out))
     if used != given or any(s < 0 for a in (*inputs[:3], out) for s in a.strides):
         return
+    by_name = dict(zip(fields, given))
+    for launch in record["launches"]:  # tensor maps must read the given arrays too (not copies)
+        if any(m.pointers != tuple(by_name.get(n) for n in m.names) for m in launch[4:]):
+            return
     if len(PLANS) >= _MAX_PLANS:
         PLANS.clear()
     try:

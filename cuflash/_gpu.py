@@ -200,7 +200,6 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             if variant.filename == "flash_fwd_sm90_ws.cu":  # + the tensor maps of Q, K, V
                 maps = _fwd_maps(qx, kx, vx, packed, dict(variant.defines)["CUFLASH_BLOCK_N"])
                 launches = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)]
-                record = None  # (the warm-call replay would need the maps re-encoded)
         if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
             tail = _kernels.get_function(_kernels.varlen_tail_variant(), device)
             launches.insert(0, (tail, (2 * _sm_resources(device)[0],), (256,), 0))
@@ -258,22 +257,21 @@ def _offsets_scratch(prm):
 
 def _fwd_maps(q, k, v, packed, block_n):
     """Tensor maps of Q (128-row boxes), K and V (block_n-row boxes) for the warp-specialised
-    forward: a (address, owner) pair of its FwdMaps struct (cuflash/_tma.py)."""
+    forward: its FwdMaps struct as a :class:`cuflash._tma.MapsArg`."""
     from . import _tma
 
     def as4(x):  # packed rows: one batch entry; reversed or broadcast axes: a copy the copy engine can read
         x = x[None] if packed else x
         return x if all(s > 0 or n == 1 for s, n in zip(x.strides, x.shape)) else _cp().ascontiguousarray(x)
 
-    q, k, v = as4(q), as4(k), as4(v)  # (alive until the launch: the maps point into them)
+    q, k, v = as4(q), as4(k), as4(v)
     maps = [_tma.tile_map(q, 128), _tma.tile_map(k, block_n), _tma.tile_map(v, block_n)]
-    address, owner = _tma.pack_maps(*maps)
-    return address, (owner, q, k, v)
+    return _tma.MapsArg(maps, ("q", "k", "v"), (q, k, v))
 
 
 def execute(prm, launches, accum):
     """Run the recorded launches: point the split kernel at its scratch (if any), then launch in
-    order.  A launch may carry a fifth item, (address, owner) of a second by-value parameter."""
+    order.  A launch may carry a fifth item, a :class:`cuflash._tma.MapsArg` (tensor maps by value)."""
     first_bad = _offsets_scratch(prm) if prm.cu_seqlens_q else None  # noqa: F841 (alive until queued)
     if accum is not None:
         out_floats, lse_floats, groups = accum
@@ -282,7 +280,7 @@ def execute(prm, launches, accum):
         prm.out_accum, prm.lse_accum, prm.split_counters = base, base + 4 * out_floats, counters.data.ptr
     arg = _pointer(prm)
     for fn, grid, block, smem, *extra in launches:
-        args = (arg,) + tuple(_cpointer()(address) for address, _owner in extra)
+        args = (arg,) + tuple(_cpointer()(maps.address) for maps in extra)
         fn(grid, block, args, shared_mem=smem)
 
 

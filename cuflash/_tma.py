@@ -114,6 +114,42 @@ def tile_map(x, rows: int):
                         (64, rows, 1, 1))
 
 
+@functools.lru_cache(maxsize=None)
+def _replacer():
+    """cuTensorMapReplaceAddress from the driver library."""
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapReplaceAddress
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class MapsArg:
+    """The tensor maps a kernel takes by value after FlashParams (packed by :func:`pack_maps`),
+    with the names of the inputs they read (``"q"``, ``"k"``, ``"v"``) and those inputs' device
+    addresses, so that a warm call (cuflash._fastpath) can re-point them at new arrays of the same
+    layout with :meth:`repointed` instead of encoding them again."""
+
+    def __init__(self, maps, names, arrays):
+        self.names = tuple(names)
+        self.pointers = tuple(a.data.ptr for a in arrays)
+        self.address, self._raw = pack_maps(*maps)
+        self._arrays = tuple(arrays)  # the maps point into them
+
+    def repointed(self, pointers: dict) -> "MapsArg":
+        """A copy whose map i reads ``pointers[names[i]]`` (same shapes and strides)."""
+        new = object.__new__(MapsArg)
+        new.names, new.pointers, new._arrays = self.names, tuple(pointers[n] for n in self.names), ()
+        size = ctypes.sizeof(TensorMap)
+        new._raw = ctypes.create_string_buffer(size * len(self.names) + 64)
+        new.address = ctypes.addressof(new._raw) + (-ctypes.addressof(new._raw)) % 64
+        ctypes.memmove(new.address, self.address, size * len(self.names))
+        for i, ptr in enumerate(new.pointers):
+            status = _replacer()(new.address + i * size, ctypes.c_void_p(ptr))
+            if status != 0:
+                raise RuntimeError(f"cuTensorMapReplaceAddress failed with CUresult {status}")
+        return new
+
+
 def pack_maps(*maps):
     """Tensor maps laid out back to back, 64-byte aligned, as a kernel's struct of maps
     (``FwdMaps`` of kernels/flash_fwd_sm90_ws.cu).  Returns (address, owner): keep ``owner``

@@ -43,6 +43,21 @@ def test_replay_matches_reference_on_new_data(rng, name):
     assert any(key[0] == "attention" and key[1][0][0] == (b, sq, h, d) for key in _fastpath.PLANS), "no plan was recorded"
 
 
+@pytest.mark.parametrize("name", ["plain", "causal-gqa"])
+def test_replay_of_the_warp_specialised_forward_repoints_its_tensor_maps(rng, name, monkeypatch):
+    """Issue 21: the warp-specialised Hopper forward takes tensor maps of q, k, v; a replay must
+    point them at the new arrays (cuTensorMapReplaceAddress), not read the first call's."""
+    from cuflash import _gpu
+
+    if not _gpu._is_hopper(_cp().cuda.Device().id):
+        pytest.skip("the warp-specialised forward needs a compute-capability-9.0 GPU")
+    monkeypatch.setenv("CUFLASH_SM90_WS", "1")
+    _fastpath.PLANS.clear()
+    test_replay_matches_reference_on_new_data(rng, name)
+    assert any(len(launch) > 4 for plan in _fastpath.PLANS.values() for launch in plan.launches), "no map replay"
+    _fastpath.PLANS.clear()
+
+
 def test_seqlens_k_and_bhsd_layout(rng):
     cp = _cp()
     q = cp.asarray(_rand(rng, (3, 4, 40, 64), np.float16, 3.0))  # bhsd
