@@ -65,7 +65,7 @@ class Plan:
     def __init__(self, record, fields, inputs, out, out_given, lse_shape):
         self.device = record["device"]
         self.template = record["template"]
-        self.launches = record["launches"]
+        self.launches = [(*launch[:4], *(m.detached() for m in launch[4:])) for launch in record["launches"]]
         self.accum = record["accum"]
         self.fields = fields
         self.out_shape, self.lse_shape, self.dtype = out.shape, lse_shape, out.dtype
@@ -101,8 +101,11 @@ class Plan:
         launches = self.launches
         if self.has_maps:  # tensor maps re-pointed at this call's q, k, v
             pointers = dict(q=qp, k=kp, v=vp)
-            launches = [(fn, grid, block, smem, *(m.repointed(pointers) for m in extra))
-                        for fn, grid, block, smem, *extra in launches]
+            try:
+                launches = [(fn, grid, block, smem, *(m.repointed(pointers) for m in extra))
+                            for fn, grid, block, smem, *extra in launches]
+            except RuntimeError:  # the driver refused: the full path encodes new maps
+                return None
         _gpu.execute(prm, launches, self.accum)
         return out, lse
 

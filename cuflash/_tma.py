@@ -135,6 +135,13 @@ class MapsArg:
         self.address, self._raw = pack_maps(*maps)
         self._arrays = tuple(arrays)  # the maps point into them
 
+    def detached(self) -> "MapsArg":
+        """The same maps without the references to the arrays they read (for a plan that must
+        not keep a call's inputs allocated)."""
+        new = object.__new__(MapsArg)
+        new.names, new.pointers, new.address, new._raw, new._arrays = self.names, self.pointers, self.address, self._raw, ()
+        return new
+
     def repointed(self, pointers: dict) -> "MapsArg":
         """A copy whose map i reads ``pointers[names[i]]`` (same shapes and strides)."""
         new = object.__new__(MapsArg)

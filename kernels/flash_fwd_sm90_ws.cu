@@ -1,21 +1,24 @@
-// Exact attention forward for Hopper (sm_90a), warp-specialised (issue 21, first step): a
-// producer warp streams Q, K and V tiles with the bulk tensor copy engine (TMA) into a ring of
-// shared-memory stages (sm90_pipeline.cuh); two consumer warpgroups only compute, and take turns
-// issuing their matrix products (ping-pong) so that one warpgroup's softmax runs under the
-// other's wgmma.  setmaxnreg moves registers from the producer to the consumers.
+// Exact attention forward for Hopper (sm_90a), warp-specialised (issue 21): a producer thread
+// streams Q, K and V tiles with the bulk tensor copy engine (TMA) into rings of shared-memory
+// stages (sm90_pipeline.cuh); two consumer warpgroups only compute, and take turns issuing their
+// matrix products (ping-pong) so that one warpgroup's softmax runs under the other's wgmma;
+// setmaxnreg moves registers from the producer to the consumers.  With kOverlap, S of the next
+// tile is issued together with P V of the current one, so that a warpgroup's own softmax also
+// runs under its P V.
 //
 // Shah et al., "FlashAttention-3", 2024: §3.1 (producer/consumer warp specialisation, ping-pong
-// scheduling of the two consumer warpgroups).  Not yet here: the intra-warpgroup overlap of §3.2
-// (S of the next tile issued before the current softmax), persistent scheduling, FA3's tile sizes.
+// scheduling of two consumer warpgroups), §3.2 (intra-warpgroup overlap of softmax and GEMMs).
+// Not yet here: persistent scheduling, FA3's tile sizes.
 //
 // Block: warpgroup 0 = producer (its warp 0, lane 0 issues every copy; the rest exit at once),
 // warpgroups 1 and 2 = consumers owning query rows [0, 64) and [64, 128) of the block.  Shared
 // memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (128 x kD), then
 // kStages stages of K (kBN x kD) and of V (kBN x kD).  K and V have their own full/empty barriers,
-// so a consumer can start S = Q K^T before V has landed.  Per key tile, in each consumer:
-//   wait K full -> [turn] issue S = Q K^T -> [end turn] -> wait S, release K -> score pipeline and
-//   online softmax (softmax_tile.cuh) -> wait V full -> [turn] issue O += P V -> [end turn] ->
-//   wait, release V.
+// so a consumer can start S = Q K^T before V has landed.  Tiles run from the last key tile down.
+// Without the overlap, per tile in each consumer: wait K -> [turn] issue S [end] -> wait S,
+// release K -> softmax (softmax_tile.cuh) -> wait V -> [turn] issue P V [end] -> wait, release V.
+// With it: [turn] issue S_n and P_{n+1} V_{n+1} [end] -> wait S_n, release K -> softmax of S_n (P
+// kept in fp32) -> wait P V, release V -> rescale O, pack P_n (the loop in the consumer below).
 // Turns: named barrier 1 + w is consumer w's; it syncs on its own and arrives on the other's
 // (consumer 1 pre-arrives on consumer 0's, so consumer 0 goes first; consumer 0 absorbs the last
 // arrival at the end).  The tail tile's V rows past the sequence's keys are set to zero by
