@@ -71,7 +71,7 @@ template <class T, int kD, int kBN, int kStages, bool kSoftcap, bool kAlibi, boo
 __device__ __forceinline__ void flash_fwd_sm90_ws(const FlashParams& p, const FwdMaps& maps) {
     constexpr int kBM = 128, kNT = kBN / 8, kOT = kD / 8;
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
-    static_assert(kD % 64 == 0 && kBN % 64 == 0 && kBN <= 256, "bad tile shape");
+    static_assert(kD % 64 == 0 && kBN % 16 == 0 && kBN <= 256, "bad tile shape");  // (kBN x 128-byte panels: 1 KB-aligned)
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // host adds 1 KB

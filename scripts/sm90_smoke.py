@@ -62,3 +62,15 @@ for spec in filter(None, os.environ.get("SM90_BWD_TILES", "").split(",")):
     _kernels.sm90_bwd_variant.cache_clear()
     row = [f"{tflops(d, s, causal, False, True):.0f}" for causal in (False, True) for s in (4096, 16384)]
     print(f"bwd tile d{d} {tile}: non-causal 4k/16k, causal 4k/16k: {' / '.join(row)}", flush=True)
+
+# Warp-specialised forward tiles to compare: SM90_WS_TILES="128:176x2,256:80x2" (head dim: keys per
+# tile x stages); the same runs as "fwd" for the warp-specialised kernel only.
+for spec in filter(None, os.environ.get("SM90_WS_TILES", "").split(",")):
+    from cuflash import _kernels
+
+    d, tile = spec.split(":")
+    d = int(d)
+    _kernels.SM90_WS_TILES[d] = tuple(map(int, tile.split("x")))
+    _kernels.sm90_ws_fwd_variant.cache_clear()
+    row = [f"{tflops(d, s, causal, False, ws='1'):.0f}" for causal in (False, True) for s in (4096, 16384)]
+    print(f"ws tile d{d} {tile}: non-causal 4k/16k, causal 4k/16k: {' / '.join(row)}", flush=True)
