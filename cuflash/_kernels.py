@@ -192,7 +192,7 @@ SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
 # (keys per tile, stages).  128 query rows per block (two consumer warpgroups), one block per SM.
 # Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 128, 176: FA3 uses
 # 176 at d128 and 80 at d256); scripts/sm90_smoke.py's SM90_WS_TILES compares others.
-SM90_WS_TILES = {64: (128, 2), 128: (128, 2), 256: (64, 2)}
+SM90_WS_TILES = {64: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
 
 
 @functools.lru_cache(maxsize=None)

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 HEADER = Path(__file__).resolve().parent.parent / "kernels" / "wgmma.cuh"
-S_WIDTHS = (64, 80, 128, 176)  # N of S = Q K^T: the key tile (80, 176: FA3's d256, d128 tiles)
-O_WIDTHS = (64, 128, 256)     # N of O += P V: the head dim
+S_WIDTHS = (64, 80, 96, 128, 176)  # N of S = Q K^T: the key tile (80, 176: FA3's d256, d128 tiles; 96: d192)
+O_WIDTHS = (64, 128, 192, 256)  # N of O += P V: the head dim
 DQ_WIDTHS = (64, 128)         # N of dQ = dS K: one warpgroup's slice of the head dim
 TYPES = (("half_t", "f16"), ("bf16_t", "bf16"))
 

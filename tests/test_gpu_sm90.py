@@ -83,7 +83,7 @@ OPTIONS = [
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", [64, 128, 192, 256])  # 192: the warp-specialised kernel only
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_both_kernels_options(rng, kernel, dtype, headdim, opts):
     b, sq, sk, h, hk = 2, 333, 517, 4, 2  # GQA, tails in both lengths
@@ -129,7 +129,7 @@ def test_warp_specialised_forward_without_the_overlap(rng, headdim, causal, monk
 
 
 @requires_hopper
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", [64, 128, 192, 256])
 def test_packed_sequences_on_every_forward(rng, kernel, headdim):
     """Varlen through each Hopper forward: tiles that run into the next sequence's rows."""
     lens_q, lens_k = [1, 130, 7, 257], [65, 300, 1, 129]
