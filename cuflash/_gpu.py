@@ -197,7 +197,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
             grid = ((p.seqlen_q + block_m - 1) // block_m, *_grid_yz(p.batch * p.nheads_q))
             launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
-            if variant.filename == "flash_fwd_sm90_ws.cu":  # + the tensor maps of Q, K, V
+            if variant.filename == "flash_fwd_sm90.cu":  # + the tensor maps of Q, K, V
                 maps = _fwd_maps(qx, kx, vx, packed, dict(variant.defines)["CUFLASH_BLOCK_N"])
                 launches = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)]
         if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
@@ -234,9 +234,8 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
     CUFLASH_DISABLE_SM90 unset (a switch for comparing with the sm_80 kernels).  None otherwise."""
     if not _is_hopper(device) or _kernels.sm90_disabled():
         return None
-    mode = _kernels.sm90_ws_mode() if family is _kernels.sm90_fwd_variant else ""
-    if mode:
-        return _kernels.sm90_ws_fwd_variant(dtype, headdim, **features, overlap=mode != "nooverlap")
+    if family is _kernels.sm90_fwd_variant:
+        return family(dtype, headdim, **features, overlap=_kernels.sm90_overlap())
     return family(dtype, headdim, **features)
 
 

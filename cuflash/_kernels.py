@@ -158,53 +158,25 @@ def sm90_disabled() -> bool:
     return os.environ.get("CUFLASH_DISABLE_SM90", "") not in ("", "0")
 
 
-# Hopper forward (flash_fwd_sm90.cu): head-dim bucket -> (keys per tile, warpgroups of 64 query
-# rows, blocks per SM the registers must allow).  Measured: docs/perf-notes.md, h1.
-SM90_TILES = {64: (64, 2, 2), 128: (64, 2, 2), 256: (64, 2, 1)}
+# Hopper forward (flash_fwd_sm90.cu, warp-specialised; issue 21): head-dim bucket -> (keys per
+# tile, stages of the K and V rings).  128 query rows per block (two consumer warpgroups), one
+# block per SM.  Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 96,
+# 128, 176: FA3 uses 176 at d128 and 80 at d256); scripts/sm90_smoke.py's SM90_FWD_TILES compares
+# others.  Measured: docs/perf-notes.md, h7.
+SM90_FWD_TILES = {64: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
 
 
 @functools.lru_cache(maxsize=None)
-def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool) -> Variant | None:
-    """The wgmma forward kernel for ``headdim``'s bucket, or None where only flash_fwd.cu serves
-    (buckets without a 64-column panel layout)."""
-    d = headdim_bucket(headdim)
-    if d not in SM90_TILES:
-        return None
-    block_n, wgs, min_blocks = SM90_TILES[d]
-    name = f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{64 * wgs}_bn{block_n}_mb{min_blocks}"
-    name += "_softcap" * softcap + "_alibi" * alibi
-    defines = (
-        ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
-        ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
-        ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_BLOCK_M", 64 * wgs),
-    )
-    smem = (64 * wgs + 4 * block_n) * d * 2 + 1024  # Q, two K/V stages, 1 KB for the 1024-byte alignment
-    return Variant("flash_fwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
-
-
-# Hopper backward (flash_bwd_sm90.cu): head-dim bucket -> (rows of the inner-loop tiles, warpgroups
-# of 64 rows, blocks per SM the registers must allow).  dK and dV of head dim 256 do not fit in
-# registers: flash_bwd.cu serves it.  Measured: docs/perf-notes.md, h2.
-SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
-
-
-# Warp-specialised Hopper forward (kernels/flash_fwd_sm90_ws.cu, issue 21): head-dim bucket ->
-# (keys per tile, stages).  128 query rows per block (two consumer warpgroups), one block per SM.
-# Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 128, 176: FA3 uses
-# 176 at d128 and 80 at d256); scripts/sm90_smoke.py's SM90_WS_TILES compares others.
-SM90_WS_TILES = {64: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
-
-
-@functools.lru_cache(maxsize=None)
-def sm90_ws_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True) -> Variant | None:
+def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True) -> Variant | None:
     """The warp-specialised wgmma forward (TMA producer warp, two ping-ponging consumer
-    warpgroups, with ``overlap`` the next tile's S issued with the current P V) for
-    ``headdim``'s bucket, or None where it does not apply."""
+    warpgroups; with ``overlap`` the next tile's S is issued with the current P V) for
+    ``headdim``'s bucket, or None where only flash_fwd.cu serves (buckets without a 64-column
+    panel layout)."""
     d = headdim_bucket(headdim)
-    if d not in SM90_WS_TILES:
+    if d not in SM90_FWD_TILES:
         return None
-    block_n, stages = SM90_WS_TILES[d]
-    name = (f"cuflash_fwd_sm90ws_{_SHORT[dtype]}_d{d}_bn{block_n}_st{stages}" + "_softcap" * softcap + "_alibi" * alibi
+    block_n, stages = SM90_FWD_TILES[d]
+    name = (f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bn{block_n}_st{stages}" + "_softcap" * softcap + "_alibi" * alibi
             + "_nooverlap" * (not overlap))
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
@@ -212,14 +184,19 @@ def sm90_ws_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
         ("CUFLASH_BLOCK_M", 128), ("CUFLASH_OVERLAP", int(overlap)),
     )
     smem = (128 + 2 * stages * block_n) * d * 2 + 1024  # Q, the K and V stages, 1 KB for the alignment
-    return Variant("flash_fwd_sm90_ws.cu", name, defines, 384, smem, arch="90a")
+    return Variant("flash_fwd_sm90.cu", name, defines, 384, smem, arch="90a")
 
 
-def sm90_ws_mode() -> str:
-    """CUFLASH_SM90_WS picks the warp-specialised forward while it is measured: "1" (with the
-    intra-warpgroup overlap), "nooverlap" (without), "" or "0" (the default kernel)."""
-    mode = os.environ.get("CUFLASH_SM90_WS", "")
-    return "" if mode == "0" else mode
+def sm90_overlap() -> bool:
+    """CUFLASH_SM90_OVERLAP=0 runs the Hopper forward without its intra-warpgroup overlap (each
+    product waited for at once): the ablation of docs/perf-notes.md h7, not a setting for users."""
+    return os.environ.get("CUFLASH_SM90_OVERLAP", "") != "0"
+
+
+# Hopper backward (flash_bwd_sm90.cu): head-dim bucket -> (rows of the inner-loop tiles, warpgroups
+# of 64 rows, blocks per SM the registers must allow).  dK and dV of head dim 256 do not fit in
+# registers: flash_bwd.cu serves it.  Measured: docs/perf-notes.md, h2.
+SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -327,9 +304,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
-                    hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi),
-                              sm90_ws_fwd_variant(dtype, d, softcap=softcap, alibi=alibi),
-                              sm90_ws_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=False)]
+                    hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
+                              for overlap in (True, False)]
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)
                                for det in (False, True)]
                     out += [v for v in hopper if v is not None]

@@ -159,7 +159,7 @@ class MapsArg:
 
 def pack_maps(*maps):
     """Tensor maps laid out back to back, 64-byte aligned, as a kernel's struct of maps
-    (``FwdMaps`` of kernels/flash_fwd_sm90_ws.cu).  Returns (address, owner): keep ``owner``
+    (``FwdMaps`` of kernels/flash_fwd_sm90.cu).  Returns (address, owner): keep ``owner``
     alive until the launch is queued."""
     size = ctypes.sizeof(TensorMap)
     raw = ctypes.create_string_buffer(size * len(maps) + 64)

@@ -1,15 +1,31 @@
-// Exact attention forward for Hopper (sm_90a): the FlashAttention-2 algorithm of flash_fwd.cu with
-// its two matrix products on warpgroup MMA (wgmma), which reads K and V straight from shared memory.
+// Exact attention forward for Hopper (sm_90a), warp-specialised (issue 21): a producer thread
+// streams Q, K and V tiles with the bulk tensor copy engine (TMA) into rings of shared-memory
+// stages (sm90_pipeline.cuh); two consumer warpgroups only compute, and take turns issuing their
+// matrix products (ping-pong) so that one warpgroup's softmax runs under the other's wgmma;
+// setmaxnreg moves registers from the producer to the consumers.  With kOverlap, S of the next
+// tile is issued together with P V of the current one, so that a warpgroup's own softmax also
+// runs under its P V.
 //
-// Shah et al., "FlashAttention-3", 2024, §3 (wgmma; P kept in registers as the A operand of P V).
-// Grid and problem setup as flash_fwd.cu.  Block: kWG warpgroups of 4 warps; warpgroup w owns query
-// rows [64 w, 64 w + 64) of the block.  Shared memory, in the swizzled layout of swizzled_tile.cuh:
-// Q (kBM x kD) and two stages of K and V (kBN x kD each).
-// Per key tile: one barrier, then the cp.async copies of the next K/V tile are issued and run
-// under S = Q K^T (wgmma, fp32), the score pipeline and online softmax of softmax_tile.cuh, and
-// O += P V (wgmma, P from registers, V read transposed).  Head dims 64, 128, 256 (others and every
-// other GPU use flash_fwd.cu); the caller pads head dims that are not multiples of 8.
+// Shah et al., "FlashAttention-3", 2024: §3.1 (producer/consumer warp specialisation, ping-pong
+// scheduling of two consumer warpgroups), §3.2 (intra-warpgroup overlap of softmax and GEMMs).
+// Not yet here: persistent scheduling, FA3's tile sizes.
+//
+// Block: warpgroup 0 = producer (its warp 0, lane 0 issues every copy; the rest exit at once),
+// warpgroups 1 and 2 = consumers owning query rows [0, 64) and [64, 128) of the block.  Shared
+// memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (128 x kD), then
+// kStages stages of K (kBN x kD) and of V (kBN x kD).  K and V have their own full/empty barriers,
+// so a consumer can start S = Q K^T before V has landed.  Tiles run from the last key tile down.
+// Without the overlap, per tile in each consumer: wait K -> [turn] issue S [end] -> wait S,
+// release K -> softmax (softmax_tile.cuh) -> wait V -> [turn] issue P V [end] -> wait, release V.
+// With it: [turn] issue S_n and P_{n+1} V_{n+1} [end] -> wait S_n, release K -> softmax of S_n (P
+// kept in fp32) -> wait P V, release V -> rescale O, pack P_n (the loop in the consumer below).
+// Turns: named barrier 1 + w is consumer w's; it syncs on its own and arrives on the other's
+// (consumer 1 pre-arrives on consumer 0's, so consumer 0 goes first; consumer 0 absorbs the last
+// arrival at the end).  The tail tile's V rows past the sequence's keys are set to zero by
+// consumer 0 before its P V (TMA reads them from the array: another sequence's rows, or padding
+// that may hold NaN), inside its turn, so consumer 1's P V of that stage comes after.
 #include "params.cuh"
+#include "sm90_pipeline.cuh"
 #include "softmax_tile.cuh"
 #include "swizzled_tile.cuh"
 #include "warp_gemm.cuh"
@@ -23,11 +39,11 @@
 #ifndef CUFLASH_BLOCK_N
 #define CUFLASH_BLOCK_N 128
 #endif
-#ifndef CUFLASH_WARPGROUPS
-#define CUFLASH_WARPGROUPS 2
+#ifndef CUFLASH_STAGES
+#define CUFLASH_STAGES 2
 #endif
-#ifndef CUFLASH_MIN_BLOCKS
-#define CUFLASH_MIN_BLOCKS 1
+#ifndef CUFLASH_OVERLAP
+#define CUFLASH_OVERLAP 1
 #endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
@@ -39,22 +55,32 @@
 #define CUFLASH_KERNEL_NAME cuflash_fwd_sm90
 #endif
 
-template <class T, int kD, int kBN, int kWG, bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
-    constexpr int kBM = 64 * kWG, kThreads = 128 * kWG;
-    constexpr int kNT = kBN / 8, kOT = kD / 8;
-    constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
-    static_assert(kD % 64 == 0 && (kBN == 64 || kBN == 128), "bad tile shape");
+// The tensor maps of one launch (cuflash/_tma.py): Q, K and V as (headdim, rows, heads, batch)
+// boxes of (64, rows, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
+struct FwdMaps {
+    TensorMap q, k, v;
+};
 
-    // Swizzled tiles need 1024-byte alignment; the host asks for 1 KB of slack.
+namespace ws {
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
+constexpr int kTurnBarrier = 1;                         // + consumer index: 1, 2
+constexpr int kConsumerBarrier = 3;                     // + consumer index: 3, 4 (one warpgroup)
+}  // namespace ws
+
+template <class T, int kD, int kBN, int kStages, bool kSoftcap, bool kAlibi, bool kOverlap>
+__device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
+    constexpr int kBM = 128, kNT = kBN / 8, kOT = kD / 8;
+    constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
+    static_assert(kD % 64 == 0 && kBN % 16 == 0 && kBN <= 256, "bad tile shape");  // (kBN x 128-byte panels: 1 KB-aligned)
+
     extern __shared__ unsigned char smem_raw[];
-    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-    unsigned char* sQ = smem;                  // (kBM, kD), reused to stage O
-    unsigned char* sK = sQ + kTileQ;           // 2 stages of (kBN, kD)
-    unsigned char* sV = sK + 2 * kTileKV;      // 2 stages of (kBN, kD)
+    unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // host adds 1 KB
+    unsigned char* sQ = smem;                      // (kBM, kD), reused to stage O
+    unsigned char* sK = sQ + kTileQ;               // kStages x (kBN, kD)
+    unsigned char* sV = sK + kStages * kTileKV;    // kStages x (kBN, kD)
+    __shared__ u64 q_full, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int wg = warp / 4;                   // warpgroup: query rows [64 wg, 64 wg + 64)
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_q) return;
     const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
@@ -62,35 +88,53 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     const SeqInfo seq(p, b);
     const int m0 = (static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)) * kBM;  // longest rows (causal) first
     if (m0 >= seq.sq) return;
-
-    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    // K/V of this sequence and head: element offsets formed once.  With one block per SM (d256)
-    // they stay in registers; at two blocks per SM, held in registers they made d128 spill, so
-    // they are kept per warp in shared memory (one LDS.64 per tile).  Rebuilt per tile from the
-    // batch row instead, they cost 3-5 % (perf-notes r2).
-    constexpr bool kOffsetsInRegs = kD > 128;
-    const long long kv_b = seq.kv_row();
-    const long long k_offset = kv_b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
-    const long long v_offset = kv_b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
-    __shared__ long long s_kv_offset[kOffsetsInRegs ? 1 : kThreads / 32][2];
-    if (!kOffsetsInRegs && lane == 0) s_kv_offset[warp][0] = k_offset, s_kv_offset[warp][1] = v_offset;
-    __syncwarp();
-    auto gK = [&] { return static_cast<const u16*>(p.k) + (kOffsetsInRegs ? k_offset : s_kv_offset[threadIdx.x / 32][0]); };
-    auto gV = [&] { return static_cast<const u16*>(p.v) + (kOffsetsInRegs ? v_offset : s_kv_offset[threadIdx.x / 32][1]); };
-    u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
-    float* gLse = p.lse + seq.lse_row(p, b, h, m0);
-    const int rows_valid = min(kBM, seq.sq - m0);
-    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
-
     int n_lo, n_hi;
     seq.key_range(m0, m0 + kBM, n_lo, n_hi);
     const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
-    auto load_kv = [&](int nb, int stage) {
-        const int n0 = nb * kBN;
-        load_tile_swizzled<kBN, kD, kThreads>(sK + stage * kTileKV, gK() + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
-        load_tile_swizzled<kBN, kD, kThreads>(sV + stage * kTileKV, gV() + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
-        cp_async_commit();
-    };
+    const bool packed = p.cu_seqlens_q != nullptr;
+
+    if (tid == 0) {
+        mbar_init(&q_full, 1);
+        for (int s = 0; s < kStages; ++s) {
+            mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);
+            mbar_init(&k_empty[s], 2), mbar_init(&v_empty[s], 2);  // one arrival per consumer warpgroup
+        }
+        mbar_init_fence();
+    }
+    __syncthreads();
+
+    if (warp < 4) {  // ---- producer ----
+        regs_release<ws::kProducerRegs>();
+        if (tid != 0 || nb_lo >= nb_hi) return;
+        tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
+        const int kv_batch = packed ? 0 : static_cast<int>(seq.kv_row());
+        mbar_arrive_expect_tx(&q_full, kTileQ);
+        tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(seq.q_start) + m0, h, packed ? 0 : b);
+        auto ring = RingState<kStages>::producer_start();
+        for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
+            const int row = static_cast<int>(seq.k_start) + nb * kBN;
+            mbar_wait(&k_empty[ring.stage], ring.phase);
+            mbar_arrive_expect_tx(&k_full[ring.stage], kTileKV);
+            tma_load_tile<kBN, kD>(sK + ring.stage * kTileKV, maps.k, &k_full[ring.stage], row, hk, kv_batch);
+            mbar_wait(&v_empty[ring.stage], ring.phase);
+            mbar_arrive_expect_tx(&v_full[ring.stage], kTileKV);
+            tma_load_tile<kBN, kD>(sV + ring.stage * kTileKV, maps.v, &v_full[ring.stage], row, hk, kv_batch);
+        }
+        for (int s = 0; s < kStages; ++s, ring.advance()) {  // leave only once the consumers are done
+            mbar_wait(&k_empty[ring.stage], ring.phase);
+            mbar_wait(&v_empty[ring.stage], ring.phase);
+        }
+        return;
+    }
+
+    // ---- consumers ----
+    regs_acquire<ws::kConsumerRegs>();
+    const int wg = warp / 4 - 1, wtid = tid - 128 * (wg + 1);  // consumer 0 or 1, thread within it
+    // (immediate barrier ids: consumer 0 syncs on 1 and arrives on 2, consumer 1 the reverse)
+    auto take_turn = [&] { wg == 0 ? named_barrier_sync<ws::kTurnBarrier>(256) : named_barrier_sync<ws::kTurnBarrier + 1>(256); };
+    auto end_turn = [&] { wg == 0 ? named_barrier_arrive<ws::kTurnBarrier + 1>(256) : named_barrier_arrive<ws::kTurnBarrier>(256); };
+    auto consumer_barrier = [&] { wg == 0 ? named_barrier_sync<ws::kConsumerBarrier>(128) : named_barrier_sync<ws::kConsumerBarrier + 1>(128); };
+    if (wg == 1) end_turn();  // consumer 0 goes first
 
     const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
                                   static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
@@ -102,54 +146,122 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
     RowState row[2];
 
     if (nb_lo < nb_hi) {
-        load_tile_swizzled<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
-        load_kv(nb_hi - 1, 0);  // start at the tail/diagonal tile
         const u32 q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
+        float s[kNT][4];   // S of the current tile, then (overlap) its P in fp32
+        float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
+        float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
+        u32 pk[kBN / 16][4];  // P as the register A operand of O += P V
+        float alpha[2];
 
-        for (int nb = nb_hi - 1, stage = 0; nb >= nb_lo; --nb, stage ^= 1) {
-            const int n0 = nb * kBN;
-            cp_async_wait<0>();
-            fence_async_smem();
-            __syncthreads();  // K/V of this tile (and Q) landed; every warp is done with the other stage
-            if (nb > nb_lo) load_kv(nb - 1, stage ^ 1);
-
-            // S = Q K^T, in 16-wide steps over the head dim.
-            float s[kNT][4];
-            float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
+        // S = Q K^T of the K tile in `stage`, 16-wide steps over the head dim (not waited for).
+        auto issue_s = [&](int stage) {
             wgmma_fence();
 #pragma unroll
             for (int ks = 0; ks < kD / 16; ++ks)
-                wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks), desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
+                wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks),
+                                 desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
             wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_pin(s_flat);
-
-            u32 pk[kBN / 16][4];
-            float alpha[2];
-            const bool masked = !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN);
-            softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked, seq, score_args, lane);
+        };
+        // O += P V with the V tile of keys [n0, n0 + kBN) in `stage`, 16 keys per step (not waited
+        // for).  Called in the caller's turn: consumer 0 first sets the tail tile's V rows past the
+        // keys to zero (the copy engine read them from the array: another sequence's rows, or
+        // padding that may hold NaN); consumer 1's product of that stage comes in a later turn.
+        auto issue_pv = [&](int stage, int n0) {
+            if (wg == 0 && n0 + kBN > seq.sk) {
+                unsigned char* tile = sV + stage * kTileKV;
+                const int first = max(seq.sk - n0, 0);
+                for (int c = wtid; c < (kBN - first) * kOT; c += 128)
+                    *reinterpret_cast<uint4*>(tile + swizzled_chunk<kBN>(first + c / kOT, c % kOT)) = make_uint4(0, 0, 0, 0);
+                fence_async_smem();
+                consumer_barrier();
+            }
+            wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < kBN / 16; ++kk)
+                wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_base + stage * kTileKV, kk));
+            wgmma_commit();
+            wgmma_pin(o_flat);  // the accumulator stays in its registers while the product runs
+        };
+        auto rescale_o = [&] {
             if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // see flash_fwd.cu
 #pragma unroll
                 for (int ot = 0; ot < kOT; ++ot)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) o[ot][e] *= alpha[e / 2];
             }
+        };
+        auto masked = [&](int n0) { return !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN); };
 
-            // O += P V, 16 keys per step.
-            float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kBN / 16; ++kk)
-                wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_base + stage * kTileKV, kk));
-            wgmma_commit();
+        // One product alone in a turn, waited for at once, its stage then released: S = Q K^T of
+        // the K tile in `ring`'s stage, or O += P V of the V tile there (keys [n0, n0 + kBN)).
+        auto s_alone = [&](const RingState<kStages>& ring) {
+            mbar_wait(&k_full[ring.stage], ring.phase);
+            take_turn();
+            issue_s(ring.stage);
+            end_turn();
+            wgmma_wait<0>();
+            wgmma_pin(s_flat);
+            if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
+        };
+        auto pv_alone = [&](const RingState<kStages>& ring, int n0) {
+            mbar_wait(&v_full[ring.stage], ring.phase);
+            take_turn();
+            issue_pv(ring.stage, n0);
+            end_turn();
             wgmma_wait<0>();
             wgmma_pin(o_flat);
+            if (wtid == 0) mbar_arrive(&v_empty[ring.stage]);
+        };
+
+        mbar_wait(&q_full, 0);
+        RingState<kStages> ring;
+        if constexpr (!kOverlap) {
+            // Per tile: [turn] S [end] -> softmax -> [turn] P V [end], each product waited for at once.
+            for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
+                const int n0 = nb * kBN;
+                s_alone(ring);
+                softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                rescale_o();
+                pv_alone(ring, n0);
+            }
+        } else {
+            // FA3 §3.2: S of tile n is issued together with P V of tile n + 1 (the one before it in
+            // this descending order) in one turn, and tile n's softmax runs while that P V does.
+            // P stays fp32 in s until the product reading pk is done; O is rescaled after it.
+            int n0 = (nb_hi - 1) * kBN;
+            s_alone(ring);
+            softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+            pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
+            for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
+                const int prev_stage = ring.stage, prev_n0 = n0;
+                ring.advance();
+                n0 = nb * kBN;
+                mbar_wait(&k_full[ring.stage], ring.phase);
+                mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
+                take_turn();
+                issue_s(ring.stage);
+                issue_pv(prev_stage, prev_n0);
+                end_turn();
+                wgmma_wait<1>();  // S is done (P V may still run)
+                wgmma_pin(s_flat);
+                if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
+                softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                wgmma_wait<0>();  // P V is done: pk and O are free
+                wgmma_pin(o_flat);
+                if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
+                rescale_o();
+                pack_probs<T, kNT>(s, pk);
+            }
+            pv_alone(ring, n0);
         }
     }
+    if (wg == 0) take_turn();  // absorbs consumer 1's last arrival
 
-    // Epilogue: O /= l and LSE; stage this warpgroup's rows of O in its own rows of sQ (swizzled,
-    // conflict-free), then store 16-byte chunks.
-    __syncthreads();  // all warps are done with shared memory (also covers the empty-range path)
+    // Epilogue: O /= l and LSE; each consumer stages its own 64 rows of O in its rows of sQ (no
+    // longer read: its last S is done), then stores them in 16-byte chunks.
+    u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
+    float* gLse = p.lse + seq.lse_row(p, b, h, m0);
+    const int rows_valid = min(kBM, seq.sq - m0), v_chunks = static_cast<int>(p.headdim_v / 8);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float lse;
@@ -161,23 +273,18 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p) {
             *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
                 pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
     }
-    __syncthreads();
-    constexpr int kChunks = kD / 8;
+    consumer_barrier();
 #pragma unroll
-    for (int c = tid; c < kBM * kChunks; c += kThreads) {
-        const int r = c / kChunks, col = c % kChunks;
+    for (int c = wtid; c < 64 * kOT; c += 128) {
+        const int r = wg * 64 + c / kOT, col = c % kOT;
         if (r < rows_valid && col < v_chunks)
             *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sQ + swizzled_chunk<kBM>(r, col));
     }
 }
 
-// CUFLASH_MIN_BLOCKS = 1 leaves each thread up to 255 registers; 2 halves that for two blocks per SM.
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS)
-CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
-    flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0,
-                   CUFLASH_ALIBI != 0>(p);
+// One block per SM: 384 threads; ptxas gives each 168 registers, which setmaxnreg re-balances.
+extern "C" __global__ void __launch_bounds__(384, 1)
+CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) {
+    flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES, CUFLASH_SOFTCAP != 0,
+                      CUFLASH_ALIBI != 0, CUFLASH_OVERLAP != 0>(p, maps);
 }
-
-#ifdef CUFLASH_BLOCK_M  // the loader's grid uses it
-static_assert(CUFLASH_BLOCK_M == 64 * CUFLASH_WARPGROUPS, "block rows = 64 per warpgroup");
-#endif

@@ -15,7 +15,7 @@ struct ScoreArgs {
 // 2 (lane % 4) + e % 2; qpos: the query positions of those two rows.  masked: the tile touches a
 // band edge or the key tail.  Writes pk (A fragments of P) and alpha (the O rescale per row).
 // kKeepFp32: leave P in s (fp32) and pk untouched, for a caller whose previous P is still being
-// read from pk by an asynchronous P V (the intra-warpgroup overlap of flash_fwd_sm90_ws.cu); it
+// read from pk by an asynchronous P V (the intra-warpgroup overlap of flash_fwd_sm90.cu); it
 // packs P with pack_probs once that product is done.
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],

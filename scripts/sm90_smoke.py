@@ -17,8 +17,8 @@ from cuflash.bench import attention_flops, time_gpu  # noqa: E402
 from cuflash.reference import attention_ref  # noqa: E402
 
 rng = np.random.default_rng(0)
-for d, ws in [(d, ws) for ws in ("", "1", "nooverlap") for d in (64, 128, 256)]:
-    os.environ["CUFLASH_SM90_WS"] = ws  # "1": the warp-specialised forward (issue 21)
+for d, overlap in [(d, overlap) for overlap in ("", "0") for d in (64, 128, 192, 256)]:
+    os.environ["CUFLASH_SM90_OVERLAP"] = overlap  # "0": the forward's ablation without the overlap
     _fastpath.PLANS.clear()
     for causal in (False, True):
         q, k, v = (rng.standard_normal((1, 300, 2, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
@@ -26,13 +26,13 @@ for d, ws in [(d, ws) for ws in ("", "1", "nooverlap") for d in (64, 128, 256)]:
         ref, _ = attention_ref(q, k, v, causal=causal)
         err = np.abs(out - ref)
         bad = np.argwhere(err > 0.05)
-        print(f"d{d}{' ws=' + ws if ws else ''} causal={causal}: max err {err.max():.3g}, bad {len(bad)}"
+        print(f"d{d}{' without overlap' if overlap else ''} causal={causal}: max err {err.max():.3g}, bad {len(bad)}"
               + (f", rows {np.unique(bad[:, 1])[:8]}, cols {np.unique(bad[:, 3])[:16]}" if len(bad) else ""))
 
 
-def tflops(d, s, causal, disable, backward=False, deterministic=False, ws=""):
+def tflops(d, s, causal, disable, backward=False, deterministic=False, overlap=""):
     os.environ["CUFLASH_DISABLE_SM90"] = "1" if disable else ""
-    os.environ["CUFLASH_SM90_WS"] = ws
+    os.environ["CUFLASH_SM90_OVERLAP"] = overlap
     _fastpath.PLANS.clear()
     b, h = 16384 // s, 2048 // d
     q, k, v = (cp.asarray(rng.standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for _ in range(3))
@@ -43,13 +43,13 @@ def tflops(d, s, causal, disable, backward=False, deterministic=False, ws=""):
 
 
 for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:
-    print(f"{kind}: d causal seqlen: " + ("sm90 atomic dQ / sm90 deterministic" if kind == "bwd" else "sm90 / sm80 / warp-specialised / ws without overlap") + " TF/s")
-    for d in (64, 128, 256) if kind == "fwd" else (64, 128):
+    print(f"{kind}: d causal seqlen: " + ("sm90 atomic dQ / sm90 deterministic" if kind == "bwd" else "sm90 / sm80 / sm90 without overlap") + " TF/s")
+    for d in (64, 128, 192, 256) if kind == "fwd" else (64, 128):
         for causal in (False, True):
             for s in (4096, 16384):
                 runs = [(False, False, ""), (False, True, "")] if kind == "bwd" else [
-                    (False, False, ""), (True, False, ""), (False, False, "1"), (False, False, "nooverlap")]
-                rates = [tflops(d, s, causal, disable, kind == "bwd", det, ws) for disable, det, ws in runs]
+                    (False, False, ""), (True, False, ""), (False, False, "0")]
+                rates = [tflops(d, s, causal, disable, kind == "bwd", det, overlap) for disable, det, overlap in runs]
                 print(f"{kind} d{d} {causal} {s}: " + " / ".join(f"{r:.0f}" for r in rates), flush=True)
 
 # Backward tiles to compare: SM90_BWD_TILES="64:64x1x2,128:64x1x2" (head dim: inner x warpgroups x min blocks).
@@ -62,15 +62,3 @@ for spec in filter(None, os.environ.get("SM90_BWD_TILES", "").split(",")):
     _kernels.sm90_bwd_variant.cache_clear()
     row = [f"{tflops(d, s, causal, False, True):.0f}" for causal in (False, True) for s in (4096, 16384)]
     print(f"bwd tile d{d} {tile}: non-causal 4k/16k, causal 4k/16k: {' / '.join(row)}", flush=True)
-
-# Warp-specialised forward tiles to compare: SM90_WS_TILES="128:176x2,256:80x2" (head dim: keys per
-# tile x stages); the same runs as "fwd" for the warp-specialised kernel only.
-for spec in filter(None, os.environ.get("SM90_WS_TILES", "").split(",")):
-    from cuflash import _kernels
-
-    d, tile = spec.split(":")
-    d = int(d)
-    _kernels.SM90_WS_TILES[d] = tuple(map(int, tile.split("x")))
-    _kernels.sm90_ws_fwd_variant.cache_clear()
-    row = [f"{tflops(d, s, causal, False, ws='1'):.0f}" for causal in (False, True) for s in (4096, 16384)]
-    print(f"ws tile d{d} {tile}: non-causal 4k/16k, causal 4k/16k: {' / '.join(row)}", flush=True)

@@ -3,7 +3,7 @@
 Tuning writes data: the winner goes into cuflash._kernels.fwd_tile.  Each configuration is
 checked against plain attention before it is timed.
 Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPSxMINBLOCKSxQINREGS,...]
-       python scripts/tune_fwd.py --sm90 BNxWARPGROUPSxMINBLOCKS,... (the Hopper kernel's SM90_TILES)
+       python scripts/tune_fwd.py --sm90 BNxSTAGES,... (the Hopper forward's SM90_FWD_TILES: keys per tile x stages)
        python scripts/tune_fwd.py --decode BMxBNxWARPS,...
 """
 
@@ -27,7 +27,7 @@ from cuflash import _fastpath, _kernels  # noqa: E402
 @contextlib.contextmanager
 def overridden(table, key, value):
     """``table[key] = value`` inside the block: a tile function in ``vars(_kernels)`` (fwd_tile,
-    decode_tile) or an entry of a tile dict (SM90_TILES).
+    decode_tile) or an entry of a tile dict (SM90_FWD_TILES).
 
     Variants are memoised per tile table and warm-call plans hold their compiled functions, so
     both are cleared on the way in and on the way out."""
@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--configs", default="128x64x4x1x1,128x64x8x1x1,64x64x4x3x1,64x64x4x4x1,64x64x4x3x0,128x64x8x2x1,64x128x4x2x1")
     ap.add_argument("--seqlen", default="4096", help="comma-separated lengths")
-    ap.add_argument("--sm90", help="Hopper kernel tiles to time instead, e.g. 128x2x1,64x3x1")
+    ap.add_argument("--sm90", help="Hopper forward tiles to time instead, e.g. 176x2,128x3 (keys per tile x stages)")
     ap.add_argument("--decode", help="decode tiles to time instead, e.g. 16x64x1,16x128x1")
     args = ap.parse_args()
     if args.decode:
@@ -111,7 +111,7 @@ def main():
             for causal in (False, True):
                 if args.sm90:
                     for cfg in args.sm90.split(","):
-                        run_config(qkv, causal, cfg, overridden(_kernels.SM90_TILES, d, tuple(map(int, cfg.split("x")))),
+                        run_config(qkv, causal, cfg, overridden(_kernels.SM90_FWD_TILES, d, tuple(map(int, cfg.split("x")))),
                                    lambda: _kernels.sm90_fwd_variant("bfloat16", d, softcap=False, alibi=False))
                     continue
                 for cfg in args.configs.split(","):

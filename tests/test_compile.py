@@ -103,8 +103,9 @@ def test_sources_are_found_and_includes_inlined():
 
 def test_hopper_variants_cover_the_panel_buckets():
     names = [v.name for v in VARIANTS if v.arch == "90a" and "_sm90_" in v.name]  # attention kernels
-    # dtypes x (forward 64/128/256, backward 64/128 in both dQ schemes) x (softcap, alibi)
-    assert len(names) == 2 * (3 + 2 * 2) * 4
+    # dtypes x (forward 64/128/192/256 with and without the overlap, backward 64/128 in both dQ
+    # schemes) x (softcap, alibi)
+    assert len(names) == 2 * (4 * 2 + 2 * 2) * 4
     assert _kernels.sm90_fwd_variant("bfloat16", 96, softcap=False, alibi=False) is None
     v = _kernels.sm90_fwd_variant("float16", 111, softcap=False, alibi=True)
     assert v.name.startswith("cuflash_fwd_sm90_fp16_d128_") and "-arch=sm_90a" in v.options()

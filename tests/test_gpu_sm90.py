@@ -1,7 +1,7 @@
 """The Hopper (wgmma) kernels and the sm_80 kernels they replace there.
 
-On a compute-capability-9.0 GPU, cuflash.attention runs kernels/flash_fwd_sm90.cu for head-dim
-buckets 64, 128 and 256, and attention_backward runs kernels/flash_bwd_sm90.cu for buckets 64 and
+On a compute-capability-9.0 GPU, cuflash.attention runs kernels/flash_fwd_sm90.cu (warp-specialised,
+issue 21) for head-dim buckets 64, 128, 192 and 256, and attention_backward runs kernels/flash_bwd_sm90.cu for buckets 64 and
 128, so test_gpu_forward.py's and test_gpu_backward.py's sweeps test them; this file checks that
 the dispatch really picks them, tests their tiling edges (many tiles, both stages, tails, causal
 and window bands crossing tiles, GQA groups), and keeps the sm_80 kernels tested on Hopper
@@ -32,26 +32,24 @@ requires_hopper = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(params=["sm90", "sm90ws", "sm80"])
+@pytest.fixture(params=["sm90", "sm80"])
 def kernel(request, monkeypatch):
-    """Run the test on the default (Hopper) kernel, on the warp-specialised one (issue 21, while
-    it is measured against the default) and with the Hopper kernels switched off."""
+    """Run the test on the default (Hopper) kernel and with the Hopper kernels switched off."""
     if request.param == "sm80":
         monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
-    if request.param == "sm90ws":
-        monkeypatch.setenv("CUFLASH_SM90_WS", "1")
     _fastpath.PLANS.clear()  # warm-call plans remember the kernel of their first call
     yield request.param
     _fastpath.PLANS.clear()
 
 
 @requires_hopper
-@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 256])
+@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 192, 256])
 def test_dispatch_picks_the_wgmma_kernel(headdim, monkeypatch):
     device = _arrays.cupy_module().cuda.Device().id
     features = dict(softcap=False, alibi=False)
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features)
-    assert v is not None and v.name.startswith("cuflash_fwd_sm90_")
+    assert v is not None and v.name.startswith("cuflash_fwd_sm90_") and v.filename == "flash_fwd_sm90.cu"
+    assert v.threads == 384 and "nooverlap" not in v.name  # producer + two consumer warpgroups
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features, _kernels.sm90_bwd_variant)
     assert (v is not None) == (headdim <= 128)
     monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
@@ -119,9 +117,9 @@ def test_keys_past_seqlens_k_are_never_read_into_the_output(rng, kernel, headdim
 @requires_hopper
 @pytest.mark.parametrize("headdim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_warp_specialised_forward_without_the_overlap(rng, headdim, causal, monkeypatch):
+def test_forward_without_the_overlap(rng, headdim, causal, monkeypatch):
     """The ablation variant (each product waited for at once) stays exact too."""
-    monkeypatch.setenv("CUFLASH_SM90_WS", "nooverlap")
+    monkeypatch.setenv("CUFLASH_SM90_OVERLAP", "0")
     _fastpath.PLANS.clear()
     q = _rand(rng, (2, 333, 4, headdim), ml_dtypes.bfloat16, 3.0)
     k, v = _rand(rng, (2, 517, 2, headdim), ml_dtypes.bfloat16), _rand(rng, (2, 517, 2, headdim), ml_dtypes.bfloat16)
