@@ -195,11 +195,15 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             launches, accum = _decode_launches(p, prm, variant, fn, device, num_splits)
         else:
             block_m = dict(variant.defines)["CUFLASH_BLOCK_M"]
-            grid = ((p.seqlen_q + block_m - 1) // block_m, *_grid_yz(p.batch * p.nheads_q))
-            launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
-            if variant.filename == "flash_fwd_sm90.cu":  # + the tensor maps of Q, K, V
+            m_blocks = (p.seqlen_q + block_m - 1) // block_m
+            if variant.filename == "flash_fwd_sm90.cu":  # tiles in the scheduler's order, + the tensor maps of Q, K, V
+                kv_bytes = p.seqlen_k * (d8 + dv8) * 2 // (p.nheads_q // p.nheads_k)  # per pair: a GQA group shares K/V
+                prm.tile_heads, grid = _sm90_tile_grid(device, m_blocks, p.batch * p.nheads_q, kv_bytes)
                 maps = _fwd_maps(qx, kx, vx, packed, dict(variant.defines)["CUFLASH_BLOCK_N"])
-                launches = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)]
+                launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)], None
+            else:
+                grid = (m_blocks, *_grid_yz(p.batch * p.nheads_q))
+                launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
         if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
             tail = _kernels.get_function(_kernels.varlen_tail_variant(), device)
             launches.insert(0, (tail, (2 * _sm_resources(device)[0],), (256,), 0))
@@ -252,6 +256,23 @@ def _offsets_scratch(prm):
     words = _cp().empty(2, dtype=np.int64)
     prm.offsets_first_bad = words.data.ptr
     return words
+
+
+def _sm90_tile_grid(device: int, m_blocks: int, pairs: int, kv_bytes_per_pair: int):
+    """The Hopper forward's tile order and grid (kernels/sm90_scheduler.cuh): (batch, head) pairs
+    per section, so that a section's K and V fit in half the L2 cache, and the grid: one block per
+    tile, or with CUFLASH_SM90_PERSISTENT=1 one per SM, each striding over the tiles."""
+    section = min(pairs, max(1, _l2_bytes(device) // 2 // max(kv_bytes_per_pair, 1)))
+    tiles = m_blocks * pairs
+    if tiles >= 2**31:  # (the kernel numbers tiles in 32 bits: terabytes of q)
+        raise ValueError(f"q has {tiles} tiles of 128 rows x heads, more than the Hopper forward numbers (2**31)")
+    blocks = min(tiles, _sm_resources(device)[0]) if _kernels.sm90_persistent() else tiles
+    return section, (max(1, blocks),)
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device_id: int) -> int:
+    return _cp().cuda.Device(device_id).attributes["L2CacheSize"]
 
 
 def _fwd_maps(q, k, v, packed, block_n):

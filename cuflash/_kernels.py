@@ -187,6 +187,13 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, ov
     return Variant("flash_fwd_sm90.cu", name, defines, 384, smem, arch="90a")
 
 
+def sm90_persistent() -> bool:
+    """CUFLASH_SM90_PERSISTENT=1 launches the Hopper forward with one block per SM, each taking
+    tiles in turn (a tile's loads then overlap the previous tile's epilogue), instead of one block
+    per tile: the setting under measurement in docs/perf-notes.md h8."""
+    return os.environ.get("CUFLASH_SM90_PERSISTENT", "") == "1"
+
+
 def sm90_overlap() -> bool:
     """CUFLASH_SM90_OVERLAP=0 runs the Hopper forward without its intra-warpgroup overlap (each
     product waited for at once): the ablation of docs/perf-notes.md h7, not a setting for users."""

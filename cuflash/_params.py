@@ -31,7 +31,7 @@ _INTEGERS = (
     "window_left", "window_right",
     "top_left",
     "total_q", "total_k", "kv_rows", "index_64bit", "error_call", "seqlen_new", "elem_bytes",
-    "block_table_batch_stride", "page_size", "num_splits", "pack_gqa",
+    "block_table_batch_stride", "page_size", "num_splits", "pack_gqa", "tile_heads",
 )
 _REALS = ("softmax_scale", "softcap")
 

@@ -8,10 +8,14 @@
 //
 // Shah et al., "FlashAttention-3", 2024: §3.1 (producer/consumer warp specialisation, ping-pong
 // scheduling of two consumer warpgroups), §3.2 (intra-warpgroup overlap of softmax and GEMMs).
-// Not yet here: persistent scheduling, FA3's tile sizes.
 //
-// Block: warpgroup 0 = producer (its warp 0, lane 0 issues every copy; the rest exit at once),
-// warpgroups 1 and 2 = consumers owning query rows [0, 64) and [64, 128) of the block.  Shared
+// Block: warpgroup 0 = producer (its warp 0 walks the tiles, lane 0 issues every copy; the other
+// three warps exit at once), warpgroups 1 and 2 = consumers owning query rows [0, 64) and [64,
+// 128) of a query tile.  A block computes the query tiles blockIdx.x, blockIdx.x + gridDim.x, ...
+// of sm90_scheduler.cuh's order (one each, or several on a persistent grid); the rings, the
+// barriers' phases and the consumers' turns run on from one tile to the next, and sQ passes
+// between the roles through q_full (Q landed) and q_empty (both consumers stored their O from
+// it), so the producer loads the next tile's first K while the consumers finish the last.  Shared
 // memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (128 x kD), then
 // kStages stages of K (kBN x kD) and of V (kBN x kD).  K and V have their own full/empty barriers,
 // so a consumer can start S = Q K^T before V has landed.  Tiles run from the last key tile down.
@@ -21,11 +25,12 @@
 // kept in fp32) -> wait P V, release V -> rescale O, pack P_n (the loop in the consumer below).
 // Turns: named barrier 1 + w is consumer w's; it syncs on its own and arrives on the other's
 // (consumer 1 pre-arrives on consumer 0's, so consumer 0 goes first; consumer 0 absorbs the last
-// arrival at the end).  The tail tile's V rows past the sequence's keys are set to zero by
+// arrival when the block's last tile is done).  The tail tile's V rows past the sequence's keys are set to zero by
 // consumer 0 before its P V (TMA reads them from the array: another sequence's rows, or padding
 // that may hold NaN), inside its turn, so consumer 1's P V of that stage comes after.
 #include "params.cuh"
 #include "sm90_pipeline.cuh"
+#include "sm90_scheduler.cuh"
 #include "softmax_tile.cuh"
 #include "swizzled_tile.cuh"
 #include "warp_gemm.cuh"
@@ -61,6 +66,23 @@ struct FwdMaps {
     TensorMap q, k, v;
 };
 
+// What both roles derive from a tile: its sequence, its K/V head and its key tiles [nb_lo,
+// nb_hi).  A tile that starts past its sequence's rows (varlen) is skipped by both.
+template <int kBM, int kBN>
+struct FwdWork {
+    FwdTile tile;
+    SeqInfo seq;
+    int hk, nb_lo, nb_hi;
+    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t) : tile(t), seq(p, t.b) {
+        hk = t.h / static_cast<int>(p.nheads_q / p.nheads_k);
+        int n_lo, n_hi;
+        seq.key_range(t.m0, t.m0 + kBM, n_lo, n_hi);
+        nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    }
+    __device__ __forceinline__ bool skipped() const { return tile.m0 >= seq.sq; }
+    __device__ __forceinline__ bool has_keys() const { return nb_lo < nb_hi; }
+};
+
 namespace ws {
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
 constexpr int kTurnBarrier = 1;                         // + consumer index: 1, 2
@@ -78,23 +100,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     unsigned char* sQ = smem;                      // (kBM, kD), reused to stage O
     unsigned char* sK = sQ + kTileQ;               // kStages x (kBN, kD)
     unsigned char* sV = sK + kStages * kTileKV;    // kStages x (kBN, kD)
-    __shared__ u64 q_full, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    __shared__ u64 q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
-    if (bh >= p.batch * p.nheads_q) return;
-    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
-    const int hk = h / static_cast<int>(p.nheads_q / p.nheads_k);
-    const SeqInfo seq(p, b);
-    const int m0 = (static_cast<int>(gridDim.x) - 1 - static_cast<int>(blockIdx.x)) * kBM;  // longest rows (causal) first
-    if (m0 >= seq.sq) return;
-    int n_lo, n_hi;
-    seq.key_range(m0, m0 + kBM, n_lo, n_hi);
-    const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    const TileScheduler<kBM> tiles{p};
     const bool packed = p.cu_seqlens_q != nullptr;
-
     if (tid == 0) {
-        mbar_init(&q_full, 1);
+        mbar_init(&q_full, 1), mbar_init(&q_empty, 2);  // sQ: loaded by the producer, freed by both consumers
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);
             mbar_init(&k_empty[s], 2), mbar_init(&v_empty[s], 2);  // one arrival per consumer warpgroup
@@ -103,22 +115,49 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     }
     __syncthreads();
 
-    if (warp < 4) {  // ---- producer ----
+    if (warp < 4) {  // ---- producer: warp 0 (lane 0 issues the copies), the other three leave ----
         regs_release<ws::kProducerRegs>();
-        if (tid != 0 || nb_lo >= nb_hi) return;
-        tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
-        const int kv_batch = packed ? 0 : static_cast<int>(seq.kv_row());
-        mbar_arrive_expect_tx(&q_full, kTileQ);
-        tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(seq.q_start) + m0, h, packed ? 0 : b);
+        if (warp != 0) return;
+        if (lane == 0) tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
         auto ring = RingState<kStages>::producer_start();
-        for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
-            const int row = static_cast<int>(seq.k_start) + nb * kBN;
-            mbar_wait(&k_empty[ring.stage], ring.phase);
-            mbar_arrive_expect_tx(&k_full[ring.stage], kTileKV);
-            tma_load_tile<kBN, kD>(sK + ring.stage * kTileKV, maps.k, &k_full[ring.stage], row, hk, kv_batch);
-            mbar_wait(&v_empty[ring.stage], ring.phase);
-            mbar_arrive_expect_tx(&v_full[ring.stage], kTileKV);
-            tma_load_tile<kBN, kD>(sV + ring.stage * kTileKV, maps.v, &v_full[ring.stage], row, hk, kv_batch);
+        int q_phase = 1;  // sQ starts free
+        for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
+            const FwdWork<kBM, kBN> w(p, tiles(t));
+            if (w.skipped()) continue;
+            const int kv_batch = packed ? 0 : static_cast<int>(w.seq.kv_row());
+            // K or V tile nb into the ring's stage.  Lane 0 issues; the whole warp waits, and
+            // re-converges after each copy.
+            auto load_kv = [&](u64* empty, u64* full, unsigned char* ring_base, const TensorMap& map, int nb) {
+                mbar_wait(&empty[ring.stage], ring.phase);
+                if (lane == 0) {
+                    mbar_arrive_expect_tx(&full[ring.stage], kTileKV);
+                    tma_load_tile<kBN, kD>(ring_base + ring.stage * kTileKV, map, &full[ring.stage],
+                                           static_cast<int>(w.seq.k_start) + nb * kBN, w.hk, kv_batch);
+                }
+                __syncwarp();
+            };
+            auto load_k = [&](int nb) { load_kv(k_empty, k_full, sK, maps.k, nb); };
+            auto load_v = [&](int nb) { load_kv(v_empty, v_full, sV, maps.v, nb); };
+            // The tile's first K before its Q: it can land while the consumers are still storing
+            // the previous tile's O from sQ (they released every K/V stage of that tile before).
+            if (w.has_keys()) load_k(w.nb_hi - 1);
+            // Q (or, for a tile without keys, a plain arrival) once the consumers are done with sQ.
+            mbar_wait(&q_empty, q_phase);
+            q_phase ^= 1;
+            if (lane == 0) {
+                if (w.has_keys()) {
+                    mbar_arrive_expect_tx(&q_full, kTileQ);
+                    tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(w.seq.q_start) + w.tile.m0, w.tile.h,
+                                           packed ? 0 : w.tile.b);
+                } else {
+                    mbar_arrive(&q_full);
+                }
+            }
+            __syncwarp();
+            for (int nb = w.nb_hi - 1; nb >= w.nb_lo; --nb, ring.advance()) {
+                if (nb != w.nb_hi - 1) load_k(nb);
+                load_v(nb);
+            }
         }
         for (int s = 0; s < kStages; ++s, ring.advance()) {  // leave only once the consumers are done
             mbar_wait(&k_empty[ring.stage], ring.phase);
@@ -134,152 +173,171 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     auto take_turn = [&] { wg == 0 ? named_barrier_sync<ws::kTurnBarrier>(256) : named_barrier_sync<ws::kTurnBarrier + 1>(256); };
     auto end_turn = [&] { wg == 0 ? named_barrier_arrive<ws::kTurnBarrier + 1>(256) : named_barrier_arrive<ws::kTurnBarrier>(256); };
     auto consumer_barrier = [&] { wg == 0 ? named_barrier_sync<ws::kConsumerBarrier>(128) : named_barrier_sync<ws::kConsumerBarrier + 1>(128); };
-    if (wg == 1) end_turn();  // consumer 0 goes first
-
-    const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
-                                  static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
+    // The turns alternate through all the block's tiles: consumer 0 goes first, and absorbs
+    // consumer 1's last arrival when the block is done.
+    if (wg == 1) end_turn();
     const int r_lo = wg * 64 + (warp % 4) * 16 + lane / 4;  // block row of this thread's first row; the other is + 8
-    const int qpos[2] = {m0 + r_lo, m0 + r_lo + 8};
+    const u32 q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
+    RingState<kStages> ring;
+    int q_phase = 0;
 
-    float o[kOT][4];  // O accumulator of rows r_lo, r_lo + 8 (wgmma = C-fragment layout), fp32
-    zero(o);
-    RowState row[2];
+    for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
+        const FwdWork<kBM, kBN> w(p, tiles(t));
+        if (w.skipped()) continue;
+        const SeqInfo& seq = w.seq;
+        const int b = w.tile.b, h = w.tile.h, m0 = w.tile.m0, nb_lo = w.nb_lo, nb_hi = w.nb_hi;
+        const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
+                                      static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
+        const int qpos[2] = {m0 + r_lo, m0 + r_lo + 8};
 
-    if (nb_lo < nb_hi) {
-        const u32 q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
-        float s[kNT][4];   // S of the current tile, then (overlap) its P in fp32
-        float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
-        float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
-        u32 pk[kBN / 16][4];  // P as the register A operand of O += P V
-        float alpha[2];
+        float o[kOT][4];  // O accumulator of rows r_lo, r_lo + 8 (wgmma = C-fragment layout), fp32
+        zero(o);
+        RowState row[2];
+        mbar_wait(&q_full, q_phase);  // Q of this tile (or, without keys, the right to stage O in sQ)
+        q_phase ^= 1;
 
-        // S = Q K^T of the K tile in `stage`, 16-wide steps over the head dim (not waited for).
-        auto issue_s = [&](int stage) {
-            wgmma_fence();
+        if (w.has_keys()) {
+            float s[kNT][4];   // S of the current tile, then (overlap) its P in fp32
+            float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
+            float (&o_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(o);
+            u32 pk[kBN / 16][4];  // P as the register A operand of O += P V
+            float alpha[2];
+
+            // S = Q K^T of the K tile in `stage`, 16-wide steps over the head dim (not waited for).
+            auto issue_s = [&](int stage) {
+                wgmma_fence();
 #pragma unroll
-            for (int ks = 0; ks < kD / 16; ++ks)
-                wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks),
-                                 desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
-            wgmma_commit();
-        };
-        // O += P V with the V tile of keys [n0, n0 + kBN) in `stage`, 16 keys per step (not waited
-        // for).  Called in the caller's turn: consumer 0 first sets the tail tile's V rows past the
-        // keys to zero (the copy engine read them from the array: another sequence's rows, or
-        // padding that may hold NaN); consumer 1's product of that stage comes in a later turn.
-        auto issue_pv = [&](int stage, int n0) {
-            if (wg == 0 && n0 + kBN > seq.sk) {
-                unsigned char* tile = sV + stage * kTileKV;
-                const int first = max(seq.sk - n0, 0);
-                for (int c = wtid; c < (kBN - first) * kOT; c += 128)
-                    *reinterpret_cast<uint4*>(tile + swizzled_chunk<kBN>(first + c / kOT, c % kOT)) = make_uint4(0, 0, 0, 0);
-                fence_async_smem();
-                consumer_barrier();
-            }
-            wgmma_fence();
+                for (int ks = 0; ks < kD / 16; ++ks)
+                    wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks),
+                                     desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
+                wgmma_commit();
+            };
+            // O += P V with the V tile of keys [n0, n0 + kBN) in `stage`, 16 keys per step (not waited
+            // for).  Called in the caller's turn: consumer 0 first sets the tail tile's V rows past the
+            // keys to zero (the copy engine read them from the array: another sequence's rows, or
+            // padding that may hold NaN); consumer 1's product of that stage comes in a later turn.
+            auto issue_pv = [&](int stage, int n0) {
+                if (wg == 0 && n0 + kBN > seq.sk) {
+                    unsigned char* tile = sV + stage * kTileKV;
+                    const int first = max(seq.sk - n0, 0);
+                    for (int c = wtid; c < (kBN - first) * kOT; c += 128)
+                        *reinterpret_cast<uint4*>(tile + swizzled_chunk<kBN>(first + c / kOT, c % kOT)) = make_uint4(0, 0, 0, 0);
+                    fence_async_smem();
+                    consumer_barrier();
+                }
+                wgmma_fence();
 #pragma unroll
-            for (int kk = 0; kk < kBN / 16; ++kk)
-                wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_base + stage * kTileKV, kk));
-            wgmma_commit();
-            wgmma_pin(o_flat);  // the accumulator stays in its registers while the product runs
-        };
-        auto rescale_o = [&] {
-            if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // see flash_fwd.cu
+                for (int kk = 0; kk < kBN / 16; ++kk)
+                    wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_base + stage * kTileKV, kk));
+                wgmma_commit();
+                wgmma_pin(o_flat);  // the accumulator stays in its registers while the product runs
+            };
+            auto rescale_o = [&] {
+                if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {  // see flash_fwd.cu
 #pragma unroll
-                for (int ot = 0; ot < kOT; ++ot)
+                    for (int ot = 0; ot < kOT; ++ot)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) o[ot][e] *= alpha[e / 2];
-            }
-        };
-        auto masked = [&](int n0) { return !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN); };
+                        for (int e = 0; e < 4; ++e) o[ot][e] *= alpha[e / 2];
+                }
+            };
+            auto masked = [&](int n0) { return !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN); };
 
-        // One product alone in a turn, waited for at once, its stage then released: S = Q K^T of
-        // the K tile in `ring`'s stage, or O += P V of the V tile there (keys [n0, n0 + kBN)).
-        auto s_alone = [&](const RingState<kStages>& ring) {
-            mbar_wait(&k_full[ring.stage], ring.phase);
-            take_turn();
-            issue_s(ring.stage);
-            end_turn();
-            wgmma_wait<0>();
-            wgmma_pin(s_flat);
-            if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
-        };
-        auto pv_alone = [&](const RingState<kStages>& ring, int n0) {
-            mbar_wait(&v_full[ring.stage], ring.phase);
-            take_turn();
-            issue_pv(ring.stage, n0);
-            end_turn();
-            wgmma_wait<0>();
-            wgmma_pin(o_flat);
-            if (wtid == 0) mbar_arrive(&v_empty[ring.stage]);
-        };
-
-        mbar_wait(&q_full, 0);
-        RingState<kStages> ring;
-        if constexpr (!kOverlap) {
-            // Per tile: [turn] S [end] -> softmax -> [turn] P V [end], each product waited for at once.
-            for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
-                const int n0 = nb * kBN;
-                s_alone(ring);
-                softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
-                rescale_o();
-                pv_alone(ring, n0);
-            }
-        } else {
-            // FA3 §3.2: S of tile n is issued together with P V of tile n + 1 (the one before it in
-            // this descending order) in one turn, and tile n's softmax runs while that P V does.
-            // P stays fp32 in s until the product reading pk is done; O is rescaled after it.
-            int n0 = (nb_hi - 1) * kBN;
-            s_alone(ring);
-            softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
-            pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
-            for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
-                const int prev_stage = ring.stage, prev_n0 = n0;
-                ring.advance();
-                n0 = nb * kBN;
-                mbar_wait(&k_full[ring.stage], ring.phase);
-                mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
+            // One product alone in a turn, waited for at once, its stage then released: S = Q K^T of
+            // the K tile in stage `at`, or O += P V of the V tile there (keys [n0, n0 + kBN)).
+            auto s_alone = [&](const RingState<kStages>& at) {
+                mbar_wait(&k_full[at.stage], at.phase);
                 take_turn();
-                issue_s(ring.stage);
-                issue_pv(prev_stage, prev_n0);
+                issue_s(at.stage);
                 end_turn();
-                wgmma_wait<1>();  // S is done (P V may still run)
+                wgmma_wait<0>();
                 wgmma_pin(s_flat);
-                if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
-                softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
-                wgmma_wait<0>();  // P V is done: pk and O are free
+                if (wtid == 0) mbar_arrive(&k_empty[at.stage]);
+            };
+            auto pv_alone = [&](const RingState<kStages>& at, int n0) {
+                mbar_wait(&v_full[at.stage], at.phase);
+                take_turn();
+                issue_pv(at.stage, n0);
+                end_turn();
+                wgmma_wait<0>();
                 wgmma_pin(o_flat);
-                if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
-                rescale_o();
-                pack_probs<T, kNT>(s, pk);
+                if (wtid == 0) mbar_arrive(&v_empty[at.stage]);
+            };
+
+            if constexpr (!kOverlap) {
+                // Per tile: [turn] S [end] -> softmax -> [turn] P V [end], each product waited for at once.
+                for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
+                    const int n0 = nb * kBN;
+                    s_alone(ring);
+                    softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                    rescale_o();
+                    pv_alone(ring, n0);
+                }
+            } else {
+                // FA3 §3.2: S of tile n is issued together with P V of tile n + 1 (the one before it in
+                // this descending order) in one turn, and tile n's softmax runs while that P V does.
+                // P stays fp32 in s until the product reading pk is done; O is rescaled after it.
+                int n0 = (nb_hi - 1) * kBN;
+                s_alone(ring);
+                softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
+                for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
+                    const int prev_stage = ring.stage, prev_n0 = n0;
+                    ring.advance();
+                    n0 = nb * kBN;
+                    mbar_wait(&k_full[ring.stage], ring.phase);
+                    mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
+                    take_turn();
+                    issue_s(ring.stage);
+                    issue_pv(prev_stage, prev_n0);
+                    end_turn();
+                    wgmma_wait<1>();  // S is done (P V may still run)
+                    wgmma_pin(s_flat);
+                    if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
+                    softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                    wgmma_wait<0>();  // P V is done: pk and O are free
+                    wgmma_pin(o_flat);
+                    if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
+                    rescale_o();
+                    pack_probs<T, kNT>(s, pk);
+                }
+                pv_alone(ring, n0);
+                ring.advance();
             }
-            pv_alone(ring, n0);
         }
+
+        // Epilogue: O /= l and LSE; each consumer stages its own 64 rows of O in its rows of sQ (no
+        // longer read: its last S is done), then stores them in 16-byte chunks.
+        u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
+        float* gLse = p.lse + seq.lse_row(p, b, h, m0);
+        const int rows_valid = min(kBM, seq.sq - m0), v_chunks = static_cast<int>(p.headdim_v / 8);
+        // The thread's rows and chunks through an opaque move: the shared-memory offsets below are
+        // the same for every tile, and computed once before the tile loop they stayed live
+        // through the main loop (spilling at d192 and d256).
+        int e_row = r_lo, e_tid = wtid;
+        asm volatile("" : "+r"(e_row), "+r"(e_tid));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            float lse;
+            const float inv_l = row[half].finalize(seq.poison(quad_sum(row[half].l)), lse);
+            const int r = e_row + half * 8;
+            if (lane % 4 == 0 && r < rows_valid) gLse[r] = lse;
+#pragma unroll
+            for (int ot = 0; ot < kOT; ++ot)
+                *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
+                    pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
+        }
+        consumer_barrier();
+#pragma unroll
+        for (int c = e_tid; c < 64 * kOT; c += 128) {
+            const int r = wg * 64 + c / kOT, col = c % kOT;
+            if (r < rows_valid && col < v_chunks)
+                *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sQ + swizzled_chunk<kBM>(r, col));
+        }
+        fence_async_smem();  // this warpgroup's use of sQ comes before the copy engine's next Q
+        consumer_barrier();
+        if (wtid == 0) mbar_arrive(&q_empty);
     }
     if (wg == 0) take_turn();  // absorbs consumer 1's last arrival
-
-    // Epilogue: O /= l and LSE; each consumer stages its own 64 rows of O in its rows of sQ (no
-    // longer read: its last S is done), then stores them in 16-byte chunks.
-    u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
-    float* gLse = p.lse + seq.lse_row(p, b, h, m0);
-    const int rows_valid = min(kBM, seq.sq - m0), v_chunks = static_cast<int>(p.headdim_v / 8);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float lse;
-        const float inv_l = row[half].finalize(seq.poison(quad_sum(row[half].l)), lse);
-        const int r = r_lo + half * 8;
-        if (lane % 4 == 0 && r < rows_valid) gLse[r] = lse;
-#pragma unroll
-        for (int ot = 0; ot < kOT; ++ot)
-            *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
-                pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
-    }
-    consumer_barrier();
-#pragma unroll
-    for (int c = wtid; c < 64 * kOT; c += 128) {
-        const int r = wg * 64 + c / kOT, col = c % kOT;
-        if (r < rows_valid && col < v_chunks)
-            *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sQ + swizzled_chunk<kBM>(r, col));
-    }
 }
 
 // One block per SM: 384 threads; ptxas gives each 168 registers, which setmaxnreg re-balances.

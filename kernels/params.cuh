@@ -68,6 +68,8 @@ struct FlashParams {
     long long block_table_batch_stride, page_size;  // paged K/V (block_table not null)
     long long num_splits;          // key range cut into this many parts; > 1 writes out_accum/lse_accum
     long long pack_gqa;            // g query heads of one K/V head folded into the row axis (1 = none)
+    // Hopper forward only (sm90_scheduler.cuh): (batch, head) pairs per section of the tile order.
+    long long tile_heads;
 
     double softmax_scale;          // multiplies q.k
     double softcap;                // > 0: s = softcap * tanh(s / softcap)

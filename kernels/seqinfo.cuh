@@ -9,10 +9,11 @@
 #include "metadata.cuh"
 #include "params.cuh"
 
-// Whether the block's sequence has invalid metadata (SeqInfo::poison).  Kept in shared memory,
-// not in a register that would stay live through the kernels' main loops (where it made ptxas
-// spill).
-__shared__ int s_seq_bad;
+// Whether the sequence has invalid metadata (SeqInfo::poison).  Kept in shared memory, not in a
+// register that would stay live through the kernels' main loops (where it made ptxas spill); one
+// copy per warp, as the batch row below, because the warps of a persistent block (the Hopper
+// forward) reach its next tile at different times.
+__shared__ int s_seq_bad[32];
 // The batch row of K/V (cache_batch_idx[b], or b), likewise in shared memory: a K/V address rebuilt
 // from it per tile costs a shared load, where one held in registers through the loop made the
 // split-KV kernel spill (a row from memory cannot be recomputed from blockIdx, as b can).
@@ -25,7 +26,9 @@ struct SeqInfo {
     int offset;           // diagonal offset: sk - sq, or 0 for top-left
     int left, right;      // window, -1 = unbounded
 
-    // Every thread of the block constructs it at the same point.
+    // Every thread of a warp constructs it at the same point (every warp of the block, but for the
+    // Hopper forward, whose warps construct it per tile, at their own pace, and whose idle producer
+    // warps never do): what it keeps in shared memory is one copy per warp.
     // The metadata is checked against the extents in p (metadata.cuh), in O(1) per sequence: a
     // sequence whose own values break the rules, or that comes at or after the first bad entry of
     // a malformed cu_seqlens (found by the varlen_tail kernel, launched first), is bad; whatever the
@@ -91,8 +94,10 @@ struct SeqInfo {
             arg = kArgBlockTable, at = b * p.block_table_batch_stride;
         }
         if (arg >= 0 && threadIdx.x == 0) report_bad_index(p, arg, at);
-        s_seq_bad = bad || arg >= 0;  // the same value from every thread, read after the main loop's barriers
-        if (threadIdx.x % 32 == 0) s_kv_b[threadIdx.x / 32] = kv_b;  // one per warp: no block barrier needed
+        if (threadIdx.x % 32 == 0) {  // one copy per warp: no block barrier needed
+            s_seq_bad[threadIdx.x / 32] = bad || arg >= 0;
+            s_kv_b[threadIdx.x / 32] = kv_b;
+        }
         __syncwarp();
         set_diagonal(p);
     }
@@ -121,7 +126,7 @@ struct SeqInfo {
                     report_bad_index(p, kArgBlockTable, row + i);
                     break;
                 }
-        s_seq_bad = 1;  // by every thread before it reads the flag: no barrier needed
+        s_seq_bad[threadIdx.x / 32] = 1;  // by every thread before it reads the flag: no barrier needed
         sk = 0;
         set_diagonal(p);
     }
@@ -137,7 +142,7 @@ struct SeqInfo {
 
     // x, or NaN for a bad sequence: applied to each row's softmax sum (forward) and to the scale
     // of each gradient store (backward), so that every value written for the sequence is NaN.
-    __device__ __forceinline__ float poison(float x) const { return s_seq_bad ? __int_as_float(0x7fffffff) : x; }
+    __device__ __forceinline__ float poison(float x) const { return s_seq_bad[threadIdx.x / 32] ? __int_as_float(0x7fffffff) : x; }
 
     // Index of query row i of head h in the LSE, and in D and dq_accum, which share its rows.
     __device__ __forceinline__ long long lse_row(const FlashParams& p, int b, int h, int i) const {

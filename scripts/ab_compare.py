@@ -3,10 +3,13 @@
     python scripts/ab_compare.py BASE_DIR NEW_DIR [--rounds 3] [--parts fwd,bwd,decode,varlen] [--markdown FILE]
 
 Each part of each checkout runs in a fresh process (its own kernels, compiled from its own
-sources), the two sides taking turns, ``--rounds`` times; a row keeps each side's best
-throughput.  Rows: the forward and backward (bf16, batch * seqlen = 16k, nheads * headdim = 2048,
-head dims 64/128/256), decode against contiguous and paged caches (TB/s of cache read), varlen
-prefill (TF/s) and (part "host") warm calls of tiny problems per millisecond of host time.  The last column is new / base: below 0.97 is a slowdown of more than 3 %.
+sources), the two sides taking turns, ``--rounds`` times.  Rows: the forward and backward (bf16,
+batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against contiguous
+and paged caches (TB/s of cache read), varlen prefill (TF/s) and (part "host") warm calls of tiny
+problems per millisecond of host time.  Per row: each side's median over the rounds, new / base
+of the medians, and the spread of the same version between rounds (the larger side's (max -
+min) / median: an A/A difference).  A row is flagged slower when new / base < 0.97 and the
+difference exceeds that spread (a gap smaller than the spread is noise; more rounds narrow it).
 Used for the speed check of changes that touch every kernel (docs/perf-notes.md).
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -112,22 +116,25 @@ def main(argv=None):
     if args.side:
         print(json.dumps(_side(args.side, args.parts)))
         return
-    best: dict = {}
-    for _ in range(args.rounds):
+    runs: dict = {}  # row -> side -> one value per round
+    for i in range(args.rounds):
         for part in args.parts.split(","):
-            for label, checkout in (("base", args.base), ("new", args.new)):
+            sides = (("base", args.base), ("new", args.new))
+            for label, checkout in sides if i % 2 == 0 else sides[::-1]:  # neither side always goes first
                 proc = subprocess.run([sys.executable, __file__, args.base, args.new, "--side", str(Path(checkout).resolve()),
                                        "--parts", part], capture_output=True, text=True)
                 if proc.returncode:
                     print(proc.stderr[-3000:], file=sys.stderr)
                     raise SystemExit(f"{label} {part} failed")
                 for row, value in json.loads(proc.stdout.strip().splitlines()[-1]):
-                    slot = best.setdefault(row, {})
-                    slot[label] = max(slot.get(label, 0.0), value)
-    lines = ["| row | base | new | new / base |", "|---|---|---|---|"]
-    for row, r in best.items():
-        ratio = r["new"] / r["base"]
-        lines.append(f"| {row} | {r['base']:.2f} | {r['new']:.2f} | {ratio:.3f}{' **slower**' if ratio < 0.97 else ''} |")
+                    runs.setdefault(row, {}).setdefault(label, []).append(value)
+    lines = [f"| row | base | new | new / base | A/A spread ({args.rounds} rounds) |", "|---|---|---|---|---|"]
+    for row, r in runs.items():
+        base, new = statistics.median(r["base"]), statistics.median(r["new"])
+        spread = max((max(v) - min(v)) / statistics.median(v) for v in r.values())
+        ratio = new / base
+        slower = ratio < 0.97 and 1 - ratio > spread
+        lines.append(f"| {row} | {base:.2f} | {new:.2f} | {ratio:.3f}{' **slower**' if slower else ''} | {spread:.3f} |")
     text = "\n".join(lines)
     print(text)
     if args.markdown:

@@ -30,9 +30,10 @@ for d, overlap in [(d, overlap) for overlap in ("", "0") for d in (64, 128, 192,
               + (f", rows {np.unique(bad[:, 1])[:8]}, cols {np.unique(bad[:, 3])[:16]}" if len(bad) else ""))
 
 
-def tflops(d, s, causal, disable, backward=False, deterministic=False, overlap=""):
+def tflops(d, s, causal, disable, backward=False, deterministic=False, overlap="", persistent=""):
     os.environ["CUFLASH_DISABLE_SM90"] = "1" if disable else ""
     os.environ["CUFLASH_SM90_OVERLAP"] = overlap
+    os.environ["CUFLASH_SM90_PERSISTENT"] = persistent
     _fastpath.PLANS.clear()
     b, h = 16384 // s, 2048 // d
     q, k, v = (cp.asarray(rng.standard_normal((b, s, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16) for _ in range(3))
@@ -43,13 +44,13 @@ def tflops(d, s, causal, disable, backward=False, deterministic=False, overlap="
 
 
 for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:
-    print(f"{kind}: d causal seqlen: " + ("sm90 atomic dQ / sm90 deterministic" if kind == "bwd" else "sm90 / sm80 / sm90 without overlap") + " TF/s")
+    print(f"{kind}: d causal seqlen: " + ("sm90 atomic dQ / sm90 deterministic" if kind == "bwd" else "sm90 / sm80 / sm90 without overlap / sm90 persistent") + " TF/s")
     for d in (64, 128, 192, 256) if kind == "fwd" else (64, 128):
         for causal in (False, True):
             for s in (4096, 16384):
-                runs = [(False, False, ""), (False, True, "")] if kind == "bwd" else [
-                    (False, False, ""), (True, False, ""), (False, False, "0")]
-                rates = [tflops(d, s, causal, disable, kind == "bwd", det, overlap) for disable, det, overlap in runs]
+                runs = [(False, False, "", ""), (False, True, "", "")] if kind == "bwd" else [
+                    (False, False, "", ""), (True, False, "", ""), (False, False, "0", ""), (False, False, "", "1")]
+                rates = [tflops(d, s, causal, disable, kind == "bwd", *rest) for disable, *rest in runs]
                 print(f"{kind} d{d} {causal} {s}: " + " / ".join(f"{r:.0f}" for r in rates), flush=True)
 
 # Backward tiles to compare: SM90_BWD_TILES="64:64x1x2,128:64x1x2" (head dim: inner x warpgroups x min blocks).

@@ -136,6 +136,39 @@ def test_packed_sequences_on_every_forward(rng, kernel, headdim):
 
 
 @requires_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 192, 256])
+def test_persistent_grid_computes_the_same_bits(rng, headdim, monkeypatch):
+    """CUFLASH_SM90_PERSISTENT=1 (one block per SM, each taking tiles in turn, its next tile's
+    loads chained to the current one's epilogue through the Q and K/V barriers) computes every
+    tile as one block per tile does: bitwise-equal out and LSE, with more tiles than SMs (each
+    block takes several), tiles without keys (seqlens_k 0), GQA, windows, and packed sequences;
+    and exact against the reference."""
+    import cuflash
+
+    cp = _arrays.cupy_module()
+    bf16 = ml_dtypes.bfloat16
+    q = cp.asarray(_rand(rng, (4, 1000, 8, headdim), bf16, 3.0))  # 4 * 8 pairs x 8 query tiles
+    k, v = (cp.asarray(_rand(rng, (4, 1200, 2, headdim), bf16)) for _ in range(2))
+    lengths = cp.asarray(np.array([1200, 0, 77, 1000], dtype=np.int32))
+    packed = varlen_inputs(rng, bf16, [1, 300, 0, 129, 1000], [65, 0, 7, 600, 1000], 4, 2, headdim)
+    cases = [dict(causal=True), dict(seqlens_k=lengths), dict(window_size=(100, 0), softcap=5.0)]
+    for opts in cases:
+        runs = []
+        for mode in ("", "1"):
+            monkeypatch.setenv("CUFLASH_SM90_PERSISTENT", mode)
+            _fastpath.PLANS.clear()
+            runs.append(cuflash.attention(q, k, v, return_lse=True, **opts))
+        (out_a, lse_a), (out_b, lse_b) = runs
+        assert cp.array_equal(out_a.view(cp.uint16), out_b.view(cp.uint16)), opts
+        assert cp.array_equal(lse_a.view(cp.uint32), lse_b.view(cp.uint32)), opts
+    monkeypatch.setenv("CUFLASH_SM90_PERSISTENT", "1")
+    _fastpath.PLANS.clear()
+    _check(q[:2, :300].get(), k[:2, :500].get(), v[:2, :500].get(), causal=True)
+    check_varlen(cp, *packed, rng=rng, causal=True)
+    _fastpath.PLANS.clear()
+
+
+@requires_hopper
 @pytest.mark.parametrize("dims", [(64, 40), (128, 64), (40, 128), (256, 128)])
 def test_wgmma_value_headdim_differs(rng, dims):
     d, dv = dims
