@@ -199,7 +199,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             if variant.filename == "flash_fwd_sm90.cu":  # tiles in the scheduler's order, + the tensor maps of Q, K, V
                 kv_bytes = p.seqlen_k * (d8 + dv8) * 2 // (p.nheads_q // p.nheads_k)  # per pair: a GQA group shares K/V
                 prm.tile_heads, grid = _sm90_tile_grid(device, m_blocks, p.batch * p.nheads_q, kv_bytes)
-                maps = _fwd_maps(qx, kx, vx, packed, dict(variant.defines)["CUFLASH_BLOCK_N"])
+                maps = _fwd_maps(qx, kx, vx, packed, block_m, dict(variant.defines)["CUFLASH_BLOCK_N"])
                 launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)], None
             else:
                 grid = (m_blocks, *_grid_yz(p.batch * p.nheads_q))
@@ -275,8 +275,8 @@ def _l2_bytes(device_id: int) -> int:
     return _cp().cuda.Device(device_id).attributes["L2CacheSize"]
 
 
-def _fwd_maps(q, k, v, packed, block_n):
-    """Tensor maps of Q (128-row boxes), K and V (block_n-row boxes) for the warp-specialised
+def _fwd_maps(q, k, v, packed, block_m, block_n):
+    """Tensor maps of Q (block_m-row boxes), K and V (block_n-row boxes) for the warp-specialised
     forward: its FwdMaps struct as a :class:`cuflash._tma.MapsArg`."""
     from . import _tma
 
@@ -285,7 +285,7 @@ def _fwd_maps(q, k, v, packed, block_n):
         return x if all(s > 0 or n == 1 for s, n in zip(x.strides, x.shape)) else _cp().ascontiguousarray(x)
 
     q, k, v = as4(q), as4(k), as4(v)
-    maps = [_tma.tile_map(q, 128), _tma.tile_map(k, block_n), _tma.tile_map(v, block_n)]
+    maps = [_tma.tile_map(q, block_m), _tma.tile_map(k, block_n), _tma.tile_map(v, block_n)]
     return _tma.MapsArg(maps, ("q", "k", "v"), (q, k, v))
 
 

@@ -159,32 +159,33 @@ def sm90_disabled() -> bool:
 
 
 # Hopper forward (flash_fwd_sm90.cu, warp-specialised; issue 21): head-dim bucket -> (keys per
-# tile, stages of the K and V rings).  128 query rows per block (two consumer warpgroups), one
-# block per SM.  Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 96,
-# 128, 176: FA3 uses 176 at d128 and 80 at d256); scripts/sm90_smoke.py's SM90_FWD_TILES compares
-# others.  Measured: docs/perf-notes.md, h7.
-SM90_FWD_TILES = {64: (128, 2), 128: (128, 2), 192: (96, 2), 256: (64, 2)}
+# tile, stages of the K and V rings, consumer warpgroups of 64 query rows), one block per SM.
+# Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 96, 128, 176: FA3
+# uses 176 at d128 and 80 at d256); three consumers (192 query rows) as FA3 at d64 fit from 160
+# registers per thread.  `scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS` compares others.
+# Measured: docs/perf-notes.md, h7.
+SM90_FWD_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 192: (96, 2, 2), 256: (64, 2, 2)}
 
 
 @functools.lru_cache(maxsize=None)
 def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True) -> Variant | None:
-    """The warp-specialised wgmma forward (TMA producer warp, two ping-ponging consumer
-    warpgroups; with ``overlap`` the next tile's S is issued with the current P V) for
-    ``headdim``'s bucket, or None where only flash_fwd.cu serves (buckets without a 64-column
-    panel layout)."""
+    """The warp-specialised wgmma forward (TMA producer warp, consumer warpgroups taking turns;
+    with ``overlap`` the next tile's S is issued with the current P V) for ``headdim``'s bucket,
+    or None where only flash_fwd.cu serves (buckets without a 64-column panel layout)."""
     d = headdim_bucket(headdim)
     if d not in SM90_FWD_TILES:
         return None
-    block_n, stages = SM90_FWD_TILES[d]
-    name = (f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bn{block_n}_st{stages}" + "_softcap" * softcap + "_alibi" * alibi
-            + "_nooverlap" * (not overlap))
+    block_n, stages, consumers = SM90_FWD_TILES[d]
+    block_m = 64 * consumers
+    name = (f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{block_m}_bn{block_n}_st{stages}" + "_softcap" * softcap
+            + "_alibi" * alibi + "_nooverlap" * (not overlap))
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
-        ("CUFLASH_STAGES", stages), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
-        ("CUFLASH_BLOCK_M", 128), ("CUFLASH_OVERLAP", int(overlap)),
+        ("CUFLASH_STAGES", stages), ("CUFLASH_CONSUMERS", consumers), ("CUFLASH_SOFTCAP", int(softcap)),
+        ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_BLOCK_M", block_m), ("CUFLASH_OVERLAP", int(overlap)),
     )
-    smem = (128 + 2 * stages * block_n) * d * 2 + 1024  # Q, the K and V stages, 1 KB for the alignment
-    return Variant("flash_fwd_sm90.cu", name, defines, 384, smem, arch="90a")
+    smem = (block_m + 2 * stages * block_n) * d * 2 + 1024  # Q, the K and V stages, 1 KB for the alignment
+    return Variant("flash_fwd_sm90.cu", name, defines, 128 * (1 + consumers), smem, arch="90a")
 
 
 def sm90_persistent() -> bool:

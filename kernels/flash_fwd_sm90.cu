@@ -1,33 +1,34 @@
 // Exact attention forward for Hopper (sm_90a), warp-specialised (issue 21): a producer thread
 // streams Q, K and V tiles with the bulk tensor copy engine (TMA) into rings of shared-memory
-// stages (sm90_pipeline.cuh); two consumer warpgroups only compute, and take turns issuing their
-// matrix products (ping-pong) so that one warpgroup's softmax runs under the other's wgmma;
+// stages (sm90_pipeline.cuh); two or three consumer warpgroups only compute, and take turns issuing
+// their matrix products (ping-pong) so that one warpgroup's softmax runs under the others' wgmma;
 // setmaxnreg moves registers from the producer to the consumers.  With kOverlap, S of the next
 // tile is issued together with P V of the current one, so that a warpgroup's own softmax also
 // runs under its P V.
 //
 // Shah et al., "FlashAttention-3", 2024: §3.1 (producer/consumer warp specialisation, ping-pong
-// scheduling of two consumer warpgroups), §3.2 (intra-warpgroup overlap of softmax and GEMMs).
+// scheduling of consumer warpgroups), §3.2 (intra-warpgroup overlap of softmax and GEMMs).
 //
 // Block: warpgroup 0 = producer (its warp 0 walks the tiles, lane 0 issues every copy; the other
-// three warps exit at once), warpgroups 1 and 2 = consumers owning query rows [0, 64) and [64,
-// 128) of a query tile.  A block computes the query tiles blockIdx.x, blockIdx.x + gridDim.x, ...
+// three warps exit at once), warpgroups 1 .. kConsumers = consumers, consumer w owning query rows
+// [64 w, 64 w + 64) of a query tile of kBM = 64 kConsumers rows.  A block computes the query tiles blockIdx.x, blockIdx.x + gridDim.x, ...
 // of sm90_scheduler.cuh's order (one each, or several on a persistent grid); the rings, the
 // barriers' phases and the consumers' turns run on from one tile to the next, and sQ passes
-// between the roles through q_full (Q landed) and q_empty (both consumers stored their O from
+// between the roles through q_full (Q landed) and q_empty (every consumer stored its O from
 // it), so the producer loads the next tile's first K while the consumers finish the last.  Shared
-// memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (128 x kD), then
+// memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (kBM x kD), then
 // kStages stages of K (kBN x kD) and of V (kBN x kD).  K and V have their own full/empty barriers,
 // so a consumer can start S = Q K^T before V has landed.  Tiles run from the last key tile down.
 // Without the overlap, per tile in each consumer: wait K -> [turn] issue S [end] -> wait S,
 // release K -> softmax (softmax_tile.cuh) -> wait V -> [turn] issue P V [end] -> wait, release V.
 // With it: [turn] issue S_n and P_{n+1} V_{n+1} [end] -> wait S_n, release K -> softmax of S_n (P
 // kept in fp32) -> wait P V, release V -> rescale O, pack P_n (the loop in the consumer below).
-// Turns: named barrier 1 + w is consumer w's; it syncs on its own and arrives on the other's
-// (consumer 1 pre-arrives on consumer 0's, so consumer 0 goes first; consumer 0 absorbs the last
-// arrival when the block's last tile is done).  The tail tile's V rows past the sequence's keys are set to zero by
-// consumer 0 before its P V (TMA reads them from the array: another sequence's rows, or padding
-// that may hold NaN), inside its turn, so consumer 1's P V of that stage comes after.
+// Turns: named barrier 1 + w is consumer w's; it syncs on its own and arrives on the next one's
+// (the last consumer pre-arrives on consumer 0's, so consumer 0 goes first; consumer 0 absorbs the
+// last arrival when the block's last tile is done).  The tail tile's V rows past the sequence's
+// keys are set to zero by consumer 0 before its P V (TMA reads them from the array: another
+// sequence's rows, or padding that may hold NaN), inside its turn, so the other consumers' P V of
+// that stage come after.
 #include "params.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_scheduler.cuh"
@@ -46,6 +47,9 @@
 #endif
 #ifndef CUFLASH_STAGES
 #define CUFLASH_STAGES 2
+#endif
+#ifndef CUFLASH_CONSUMERS
+#define CUFLASH_CONSUMERS 2
 #endif
 #ifndef CUFLASH_OVERLAP
 #define CUFLASH_OVERLAP 1
@@ -84,14 +88,33 @@ struct FwdWork {
 };
 
 namespace ws {
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
-constexpr int kTurnBarrier = 1;                         // + consumer index: 1, 2
-constexpr int kConsumerBarrier = 3;                     // + consumer index: 3, 4 (one warpgroup)
+// Registers per thread after setmaxnreg: (producer, consumer) for 2 and 3 consumer warpgroups
+// (128 * 24 + 256 * 240 and 128 * 32 + 384 * 160: at most 65536).
+template <int kConsumers> constexpr int kProducerRegs = kConsumers == 2 ? 24 : 32;
+template <int kConsumers> constexpr int kConsumerRegs = kConsumers == 2 ? 240 : 160;
+constexpr int kTurnBarrier = 1;      // + consumer index: 1 .. kConsumers
+constexpr int kConsumerBarrier = 4;  // + consumer index: 4 .. 3 + kConsumers (one warpgroup)
+
+// Named barrier kBase + i for a runtime i < kCount (the ids must be immediates).
+template <int kBase, int kCount>
+__device__ __forceinline__ void sync_nth(int i, int threads) {
+    if constexpr (kCount > 0) {
+        if (i == 0) named_barrier_sync<kBase>(threads);
+        else sync_nth<kBase + 1, kCount - 1>(i - 1, threads);
+    }
+}
+template <int kBase, int kCount>
+__device__ __forceinline__ void arrive_nth(int i, int threads) {
+    if constexpr (kCount > 0) {
+        if (i == 0) named_barrier_arrive<kBase>(threads);
+        else arrive_nth<kBase + 1, kCount - 1>(i - 1, threads);
+    }
+}
 }  // namespace ws
 
-template <class T, int kD, int kBN, int kStages, bool kSoftcap, bool kAlibi, bool kOverlap>
+template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, bool kAlibi, bool kOverlap>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
-    constexpr int kBM = 128, kNT = kBN / 8, kOT = kD / 8;
+    constexpr int kBM = 64 * kConsumers, kNT = kBN / 8, kOT = kD / 8;
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
     static_assert(kD % 64 == 0 && kBN % 16 == 0 && kBN <= 256, "bad tile shape");  // (kBN x 128-byte panels: 1 KB-aligned)
 
@@ -106,17 +129,17 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     const TileScheduler<kBM> tiles{p};
     const bool packed = p.cu_seqlens_q != nullptr;
     if (tid == 0) {
-        mbar_init(&q_full, 1), mbar_init(&q_empty, 2);  // sQ: loaded by the producer, freed by both consumers
+        mbar_init(&q_full, 1), mbar_init(&q_empty, kConsumers);  // sQ: loaded by the producer, freed by every consumer
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);
-            mbar_init(&k_empty[s], 2), mbar_init(&v_empty[s], 2);  // one arrival per consumer warpgroup
+            mbar_init(&k_empty[s], kConsumers), mbar_init(&v_empty[s], kConsumers);  // one arrival per consumer warpgroup
         }
         mbar_init_fence();
     }
     __syncthreads();
 
     if (warp < 4) {  // ---- producer: warp 0 (lane 0 issues the copies), the other three leave ----
-        regs_release<ws::kProducerRegs>();
+        regs_release<ws::kProducerRegs<kConsumers>>();
         if (warp != 0) return;
         if (lane == 0) tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
         auto ring = RingState<kStages>::producer_start();
@@ -167,15 +190,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     }
 
     // ---- consumers ----
-    regs_acquire<ws::kConsumerRegs>();
-    const int wg = warp / 4 - 1, wtid = tid - 128 * (wg + 1);  // consumer 0 or 1, thread within it
-    // (immediate barrier ids: consumer 0 syncs on 1 and arrives on 2, consumer 1 the reverse)
-    auto take_turn = [&] { wg == 0 ? named_barrier_sync<ws::kTurnBarrier>(256) : named_barrier_sync<ws::kTurnBarrier + 1>(256); };
-    auto end_turn = [&] { wg == 0 ? named_barrier_arrive<ws::kTurnBarrier + 1>(256) : named_barrier_arrive<ws::kTurnBarrier>(256); };
-    auto consumer_barrier = [&] { wg == 0 ? named_barrier_sync<ws::kConsumerBarrier>(128) : named_barrier_sync<ws::kConsumerBarrier + 1>(128); };
-    // The turns alternate through all the block's tiles: consumer 0 goes first, and absorbs
-    // consumer 1's last arrival when the block is done.
-    if (wg == 1) end_turn();
+    regs_acquire<ws::kConsumerRegs<kConsumers>>();
+    const int wg = warp / 4 - 1, wtid = tid - 128 * (wg + 1);  // consumer index, thread within it
+    // Turns go round the consumers: w syncs on its barrier and arrives on the next one's.
+    auto take_turn = [&] { ws::sync_nth<ws::kTurnBarrier, kConsumers>(wg, 256); };
+    auto end_turn = [&] { ws::arrive_nth<ws::kTurnBarrier, kConsumers>(wg + 1 == kConsumers ? 0 : wg + 1, 256); };
+    auto consumer_barrier = [&] { ws::sync_nth<ws::kConsumerBarrier, kConsumers>(wg, 128); };
+    // The turns run on through all the block's tiles: consumer 0 goes first, and absorbs the last
+    // consumer's last arrival when the block is done.
+    if (wg == kConsumers - 1) end_turn();
     const int r_lo = wg * 64 + (warp % 4) * 16 + lane / 4;  // block row of this thread's first row; the other is + 8
     const u32 q_base = smem_addr(sQ), k_base = smem_addr(sK), v_base = smem_addr(sV);
     RingState<kStages> ring;
@@ -215,7 +238,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             // O += P V with the V tile of keys [n0, n0 + kBN) in `stage`, 16 keys per step (not waited
             // for).  Called in the caller's turn: consumer 0 first sets the tail tile's V rows past the
             // keys to zero (the copy engine read them from the array: another sequence's rows, or
-            // padding that may hold NaN); consumer 1's product of that stage comes in a later turn.
+            // padding that may hold NaN); the other consumers' products of that stage come in later turns.
             auto issue_pv = [&](int stage, int n0) {
                 if (wg == 0 && n0 + kBN > seq.sk) {
                     unsigned char* tile = sV + stage * kTileKV;
@@ -276,28 +299,33 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 // FA3 §3.2: S of tile n is issued together with P V of tile n + 1 (the one before it in
                 // this descending order) in one turn, and tile n's softmax runs while that P V does.
                 // P stays fp32 in s until the product reading pk is done; O is rescaled after it.
-                int n0 = (nb_hi - 1) * kBN;
-                s_alone(ring);
-                softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
-                pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
-                for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
-                    const int prev_stage = ring.stage, prev_n0 = n0;
-                    ring.advance();
+                // The first tile has no P V before it (one loop body for both: the softmax is
+                // inlined once, which keeps the module's compile time down).
+                int n0 = 0, prev_stage = 0;
+                for (int nb = nb_hi - 1; nb >= nb_lo; --nb) {
+                    const bool first = nb == nb_hi - 1;
+                    const int prev_n0 = n0;
+                    if (!first) prev_stage = ring.stage, ring.advance();
                     n0 = nb * kBN;
                     mbar_wait(&k_full[ring.stage], ring.phase);
-                    mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
+                    if (!first) mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
                     take_turn();
                     issue_s(ring.stage);
-                    issue_pv(prev_stage, prev_n0);
+                    if (!first) issue_pv(prev_stage, prev_n0);
                     end_turn();
-                    wgmma_wait<1>();  // S is done (P V may still run)
+                    if (first)
+                        wgmma_wait<0>();
+                    else
+                        wgmma_wait<1>();  // S is done (P V may still run)
                     wgmma_pin(s_flat);
                     if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
                     softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
-                    wgmma_wait<0>();  // P V is done: pk and O are free
-                    wgmma_pin(o_flat);
-                    if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
-                    rescale_o();
+                    if (!first) {
+                        wgmma_wait<0>();  // P V is done: pk and O are free
+                        wgmma_pin(o_flat);
+                        if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
+                        rescale_o();  // (O is still 0 after the first tile: no rescale)
+                    }
                     pack_probs<T, kNT>(s, pk);
                 }
                 pv_alone(ring, n0);
@@ -337,12 +365,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         consumer_barrier();
         if (wtid == 0) mbar_arrive(&q_empty);
     }
-    if (wg == 0) take_turn();  // absorbs consumer 1's last arrival
+    if (wg == 0) take_turn();  // absorbs the last consumer's last arrival
 }
 
-// One block per SM: 384 threads; ptxas gives each 168 registers, which setmaxnreg re-balances.
-extern "C" __global__ void __launch_bounds__(384, 1)
+// One block per SM: 128 threads per warpgroup (the producer's and the consumers'); ptxas gives
+// each 65536 / threads registers, which setmaxnreg re-balances.
+extern "C" __global__ void __launch_bounds__(128 * (1 + CUFLASH_CONSUMERS), 1)
 CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) {
-    flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES, CUFLASH_SOFTCAP != 0,
-                      CUFLASH_ALIBI != 0, CUFLASH_OVERLAP != 0>(p, maps);
+    flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES, CUFLASH_CONSUMERS,
+                   CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_OVERLAP != 0>(p, maps);
 }

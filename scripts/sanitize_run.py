@@ -130,15 +130,19 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
     strided[::2] = idx([0, 50, 120])
     expect_bad(lambda: cuflash.attention_varlen(q, k, v, strided[::2], idx([0, 9, 150]), max_seqlen_q=100,
                                                 max_seqlen_k=150))
-# The Hopper forward on a persistent grid (CUFLASH_SM90_PERSISTENT=1: blocks take several tiles)
-# and its ablation without the intra-warpgroup overlap (CUFLASH_SM90_OVERLAP=0; the default ran
-# above), and tensor-map replays: the same forward cases, packed sequences and hostile offsets.
+# The Hopper forward on a persistent grid (CUFLASH_SM90_PERSISTENT=1: blocks take several tiles),
+# its ablation without the intra-warpgroup overlap (CUFLASH_SM90_OVERLAP=0; the default ran
+# above), and with three consumer warpgroups at d64 (a tile under measurement), with tensor-map
+# replays: the same forward cases, packed sequences and hostile offsets.
 import os  # noqa: E402
 
-from cuflash import _fastpath  # noqa: E402
+from cuflash import _fastpath, _kernels  # noqa: E402
 
-for overlap, persistent in (("", "1"), ("0", "")):
+d64_tile = _kernels.SM90_FWD_TILES[64]
+for overlap, persistent, tile in (("", "1", d64_tile), ("0", "", d64_tile), ("", "1", (96, 2, 3))):
     os.environ["CUFLASH_SM90_OVERLAP"], os.environ["CUFLASH_SM90_PERSISTENT"] = overlap, persistent
+    _kernels.SM90_FWD_TILES[64] = tile
+    _kernels.sm90_fwd_variant.cache_clear()
     _fastpath.PLANS.clear()
     for dtype in (np.float16, ml_dtypes.bfloat16):
         for c in cases:
@@ -150,7 +154,7 @@ for overlap, persistent in (("", "1"), ("0", "")):
             q, k, v = rand((2, c["sq"], 4, c["d"]), dtype), rand((2, c["sk"], 2, c["d"]), dtype), rand((2, c["sk"], 2, c["d"]), dtype)
             for _ in range(2):  # the second call replays with re-pointed tensor maps
                 out = cuflash.attention(q, k, v, **opts)
-            assert not bool(cp.isnan(out.astype(cp.float32)).any()), (overlap, persistent, c)
+            assert not bool(cp.isnan(out.astype(cp.float32)).any()), (overlap, persistent, tile, c)
         q, k, v = rand((100, 4, 64), dtype), rand((150, 2, 64), dtype), rand((150, 2, 64), dtype)
         cuflash.attention_varlen(q, k, v, idx([0, 5, 5, 70]), idx([0, 9, 20, 150]), max_seqlen_q=65, max_seqlen_k=130,
                                  causal=True)
@@ -158,4 +162,5 @@ for overlap, persistent in (("", "1"), ("0", "")):
                                                     max_seqlen_k=150))
     cp.cuda.Device().synchronize()
 os.environ["CUFLASH_SM90_OVERLAP"] = os.environ["CUFLASH_SM90_PERSISTENT"] = ""
+_kernels.SM90_FWD_TILES[64] = d64_tile
 print("sanitize sweep done")

@@ -3,7 +3,7 @@
 Tuning writes data: the winner goes into cuflash._kernels.fwd_tile.  Each configuration is
 checked against plain attention before it is timed.
 Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPSxMINBLOCKSxQINREGS,...]
-       python scripts/tune_fwd.py --sm90 BNxSTAGES,... (the Hopper forward's SM90_FWD_TILES: keys per tile x stages)
+       python scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS,... (the Hopper forward's SM90_FWD_TILES)
        python scripts/tune_fwd.py --decode BMxBNxWARPS,...
 """
 
@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--configs", default="128x64x4x1x1,128x64x8x1x1,64x64x4x3x1,64x64x4x4x1,64x64x4x3x0,128x64x8x2x1,64x128x4x2x1")
     ap.add_argument("--seqlen", default="4096", help="comma-separated lengths")
-    ap.add_argument("--sm90", help="Hopper forward tiles to time instead, e.g. 176x2,128x3 (keys per tile x stages)")
+    ap.add_argument("--sm90", help="Hopper forward tiles to time instead, e.g. 176x2x2,128x2x3 (keys per tile x stages x consumer warpgroups)")
     ap.add_argument("--decode", help="decode tiles to time instead, e.g. 16x64x1,16x128x1")
     args = ap.parse_args()
     if args.decode:

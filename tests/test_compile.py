@@ -60,6 +60,20 @@ def test_variant_compiles(variant, arch):
     assert variant.name.encode() in cubin  # the extern "C" entry point is in the binary
 
 
+def test_hopper_forward_with_three_consumer_warpgroups_compiles(monkeypatch):
+    """The 192-row form of the Hopper forward (FA3's d64 shape), a tile-table entry under
+    measurement (docs/perf-notes.md h9): it builds for sm_90a whatever the table holds today."""
+    _nvrtc_or_skip()
+    monkeypatch.setitem(_kernels.SM90_FWD_TILES, 64, (96, 2, 3))
+    _kernels.sm90_fwd_variant.cache_clear()
+    try:
+        v = _kernels.sm90_fwd_variant("bfloat16", 64, softcap=True, alibi=True)
+        assert v.threads == 512 and dict(v.defines)["CUFLASH_BLOCK_M"] == 192
+        assert _kernels.compile_for_arch(v, "90a")[:4] == b"\x7fELF"
+    finally:
+        _kernels.sm90_fwd_variant.cache_clear()
+
+
 def test_variant_names_are_unique_and_spell_the_switches():
     names = [v.name for v in VARIANTS]
     assert len(names) == len(set(names))

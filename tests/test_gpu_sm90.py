@@ -49,7 +49,8 @@ def test_dispatch_picks_the_wgmma_kernel(headdim, monkeypatch):
     features = dict(softcap=False, alibi=False)
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features)
     assert v is not None and v.name.startswith("cuflash_fwd_sm90_") and v.filename == "flash_fwd_sm90.cu"
-    assert v.threads == 384 and "nooverlap" not in v.name  # producer + two consumer warpgroups
+    consumers = dict(v.defines)["CUFLASH_CONSUMERS"]
+    assert v.threads == 128 * (1 + consumers) and "nooverlap" not in v.name  # producer + consumer warpgroups
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features, _kernels.sm90_bwd_variant)
     assert (v is not None) == (headdim <= 128)
     monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
@@ -166,6 +167,31 @@ def test_persistent_grid_computes_the_same_bits(rng, headdim, monkeypatch):
     _check(q[:2, :300].get(), k[:2, :500].get(), v[:2, :500].get(), causal=True)
     check_varlen(cp, *packed, rng=rng, causal=True)
     _fastpath.PLANS.clear()
+
+
+@requires_hopper
+@pytest.mark.parametrize("tile", [(96, 2, 3), (128, 2, 3)], ids=["192x96", "192x128"])
+def test_three_consumer_warpgroups(rng, tile, monkeypatch):
+    """The Hopper forward with three consumer warpgroups (192 query rows: FA3's shape at d64, an
+    SM90_FWD_TILES entry under measurement) stays exact: several key tiles, causal, windows,
+    softcap, seqlens_k, packed sequences, and on a persistent grid."""
+    cp = _arrays.cupy_module()
+    bf16 = ml_dtypes.bfloat16
+    monkeypatch.setitem(_kernels.SM90_FWD_TILES, 64, tile)
+    _kernels.sm90_fwd_variant.cache_clear()
+    _fastpath.PLANS.clear()
+    try:
+        q = _rand(rng, (2, 333, 4, 64), bf16, 3.0)
+        k, v = _rand(rng, (2, 517, 2, 64), bf16), _rand(rng, (2, 517, 2, 64), bf16)
+        _check(q, k, v, causal=True)
+        _check(q, k, v, window_size=(70, 0), softcap=5.0)
+        monkeypatch.setenv("CUFLASH_SM90_PERSISTENT", "1")
+        _fastpath.PLANS.clear()
+        _check(q, k, v, seqlens_k=np.array([517, 3], dtype=np.int32))
+        check_varlen(cp, *varlen_inputs(rng, bf16, [1, 300, 7], [65, 517, 0], 4, 2, 64), rng=rng, causal=True)
+    finally:
+        _kernels.sm90_fwd_variant.cache_clear()
+        _fastpath.PLANS.clear()
 
 
 @requires_hopper
