@@ -165,15 +165,20 @@ def sm90_disabled() -> bool:
 # registers per thread.  `scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS` compares others.
 # Measured: docs/perf-notes.md, h7.
 SM90_FWD_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 192: (96, 2, 2), 256: (64, 2, 2)}
+# Head dims up to 32 (MiniLM's) keep the sm_80 forward until a measurement says the 64 tile,
+# half of it zeros, is faster.
+SM90_FWD_MIN_HEADDIM = 33
 
 
 @functools.lru_cache(maxsize=None)
 def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True) -> Variant | None:
     """The warp-specialised wgmma forward (TMA producer warp, consumer warpgroups taking turns;
-    with ``overlap`` the next tile's S is issued with the current P V) for ``headdim``'s bucket,
-    or None where only flash_fwd.cu serves (buckets without a 64-column panel layout)."""
-    d = headdim_bucket(headdim)
-    if d not in SM90_FWD_TILES:
+    with ``overlap`` the next tile's S is issued with the current P V) for ``headdim``: the
+    smallest entry of SM90_FWD_TILES that holds it (the copy engine fills the columns past the
+    arrays' head dims with zeros, so 96 runs the 128 kernel), or None below
+    SM90_FWD_MIN_HEADDIM, where flash_fwd.cu serves."""
+    d = min((t for t in SM90_FWD_TILES if t >= headdim), default=None)
+    if headdim < SM90_FWD_MIN_HEADDIM or d is None:
         return None
     block_n, stages, consumers = SM90_FWD_TILES[d]
     block_m = 64 * consumers
@@ -313,7 +318,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, smem_limit=smem_limit))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
-                              for overlap in (True, False)]
+                              for overlap in (True, False) if d in SM90_FWD_TILES]  # (other buckets run these)
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)
                                for det in (False, True)]
                     out += [v for v in hopper if v is not None]

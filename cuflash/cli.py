@@ -116,7 +116,8 @@ def kernel_family(major: int, minor: int, nvrtc, disabled: bool | None = None) -
         return "sm_80 kernels (CUFLASH_DISABLE_SM90 is set)"
     if not _kernels.sm90_applies(f"{major}{minor}", nvrtc):
         return "sm_80 kernels (the Hopper kernels need NVRTC 12.9 or newer to build sm_90a)"
-    return (f"Hopper kernels (wgmma, sm_90a) for the forward at head dims {_headdim_spans(_kernels.SM90_FWD_TILES)} "
+    return (f"Hopper kernels (wgmma, sm_90a) for the forward at head dims {_kernels.SM90_FWD_MIN_HEADDIM}-"
+            f"{max(_kernels.SM90_FWD_TILES)} "
             f"and the backward at {_headdim_spans(_kernels.SM90_BWD_TILES)}; sm_80 kernels for other head dims "
             f"and for decoding (<= 16 query rows, paged caches)")
 

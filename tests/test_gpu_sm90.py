@@ -43,12 +43,13 @@ def kernel(request, monkeypatch):
 
 
 @requires_hopper
-@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 192, 256])
+@pytest.mark.parametrize("headdim", [40, 64, 96, 111, 128, 160, 192, 224, 256])
 def test_dispatch_picks_the_wgmma_kernel(headdim, monkeypatch):
     device = _arrays.cupy_module().cuda.Device().id
     features = dict(softcap=False, alibi=False)
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features)
     assert v is not None and v.name.startswith("cuflash_fwd_sm90_") and v.filename == "flash_fwd_sm90.cu"
+    assert dict(v.defines)["CUFLASH_HEADDIM"] == -(-headdim // 64) * 64  # the next 64-column panel count
     consumers = dict(v.defines)["CUFLASH_CONSUMERS"]
     assert v.threads == 128 * (1 + consumers) and "nooverlap" not in v.name  # producer + consumer warpgroups
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features, _kernels.sm90_bwd_variant)
@@ -82,7 +83,7 @@ OPTIONS = [
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [64, 128, 192, 256])  # 192: the warp-specialised kernel only
+@pytest.mark.parametrize("headdim", [64, 96, 128, 160, 192, 224, 256])  # 96, 160, 224: zero-filled columns
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_both_kernels_options(rng, kernel, dtype, headdim, opts):
     b, sq, sk, h, hk = 2, 333, 517, 4, 2  # GQA, tails in both lengths
@@ -128,7 +129,7 @@ def test_forward_without_the_overlap(rng, headdim, causal, monkeypatch):
 
 
 @requires_hopper
-@pytest.mark.parametrize("headdim", [64, 128, 192, 256])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 160, 192, 256])
 def test_packed_sequences_on_every_forward(rng, kernel, headdim):
     """Varlen through each Hopper forward: tiles that run into the next sequence's rows."""
     lens_q, lens_k = [1, 130, 7, 257], [65, 300, 1, 129]
