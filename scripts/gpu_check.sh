@@ -2,7 +2,7 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck + racecheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
@@ -67,7 +67,11 @@ for stage in $stages; do
       rc=$?; summary+=("host rc=$rc: $(head -n 1 "$OUT/host.log")")
       cat "$OUT/host.log" ;;
     bench) bench_stage bench ${BENCH_TIMEOUT:-240} ${BENCH_ARGS:-} --plot "$OUT/bench.png" ;;
-    backward) bench_stage backward ${BENCH_TIMEOUT:-150} --backward --headdims 64,128 ${BENCH_ARGS:-} ;;
+    backward) bench_stage backward ${BENCH_TIMEOUT:-240} --backward --headdims 64,96,128,192,256 --seqlens 4096,16384 ${BENCH_ARGS:-} ;;
+    smoke)  # the Hopper kernels' exactness rows and their ablation columns (docs/perf-notes.md h7-h9)
+      timeout ${SMOKE_TIMEOUT:-200} $PY scripts/sm90_smoke.py fwd >"$OUT/smoke.log" 2>&1
+      rc=$?; summary+=("smoke rc=$rc ($(elapsed))")
+      tail -n 25 "$OUT/smoke.log" ;;
     decode) bench_stage decode ${DECODE_TIMEOUT:-150} --suite decode ;;
     varlen) bench_stage varlen ${VARLEN_TIMEOUT:-90} --suite varlen ;;
     paper) bench_stage paper ${PAPER_TIMEOUT:-60} --suite paper ;;
