@@ -275,8 +275,8 @@ def environment():
 
 
 def matmul_tflops(dtype_name: str, n: int = 8192) -> float:
-    """TF/s of an (n x n) @ (n x n) ``cupy.matmul`` in this dtype (CuPy's TF32 setting for float32,
-    CUPY_TF32): the ceiling the float32/float64 rows of a sweep are read against (issue 24)."""
+    """TF/s of an (n x n) @ (n x n) ``cupy.matmul`` in this dtype (cuBLAS; CuPy's TF32 setting for
+    float32, CUPY_TF32): the ceiling a sweep's rows are read against (fp16 for the 16-bit rows)."""
     a = cp.ones((n, n), dtype=DTYPES[dtype_name])
     out = cp.empty_like(a)
     return 2 * n**3 / time_gpu(lambda: cp.matmul(a, a, out=out), reps=5) / 1e9
@@ -303,14 +303,19 @@ def to_markdown(rows, env):
         f"GPU {env['gpu']} (sm_{env['cc']}), {env['date']}, cuflash {env['cuflash']}, CuPy {env['cupy']}, "
         f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax", "flash_attn3_jax") if m in env),
         *([f"cupy.matmul 8192³: " + ", ".join(f"{d} {t:.1f} TF/s" for d, t in env["matmul"].items())] if env.get("matmul") else []),
-        "",
-        "| dtype | hdim | causal | seqlen | " + " | ".join(names) + " | cuflash / torch-flash |",
-        "|---|---|---|---|" + "---|" * len(names) + "---|",
     ]
+    # Ratio columns: cuflash against each fused peer present, and its fraction of the fp16 GEMM rate.
+    against = [n for n in ("torch-flash", "torch-cudnn", "fa3-jax") if n in names]
+    gemm = (env.get("matmul") or {}).get("fp16")
+    heads = [f"cuflash / {n}" for n in against] + (["of fp16 GEMM"] if gemm else [])
+    lines += ["", "| dtype | hdim | causal | seqlen | " + " | ".join(names + heads) + " |",
+              "|---|---|---|---|" + "---|" * (len(names) + len(heads))]
     for r in rows:
         vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
-        ratio = f"{r['cuflash'] / r['torch-flash']:.2f}" if r.get("torch-flash") and r.get("cuflash") else "–"
-        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(vals) + f" | {ratio} |")
+        vals += [f"{r['cuflash'] / r[n]:.2f}" if r.get(n) and r.get("cuflash") else "–" for n in against]
+        if gemm:
+            vals.append(f"{r['cuflash'] / gemm:.2f}" if r.get("cuflash") else "–")
+        lines.append(f"| {r['dtype']} | {r['headdim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 
 
@@ -655,9 +660,8 @@ def main(argv=None, progress=_plain_progress):
             rows.append(bench(dtype_name, headdim, seqlen, causal, peers))
             _echo(rows[-1], progress)
     env = environment()
-    wide = [d for d in args.dtypes.split(",") if d in ("fp32", "fp64")]
-    if wide:
-        env["matmul"] = {d: matmul_tflops(d) for d in wide}
+    # Each dtype's cupy.matmul ceiling (fp16 always: the forward issue reads every row against it).
+    env["matmul"] = {d: matmul_tflops(d) for d in ["fp16"] + [d for d in args.dtypes.split(",") if d in ("fp32", "fp64")]}
     md = ("Backward (TF/s = 2.5 x forward FLOPs / time)\n" if args.backward else "") + to_markdown(rows, env)
     print(md)
     if args.json:

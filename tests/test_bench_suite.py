@@ -67,10 +67,12 @@ def test_sweep_driver_with_and_without_progress_bar(monkeypatch, capsys):
     monkeypatch.setattr(bench, "bench_config", fake)
     monkeypatch.setattr(bench, "environment", lambda: {"gpu": "X", "cc": "90", "date": "d", "cuflash": "0",
                                                       "cupy": "0", "nvrtc": "0"})
+    monkeypatch.setattr(bench, "matmul_tflops", lambda dtype_name: 500.0)  # the fp16 GEMM ceiling
     argv = ["--no-peers", "--dtypes", "bf16", "--headdims", "64,128", "--seqlens", "512", "--causal", "true"]
     bench.main(argv)
     out = capsys.readouterr().out
-    assert out.count('"cuflash": 100.0') == 2 and "| bf16 | 128 | True | 512 | 100 |" in out
+    assert out.count('"cuflash": 100.0') == 2 and "| bf16 | 128 | True | 512 | 100 | 0.20 |" in out
+    assert "cupy.matmul 8192³: fp16 500.0 TF/s" in out and "| of fp16 GEMM |" in out
     bench.main(argv, progress=lambda items, label: click.progressbar(items, label=label))
     out = capsys.readouterr().out
     assert '"cuflash": 100.0' not in out and "| bf16 | 64 | True | 512 | 100 |" in out
