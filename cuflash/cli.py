@@ -11,6 +11,7 @@ import importlib.util
 import os
 import platform
 import sys
+from io import StringIO
 from pathlib import Path
 
 import click
@@ -160,8 +161,9 @@ def info():
     if cp is None:
         cupy_state = _version("cupy")  # why the import fails, if it does
         cupy_state = cupy_state if cupy_state.startswith("fails to import") else "not installed"
-        rows.append(("cupy", f"{cupy_state}: NumPy arrays run on the CPU (install the cuda12 or cuda13 "
-                             "extra for the GPU, e.g. pip install -e '.[cuda13]' in a checkout)"))
+        rows.append(("cupy", f"{cupy_state}: NumPy arrays run on the CPU (for the GPU install the extra "
+                             "that matches the driver: `nvidia-smi` shows CUDA Version 13.x -> "
+                             "pip install -e '.[cuda13]', 12.x -> '.[cuda12]'; see the README)"))
         gpus = [f"no GPU found (CuPy {cupy_state})"]
     else:
         rows.append(("cupy", cp.__version__))
@@ -286,8 +288,9 @@ def _array_module():
 
 
 def _progress_stream():
-    """Progress bars go to stderr, so that piped or redirected results hold only the results."""
-    return sys.stderr
+    """Progress bars go to stderr when it is a terminal, so that piped or redirected results hold
+    only the results; otherwise nowhere (click would print the bar's label as a stray line)."""
+    return sys.stderr if getattr(sys.stderr, "isatty", lambda: False)() else StringIO()
 
 
 def _progress_steps(labels):
@@ -429,8 +432,8 @@ def _check_sweep(dtypes, headdims, seqlens):
 @click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard suite).")
 @click.option("--dtypes", default="bf16,fp16", show_default=True,
               help="Comma list of bf16, fp16, fp32, fp64 (bfloat16, float16, float32, float64 also accepted); "
-                   "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate (cuflash's float32/float64 "
-                   "GPU kernels: issue 24).")
+                   "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate (cuflash has no "
+                   "float32/float64 GPU kernels yet: its own rows say so).")
 @click.option("--headdims", default="64,128,256", show_default=True,
               help="Comma list of head dims to sweep (standard suite), each 1 to 256.")
 @click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True,
