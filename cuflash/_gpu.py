@@ -489,11 +489,12 @@ def _fill_params_append(k_cache, v_cache, k, v, capacity):
 
 
 def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides,
-                          deterministic, call):
+                          deterministic, call, tail_only=False):
     """dsum pre-pass, then the dq and dkdv kernels, or on Hopper unless ``deterministic`` one dkdv
     kernel that adds dQ atomically to an fp32 buffer and a kernel rounding it into dq;
     grads = (dq, dk, dv) views, written in full (packed: pre-zeroed, and the rows of sequences
-    with malformed offsets set to NaN first, kernels/varlen_tail.cu)."""
+    with malformed offsets set to NaN first, kernels/varlen_tail.cu).  ``tail_only`` (packed):
+    only that check and fill, for calls with no row to differentiate (max_seqlen_* = 0)."""
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
@@ -533,18 +534,22 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             prm.dq_accum = dq_accum.data.ptr
             launches = (("_dkdv_dq", dkdv_grid, smem), ("_dq_convert", dq_grid, 0))
         tail, dsum_kernel = _kernels.varlen_tail_variant(), _kernels.dsum_variant(dtype)
-        _kernels.prefetch([(dsum_kernel, ""), (main, launches[0][0])] + [(tail, "_grads")] * packed, device)
+        if not tail_only:
+            _kernels.prefetch([(dsum_kernel, ""), (main, launches[0][0])] + [(tail, "_grads")] * packed, device)
 
         if packed:  # rows no well-formed sequence owns: NaN where the offsets are malformed
             first_bad = _offsets_scratch(prm)  # noqa: F841 (alive until the launches are queued)
             _kernels.get_function(tail, device, "_grads")((2 * _sm_resources(device)[0],), (256,), (_pointer(prm),))
+        if tail_only:
+            launches = ()
 
         # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
         pre = FlashParams.from_buffer_copy(prm)
         if packed:
             pre.batch, pre.seqlen_q = 1, q.shape[0]
-        rows = pre.batch * pre.seqlen_q * pre.nheads_q
-        _kernels.get_function(dsum_kernel, device)(((rows + 7) // 8,), (256,), (_pointer(pre),))
+        rows = pre.batch * pre.seqlen_q * pre.nheads_q if not tail_only else 0
+        if rows:
+            _kernels.get_function(dsum_kernel, device)(((rows + 7) // 8,), (256,), (_pointer(pre),))
 
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
@@ -566,7 +571,10 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="att
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic,
                     call="attention_varlen_backward"):
     """Packed: (total, H, D) arrays; lse (H, total_q); grads pre-zeroed by the caller."""
-    if p.seqlen_q == 0 or k.shape[0] == 0:
+    if p.seqlen_q == 0 or k.shape[0] == 0:  # no row to differentiate: zeros; the offsets are still checked
+        if q.shape[0] and p.nheads_q and p.batch:
+            _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
+                                  lse_strides=(0, q.shape[0]), deterministic=deterministic, call=call, tail_only=True)
         return
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
                           lse_strides=(0, q.shape[0]), deterministic=deterministic, call=call)

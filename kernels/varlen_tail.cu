@@ -6,8 +6,8 @@
 //   - if cu is malformed from entry e on (metadata.cuh), rows [cu[e - 1], total) (all rows when
 //     e = 0) belong to sequences whose rows cannot be trusted: NaN, and the LSE NaN;
 //   - rows of a sequence longer than max_seqlen (p.seqlen_q / p.seqlen_k): NaN, reported (the
-//     attention kernels reach no row past max_seqlen); forward, also the query rows of a sequence
-//     whose keys outnumber max_seqlen_k.
+//     attention kernels reach no row past max_seqlen); also each side's rows of a sequence whose
+//     other side is bad (partner_rows: the query rows of one with too many keys, and so on).
 // Entry points: <name> (forward: out and lse, q side) and <name>_grads (dq, q side; dk and dv,
 // k side).  Launched before the attention kernels, grid-stride over rows; values are written in
 // 16-byte chunks of 16-bit elements at the array's strides.  The u16 pattern 0x7fff is NaN in
@@ -102,20 +102,26 @@ __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu
     }
 }
 
-// Forward: the query rows of sequences whose keys outnumber max_seqlen_k (reported), or that come
-// at or after the first bad entry of cu_seqlens_k, are NaN, for the calls that launch no attention
-// kernel (max_seqlen_* = 0, or no key rows); the attention kernels' SeqInfo does the same otherwise.
-__device__ __forceinline__ void long_key_sequences(const FlashParams& p, long long e_q, long long e_k, const PackedRows (&out)[1]) {
-    auto q_row = [&](long long b) { return load_index(p, p.cu_seqlens_q, kIndexCuQ, b); };
-    const long long good_q = e_q < 0 ? p.batch : max(e_q - 1, 0ll);
-    const long long good = min(good_q, e_k < 0 ? p.batch : max(e_k - 1, 0ll));
-    if (good < good_q)  // malformed cu_seqlens_k: the query rows of the sequences from its first bad entry on
-        fill_rows(out, q_row(good), q_row(good_q), nan_chunk(), p.lse, p.nheads_q, p.total_q, nan_f32());
-    if (!any_longer(p, p.cu_seqlens_k, kIndexCuK, good, p.seqlen_k)) return;
+// The rows on this side ("mine": cu_mine, written through `a` and the LSE) of the sequences
+// whose offsets on the other side are bad: from the other side's first bad entry on, or longer
+// than its max_seqlen (reported as `arg_other` with kReport).  Both sides of a sequence then
+// carry its NaN in the calls that launch no attention kernel (max_seqlen_* = 0, or no key rows);
+// the attention kernels' SeqInfo does the same otherwise.
+template <bool kReport, int kArrays>
+__device__ __forceinline__ void partner_rows(const FlashParams& p, const void* cu_other, int bit_other, long long e_other,
+                                             long long max_other, int arg_other, const void* cu_mine,
+                                             int bit_mine, long long e_mine, long long total_mine,
+                                             const PackedRows (&a)[kArrays], float* lse) {
+    auto my_row = [&](long long b) { return load_index(p, cu_mine, bit_mine, b); };
+    const long long good_mine = e_mine < 0 ? p.batch : max(e_mine - 1, 0ll);
+    const long long good = min(good_mine, e_other < 0 ? p.batch : max(e_other - 1, 0ll));
+    if (good < good_mine)  // malformed other side: my rows of the sequences from its first bad entry on
+        fill_rows(a, my_row(good), my_row(good_mine), nan_chunk(), lse, p.nheads_q, total_mine, nan_f32());
+    if (!any_longer(p, cu_other, bit_other, good, max_other)) return;
     for (long long b = 0; b < good; ++b) {
-        if (seq_len(p, p.cu_seqlens_k, kIndexCuK, b) <= p.seqlen_k) continue;
-        fill_rows(out, q_row(b), q_row(b + 1), nan_chunk(), p.lse, p.nheads_q, p.total_q, nan_f32());
-        if (blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, kArgMaxSeqlenK, b);
+        if (seq_len(p, cu_other, bit_other, b) <= max_other) continue;
+        fill_rows(a, my_row(b), my_row(b + 1), nan_chunk(), lse, p.nheads_q, total_mine, nan_f32());
+        if (kReport && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, arg_other, b);
     }
 }
 
@@ -124,7 +130,9 @@ extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __gr
     find_bad_offsets(p, e_q, e_k);
     const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
     varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, out, p.lse, true, kArgMaxSeqlenQ);
-    long_key_sequences(p, e_q, e_k, out);
+    // (the key side is checked, and reported, here only: the forward writes no key rows)
+    partner_rows<true>(p, p.cu_seqlens_k, kIndexCuK, e_k, p.seqlen_k, kArgMaxSeqlenK, p.cu_seqlens_q, kIndexCuQ, e_q,
+                 p.total_q, out, p.lse);
 }
 
 // The backward's: dq rows (q side) and dk, dv rows (k side), in one launch.
@@ -136,4 +144,9 @@ extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAM
     const PackedRows dkdv[2] = {{p.dk, p.dk_row_stride, p.dk_head_stride, p.nheads_k, p.headdim_qk / 8},
                                 {p.dv, p.dv_row_stride, p.dv_head_stride, p.nheads_k, p.headdim_v / 8}};
     varlen_tail(p, p.cu_seqlens_k, kIndexCuK, e_k, p.total_k, p.seqlen_k, dkdv, nullptr, false, kArgMaxSeqlenK);
+    // Each side's gradients of the sequences whose other side is bad (reported just above).
+    partner_rows<false>(p, p.cu_seqlens_k, kIndexCuK, e_k, p.seqlen_k, kArgMaxSeqlenK, p.cu_seqlens_q, kIndexCuQ, e_q,
+                 p.total_q, dq, nullptr);
+    partner_rows<false>(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.seqlen_q, kArgMaxSeqlenQ, p.cu_seqlens_k, kIndexCuK, e_k,
+                 p.total_k, dkdv, nullptr);
 }

@@ -93,6 +93,34 @@ def test_varlen_max_seqlen_zero_still_checks_the_offsets(rng, which):
     assert not out.get().astype(np.float32).any() and np.isneginf(lse.get()).all()
 
 
+def test_varlen_backward_with_max_seqlen_zero_still_checks_the_offsets(rng):
+    """The backward with max_seqlen_q = 0 launches only the offsets check: sequences longer than
+    0 are an error and all their gradients (dq, and through partner_rows dk and dv) NaN;
+    malformed key offsets NaN the sequences from their first bad entry on; all-empty offsets
+    give zeros and no error."""
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, s, np.float16)) for s in ((50, 2, 64), (60, 2, 64), (60, 2, 64)))
+    out, dout = cp.zeros_like(q), cp.asarray(_rand(rng, (50, 2, 64), np.float16))
+    lse = cp.zeros((2, 50), dtype=cp.float32)
+    cu_q, cu_k = cp.asarray(np.array([0, 20, 50], np.int32)), cp.asarray(np.array([0, 30, 60], np.int32))
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=0, max_seqlen_k=60)
+    _expect_error("attention_varlen_backward", "max_seqlen_q = 0")
+    assert _nan_rows(dq).all() and _nan_rows(dk).all() and _nan_rows(dv).all()
+    bad_k = cp.asarray(np.array([0, 0, -3], np.int32))  # sequence 0 has no keys: fine; 1 on: NaN
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, bad_k, max_seqlen_q=0,
+                                                   max_seqlen_k=0)
+    with pytest.raises(cuflash.InvalidIndexError):
+        cuflash.synchronize()
+    cuflash.synchronize()
+    rows = _nan_rows(dq)
+    assert rows[20:].all()
+    empty = cp.zeros(3, np.int32)
+    dq, dk, dv = cuflash.attention_varlen_backward(dout, q, k, v, out, lse, empty, empty, max_seqlen_q=0,
+                                                   max_seqlen_k=0)
+    cuflash.synchronize()
+    assert not any(g.get().astype(np.float32).any() for g in (dq, dk, dv))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
