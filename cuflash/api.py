@@ -217,6 +217,7 @@ def attention(
         if out is not None:
             _arrays.check_array(out, "out")
         _check_unbatched(layout, k=k, v=v, out=out)
+        _check_unbatched_buffers(out=(out, q.shape[:-1] + v.shape[-1:]))
         res = attention(q[None], k[None], v[None], softmax_scale=softmax_scale, causal=causal,
                         window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, seqlens_k=seqlens_k,
                         bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed, precision=precision,
@@ -371,6 +372,7 @@ def attention_backward(
             if x is not None:
                 _arrays.check_array(x, name)
         _check_unbatched(layout, k=k, v=v, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
+        _check_unbatched_buffers(dq=(dq, q.shape), dk=(dk, k.shape), dv=(dv, v.shape))
         if lse.ndim != 2:
             raise ValueError(f"lse of an unbatched call must have shape (nheads, seqlen_q); got {tuple(lse.shape)}")
         lift = [None if x is None else x[None] for x in (dq, dk, dv)]
@@ -680,6 +682,14 @@ def _check_unbatched(layout, **arrays):
         if x is not None and getattr(x, "ndim", 3) != 3:
             raise ValueError(f"q is unbatched {shape}, so {name} must be too; got shape {tuple(x.shape)} "
                              f"(or pass q with a batch axis, q[None])")
+
+
+def _check_unbatched_buffers(**buffers):
+    """Output buffers of an unbatched call, checked before the batch axis is added (so that the
+    message gives the shapes the caller passed): name=(array or None, expected shape)."""
+    for name, (x, shape) in buffers.items():
+        if x is not None and tuple(x.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {tuple(shape)}; got {tuple(x.shape)}")
 
 
 def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,

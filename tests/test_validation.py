@@ -5,6 +5,7 @@ TypeError for dtypes and array kinds, and the message names the argument.  Empty
 valid and return correctly shaped results.
 """
 
+import re
 import warnings
 
 import ml_dtypes
@@ -96,6 +97,12 @@ def test_unbatched_q_needs_unbatched_k_v_and_lse():
     out, lse = cuflash.attention(q[0], k[0], v[0], return_lse=True)
     with pytest.raises(ValueError, match=r"lse of an unbatched call must have shape \(nheads, seqlen_q\)"):
         cuflash.attention_backward(out, q[0], k[0], v[0], out, lse[None])
+    # Buffers of the wrong shape: the message gives the unbatched shapes, not the lifted ones.
+    wrong = np.empty(out.shape[:-1] + (out.shape[-1] + 1,), out.dtype)
+    with pytest.raises(ValueError, match=re.escape(f"out must have shape {tuple(out.shape)}; got {tuple(wrong.shape)}")):
+        cuflash.attention(q[0], k[0], v[0], out=wrong)
+    with pytest.raises(ValueError, match=re.escape(f"dk must have shape {tuple(k[0].shape)}")):
+        cuflash.attention_backward(out, q[0], k[0], v[0], out, lse, dk=np.empty(wrong.shape[:-1] + (3,), k.dtype))
 
 
 def test_two_dimensional_input_says_how_to_reshape():
