@@ -369,9 +369,11 @@ def prefetch(functions, device_id: int) -> None:
         list(pool.map(lambda item: get_function(item[0], device_id, item[1]), todo.items()))
 
 
-def compile_for_arch(variant: Variant, arch: str) -> bytes:
+def compile_for_arch(variant: Variant, arch: str, *, log: list | None = None) -> bytes:
     """Compile ``variant`` to a cubin for ``arch`` (e.g. "80", "90"; Hopper-only variants always
-    build for "90a") with NVRTC; no GPU needed.
+    build for "90a") with NVRTC; no GPU needed.  With ``log`` (a list), ptxas runs verbose and
+    the compiler log is appended to it (registers, spills, and ptxas's performance notes such as
+    C7514, wgmma serialised).
 
     Raises ``RuntimeError`` with the compiler log on failure.
     """
@@ -382,10 +384,13 @@ def compile_for_arch(variant: Variant, arch: str) -> bytes:
         arch = variant.arch or arch
         opts = [o for o in variant.options() if not o.startswith("-arch=")]
         opts += [f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space"]
+        opts += ["--ptxas-options=-v"] if log is not None else []
         try:
             nvrtc.compileProgram(prog, opts)
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"{variant.name} (sm_{arch}) failed to compile:\n{nvrtc.getProgramLog(prog)}") from exc
+        if log is not None:
+            log.append(nvrtc.getProgramLog(prog))
         return nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)

@@ -299,33 +299,30 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 // FA3 §3.2: S of tile n is issued together with P V of tile n + 1 (the one before it in
                 // this descending order) in one turn, and tile n's softmax runs while that P V does.
                 // P stays fp32 in s until the product reading pk is done; O is rescaled after it.
-                // The first tile has no P V before it (one loop body for both: the softmax is
-                // inlined once, which keeps the module's compile time down).
-                int n0 = 0, prev_stage = 0;
-                for (int nb = nb_hi - 1; nb >= nb_lo; --nb) {
-                    const bool first = nb == nb_hi - 1;
-                    const int prev_n0 = n0;
-                    if (!first) prev_stage = ring.stage, ring.advance();
+                // (The first tile stays peeled off the loop: one loop body for both, with the first
+                // P V skipped by a branch, made ptxas serialise every wgmma of the kernel, C7514.)
+                int n0 = (nb_hi - 1) * kBN;
+                s_alone(ring);
+                softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
+                for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
+                    const int prev_stage = ring.stage, prev_n0 = n0;
+                    ring.advance();
                     n0 = nb * kBN;
                     mbar_wait(&k_full[ring.stage], ring.phase);
-                    if (!first) mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
+                    mbar_wait(&v_full[prev_stage], ring.phase ^ (ring.stage == 0));  // (the previous tile's phase)
                     take_turn();
                     issue_s(ring.stage);
-                    if (!first) issue_pv(prev_stage, prev_n0);
+                    issue_pv(prev_stage, prev_n0);
                     end_turn();
-                    if (first)
-                        wgmma_wait<0>();
-                    else
-                        wgmma_wait<1>();  // S is done (P V may still run)
+                    wgmma_wait<1>();  // S is done (P V may still run)
                     wgmma_pin(s_flat);
                     if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
                     softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
-                    if (!first) {
-                        wgmma_wait<0>();  // P V is done: pk and O are free
-                        wgmma_pin(o_flat);
-                        if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
-                        rescale_o();  // (O is still 0 after the first tile: no rescale)
-                    }
+                    wgmma_wait<0>();  // P V is done: pk and O are free
+                    wgmma_pin(o_flat);
+                    if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
+                    rescale_o();
                     pack_probs<T, kNT>(s, pk);
                 }
                 pv_alone(ring, n0);
