@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# GPU checks in one device call: tests, compute-sanitizer (memcheck + racecheck), benchmarks.
+# GPU checks in one device call: tests, compute-sanitizer (memcheck, racecheck, synccheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
 #   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
-# BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, AB_BASE (the
+# BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
+# compute-sanitizer tools, default all three), AB_BASE (the
 # checkout the ab stage compares this one with, e.g. a `git archive` of the previous commit
 # carried in an ignored folder; AB_PARTS narrows it, AB_ROUNDS sets its rounds).
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
@@ -56,7 +57,7 @@ for stage in $stages; do
       rc=$?; summary+=("tests rc=$rc ($(elapsed)): $(tail -n 1 "$OUT/tests.log")")
       tail -n 30 "$OUT/tests.log" ;;
     sanitize)
-      for tool in memcheck racecheck; do
+      for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
         timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 3 $PY scripts/sanitize_run.py \
           >"$OUT/sanitize_$tool.log" 2>&1
         rc=$?; summary+=("$tool rc=$rc ($(elapsed)): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
