@@ -319,6 +319,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     wgmma_pin(s_flat);
                     if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
                     softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                    keep_before_wait(row[0].l + row[1].l, p.batch < 0);  // (the row sums need every exponential)
                     wgmma_wait<0>();  // P V is done: pk and O are free
                     wgmma_pin(o_flat);
                     if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
