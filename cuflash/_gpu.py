@@ -265,7 +265,7 @@ def _sm90_tile_grid(device: int, m_blocks: int, pairs: int, kv_bytes_per_pair: i
     section = min(pairs, max(1, _l2_bytes(device) // 2 // max(kv_bytes_per_pair, 1)))
     tiles = m_blocks * pairs
     if tiles >= 2**31:  # (the kernel numbers tiles in 32 bits: terabytes of q)
-        raise ValueError(f"q has {tiles} tiles of 128 rows x heads, more than the Hopper forward numbers (2**31)")
+        raise ValueError(f"q has {tiles} query tiles (heads x tiles of rows), more than the Hopper forward numbers (2**31)")
     blocks = min(tiles, _sm_resources(device)[0]) if _kernels.sm90_persistent() else tiles
     return section, (max(1, blocks),)
 
@@ -527,7 +527,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         dq_grid = ((p.seqlen_q + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_q))
         dkdv_grid = ((p.seqlen_k + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_k))
         smem = main.smem_bytes
-        if main is variant or deterministic:
+        if main is variant or deterministic or tail_only:
             launches = (("_dq", dq_grid, smem), ("_dkdv", dkdv_grid, smem))
         else:  # fp32 dQ rows laid out like the LSE's, head-dim bucket wide
             dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=cp.float32)
@@ -571,7 +571,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="att
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic,
                     call="attention_varlen_backward"):
     """Packed: (total, H, D) arrays; lse (H, total_q); grads pre-zeroed by the caller."""
-    if p.seqlen_q == 0 or k.shape[0] == 0:  # no row to differentiate: zeros; the offsets are still checked
+    if p.seqlen_q == 0 or p.seqlen_k == 0 or k.shape[0] == 0:  # nothing to differentiate: zeros; offsets still checked
         if q.shape[0] and p.nheads_q and p.batch:
             _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
                                   lse_strides=(0, q.shape[0]), deterministic=deterministic, call=call, tail_only=True)

@@ -372,9 +372,12 @@ def attention_backward(
             if x is not None:
                 _arrays.check_array(x, name)
         _check_unbatched(layout, k=k, v=v, dout=dout, out=out, dq=dq, dk=dk, dv=dv)
-        _check_unbatched_buffers(dq=(dq, q.shape), dk=(dk, k.shape), dv=(dv, v.shape))
         if lse.ndim != 2:
             raise ValueError(f"lse of an unbatched call must have shape (nheads, seqlen_q); got {tuple(lse.shape)}")
+        o_shape = q.shape[:-1] + v.shape[-1:]
+        lse_shape = (q.shape[0], q.shape[1]) if layout == "bhsd" else (q.shape[1], q.shape[0])
+        _check_unbatched_buffers(dout=(dout, o_shape), out=(out, o_shape), lse=(lse, lse_shape), dq=(dq, q.shape),
+                                 dk=(dk, k.shape), dv=(dv, v.shape))
         lift = [None if x is None else x[None] for x in (dq, dk, dv)]
         grads = attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -669,7 +672,12 @@ def attention_varlen_backward(
     deterministic = V.check_bool(deterministic, "deterministic")
     xp = _arrays.module_of(q)
     grads = [xp.zeros(x.shape, dtype=x.dtype) for x in (q, k, v)]
-    if not p.is_empty and p.nheads_k and p.seqlen_k:
+    launch = not p.is_empty and p.nheads_k and p.seqlen_k
+    if not launch and _arrays.is_gpu(q) and q.shape[0] and p.nheads_q and p.batch:
+        from . import _gpu  # max_seqlen_* = 0 or no keys: zero gradients, but GPU offsets are still checked
+
+        _gpu.backward_varlen(p, dout, q, k, v, out, lse, *grads, cu_q, cu_k, deterministic=deterministic)
+    elif launch:
         _run("backward_varlen", _cpu.backward_varlen, p, dout, q, k, v, out, lse, *grads, cu_q, cu_k,
              deterministic=deterministic)
     return tuple(grads)

@@ -117,6 +117,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     constexpr int kBM = 64 * kConsumers, kNT = kBN / 8, kOT = kD / 8;
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
     static_assert(kD % 64 == 0 && kBN % 16 == 0 && kBN <= 256, "bad tile shape");  // (kBN x 128-byte panels: 1 KB-aligned)
+    static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (registers, barrier ids)");
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // host adds 1 KB

@@ -17,7 +17,7 @@ struct FwdTile {
 
 // Reads its sizes from the kernel's parameters (a __grid_constant__ struct: constant-bank loads)
 // at each use, rather than keeping them in registers through the main loop.  32-bit arithmetic:
-// 2^31 tiles of 128 query rows would be terabytes of q (the host checks the count).
+// 2^31 query tiles would be terabytes of q (the host checks the count).
 template <int kBM>
 struct TileScheduler {
     const FlashParams& p;

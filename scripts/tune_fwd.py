@@ -99,7 +99,7 @@ def main():
     ap.add_argument("--headdims", default="64,128")
     ap.add_argument("--configs", default="128x64x4x1x1,128x64x8x1x1,64x64x4x3x1,64x64x4x4x1,64x64x4x3x0,128x64x8x2x1,64x128x4x2x1")
     ap.add_argument("--seqlen", default="4096", help="comma-separated lengths")
-    ap.add_argument("--sm90", help="Hopper forward tiles to time instead, e.g. 176x2x2,128x2x3 (keys per tile x stages x consumer warpgroups)")
+    ap.add_argument("--sm90", help="Hopper forward tiles to time instead, e.g. 176x2,96x2x3 (keys per tile x stages [x consumer warpgroups, 2])")
     ap.add_argument("--decode", help="decode tiles to time instead, e.g. 16x64x1,16x128x1")
     args = ap.parse_args()
     if args.decode:
@@ -111,7 +111,7 @@ def main():
             for causal in (False, True):
                 if args.sm90:
                     for cfg in args.sm90.split(","):
-                        run_config(qkv, causal, cfg, overridden(_kernels.SM90_FWD_TILES, d, tuple(map(int, cfg.split("x")))),
+                        run_config(qkv, causal, cfg, overridden(_kernels.SM90_FWD_TILES, d, (*map(int, cfg.split("x")), 2)[:3]),
                                    lambda: _kernels.sm90_fwd_variant("bfloat16", d, softcap=False, alibi=False))
                     continue
                 for cfg in args.configs.split(","):

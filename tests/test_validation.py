@@ -103,6 +103,10 @@ def test_unbatched_q_needs_unbatched_k_v_and_lse():
         cuflash.attention(q[0], k[0], v[0], out=wrong)
     with pytest.raises(ValueError, match=re.escape(f"dk must have shape {tuple(k[0].shape)}")):
         cuflash.attention_backward(out, q[0], k[0], v[0], out, lse, dk=np.empty(wrong.shape[:-1] + (3,), k.dtype))
+    with pytest.raises(ValueError, match=re.escape(f"lse must have shape {tuple(lse.shape)}")):
+        cuflash.attention_backward(out, q[0], k[0], v[0], out, np.zeros((lse.shape[0], lse.shape[1] + 1), lse.dtype))
+    with pytest.raises(ValueError, match=re.escape(f"dout must have shape {tuple(out.shape)}")):
+        cuflash.attention_backward(wrong, q[0], k[0], v[0], out, lse)
 
 
 def test_two_dimensional_input_says_how_to_reshape():
