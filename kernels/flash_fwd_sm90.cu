@@ -30,6 +30,8 @@
 // sequence's rows, or padding that may hold NaN), inside its turn, so the other consumers' P V of
 // that stage come after.
 #include "params.cuh"
+#include "sm90_fwd_epilogue.cuh"
+#include "sm90_fwd_load.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_scheduler.cuh"
 #include "softmax_tile.cuh"
@@ -63,29 +65,6 @@
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd_sm90
 #endif
-
-// The tensor maps of one launch (cuflash/_tma.py): Q, K and V as (headdim, rows, heads, batch)
-// boxes of (64, rows, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
-struct FwdMaps {
-    TensorMap q, k, v;
-};
-
-// What both roles derive from a tile: its sequence, its K/V head and its key tiles [nb_lo,
-// nb_hi).  A tile that starts past its sequence's rows (varlen) is skipped by both.
-template <int kBM, int kBN>
-struct FwdWork {
-    FwdTile tile;
-    SeqInfo seq;
-    int hk, nb_lo, nb_hi;
-    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t) : tile(t), seq(p, t.b) {
-        hk = t.h / static_cast<int>(p.nheads_q / p.nheads_k);
-        int n_lo, n_hi;
-        seq.key_range(t.m0, t.m0 + kBM, n_lo, n_hi);
-        nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
-    }
-    __device__ __forceinline__ bool skipped() const { return tile.m0 >= seq.sq; }
-    __device__ __forceinline__ bool has_keys() const { return nb_lo < nb_hi; }
-};
 
 namespace ws {
 // Registers per thread after setmaxnreg: (producer, consumer) for 2 and 3 consumer warpgroups
@@ -124,11 +103,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     unsigned char* sQ = smem;                      // (kBM, kD), reused to stage O
     unsigned char* sK = sQ + kTileQ;               // kStages x (kBN, kD)
     unsigned char* sV = sK + kStages * kTileKV;    // kStages x (kBN, kD)
-    __shared__ u64 q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    __shared__ FwdBarriers<kStages> bars;
+    u64 &q_full = bars.q_full, &q_empty = bars.q_empty;
+    u64 (&k_full)[kStages] = bars.k_full, (&k_empty)[kStages] = bars.k_empty;
+    u64 (&v_full)[kStages] = bars.v_full, (&v_empty)[kStages] = bars.v_empty;
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const TileScheduler<kBM> tiles{p};
-    const bool packed = p.cu_seqlens_q != nullptr;
     if (tid == 0) {
         mbar_init(&q_full, 1), mbar_init(&q_empty, kConsumers);  // sQ: loaded by the producer, freed by every consumer
         for (int s = 0; s < kStages; ++s) {
@@ -139,54 +120,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     }
     __syncthreads();
 
-    if (warp < 4) {  // ---- producer: warp 0 (lane 0 issues the copies), the other three leave ----
+    if (warp < 4) {  // ---- producer: warp 0 (sm90_fwd_load.cuh); the other three leave ----
         regs_release<ws::kProducerRegs<kConsumers>>();
-        if (warp != 0) return;
-        if (lane == 0) tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
-        auto ring = RingState<kStages>::producer_start();
-        int q_phase = 1;  // sQ starts free
-        for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
-            const FwdWork<kBM, kBN> w(p, tiles(t));
-            if (w.skipped()) continue;
-            const int kv_batch = packed ? 0 : static_cast<int>(w.seq.kv_row());
-            // K or V tile nb into the ring's stage.  Lane 0 issues; the whole warp waits, and
-            // re-converges after each copy.
-            auto load_kv = [&](u64* empty, u64* full, unsigned char* ring_base, const TensorMap& map, int nb) {
-                mbar_wait(&empty[ring.stage], ring.phase);
-                if (lane == 0) {
-                    mbar_arrive_expect_tx(&full[ring.stage], kTileKV);
-                    tma_load_tile<kBN, kD>(ring_base + ring.stage * kTileKV, map, &full[ring.stage],
-                                           static_cast<int>(w.seq.k_start) + nb * kBN, w.hk, kv_batch);
-                }
-                __syncwarp();
-            };
-            auto load_k = [&](int nb) { load_kv(k_empty, k_full, sK, maps.k, nb); };
-            auto load_v = [&](int nb) { load_kv(v_empty, v_full, sV, maps.v, nb); };
-            // The tile's first K before its Q: it can land while the consumers are still storing
-            // the previous tile's O from sQ (they released every K/V stage of that tile before).
-            if (w.has_keys()) load_k(w.nb_hi - 1);
-            // Q (or, for a tile without keys, a plain arrival) once the consumers are done with sQ.
-            mbar_wait(&q_empty, q_phase);
-            q_phase ^= 1;
-            if (lane == 0) {
-                if (w.has_keys()) {
-                    mbar_arrive_expect_tx(&q_full, kTileQ);
-                    tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(w.seq.q_start) + w.tile.m0, w.tile.h,
-                                           packed ? 0 : w.tile.b);
-                } else {
-                    mbar_arrive(&q_full);
-                }
-            }
-            __syncwarp();
-            for (int nb = w.nb_hi - 1; nb >= w.nb_lo; --nb, ring.advance()) {
-                if (nb != w.nb_hi - 1) load_k(nb);
-                load_v(nb);
-            }
-        }
-        for (int s = 0; s < kStages; ++s, ring.advance()) {  // leave only once the consumers are done
-            mbar_wait(&k_empty[ring.stage], ring.phase);
-            mbar_wait(&v_empty[ring.stage], ring.phase);
-        }
+        if (warp == 0) load_tiles<kBM, kBN, kD, kStages>(p, maps, bars, sQ, sK, sV, lane);
         return;
     }
 
@@ -332,37 +268,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             }
         }
 
-        // Epilogue: O /= l and LSE; each consumer stages its own 64 rows of O in its rows of sQ (no
-        // longer read: its last S is done), then stores them in 16-byte chunks.
-        u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
-        float* gLse = p.lse + seq.lse_row(p, b, h, m0);
-        const int rows_valid = min(kBM, seq.sq - m0), v_chunks = static_cast<int>(p.headdim_v / 8);
-        // The thread's rows and chunks through an opaque move: the shared-memory offsets below are
-        // the same for every tile, and computed once before the tile loop they stayed live
-        // through the main loop (spilling at d192 and d256).
-        int e_row = r_lo, e_tid = wtid;
-        asm volatile("" : "+r"(e_row), "+r"(e_tid));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            float lse;
-            const float inv_l = row[half].finalize(seq.poison(quad_sum(row[half].l)), lse);
-            const int r = e_row + half * 8;
-            if (lane % 4 == 0 && r < rows_valid) gLse[r] = lse;
-#pragma unroll
-            for (int ot = 0; ot < kOT; ++ot)
-                *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
-                    pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
-        }
-        consumer_barrier();
-#pragma unroll
-        for (int c = e_tid; c < 64 * kOT; c += 128) {
-            const int r = wg * 64 + c / kOT, col = c % kOT;
-            if (r < rows_valid && col < v_chunks)
-                *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sQ + swizzled_chunk<kBM>(r, col));
-        }
-        fence_async_smem();  // this warpgroup's use of sQ comes before the copy engine's next Q
-        consumer_barrier();
-        if (wtid == 0) mbar_arrive(&q_empty);
+        store_o<T, kBM>(p, seq, b, h, m0, o, row, sQ, wg, r_lo, wtid, lane, consumer_barrier);
+        if (wtid == 0) mbar_arrive(&q_empty);  // sQ is free for the next tile's Q
     }
     if (wg == 0) take_turn();  // absorbs the last consumer's last arrival
 }

@@ -1,0 +1,94 @@
+// The producer of the Hopper forward (flash_fwd_sm90.cu): one warp walks the block's tiles in
+// the scheduler's order and streams each tile's Q, K and V into shared memory with the bulk
+// tensor copy engine (TMA; maps from cuflash/_tma.py), through the full/empty barriers of
+// sm90_pipeline.cuh's ring protocol.  Lane 0 issues every copy; the whole warp waits on the
+// barriers and re-converges after each copy.
+//
+// Per tile with keys: K of the first key tile (it can land while the consumers still store the
+// previous tile's O from sQ: they released every K/V stage of that tile first), then Q once the
+// consumers freed sQ (q_empty), then V of that key tile and K, V of the others, from the last key
+// tile down.  A tile without keys gets a plain arrival on q_full instead of Q (the consumers
+// then stage its O in sQ all the same).  Shah et al., "FlashAttention-3", 2024, §3.1.
+#pragma once
+#include "seqinfo.cuh"
+#include "sm90_pipeline.cuh"
+#include "sm90_scheduler.cuh"
+
+// The tensor maps of one launch (cuflash/_tma.py): Q, K and V as (headdim, rows, heads, batch)
+// boxes of (64, rows, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
+struct FwdMaps {
+    TensorMap q, k, v;
+};
+
+// What both roles derive from a tile: its sequence, its K/V head and its key tiles [nb_lo,
+// nb_hi).  A tile that starts past its sequence's rows (varlen) is skipped by both.
+template <int kBM, int kBN>
+struct FwdWork {
+    FwdTile tile;
+    SeqInfo seq;
+    int hk, nb_lo, nb_hi;
+    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t) : tile(t), seq(p, t.b) {
+        hk = t.h / static_cast<int>(p.nheads_q / p.nheads_k);
+        int n_lo, n_hi;
+        seq.key_range(t.m0, t.m0 + kBM, n_lo, n_hi);
+        nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    }
+    __device__ __forceinline__ bool skipped() const { return tile.m0 >= seq.sq; }
+    __device__ __forceinline__ bool has_keys() const { return nb_lo < nb_hi; }
+};
+
+// The block's barriers: sQ (loaded, freed by every consumer) and the K and V rings.
+template <int kStages>
+struct FwdBarriers {
+    u64 q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+};
+
+template <int kBM, int kBN, int kD, int kStages>
+__device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& maps, FwdBarriers<kStages>& bars,
+                                           unsigned char* sQ, unsigned char* sK, unsigned char* sV, int lane) {
+    constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
+    const TileScheduler<kBM> tiles{p};
+    const bool packed = p.cu_seqlens_q != nullptr;
+    u64 &q_full = bars.q_full, &q_empty = bars.q_empty;
+    if (lane == 0) tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
+    auto ring = RingState<kStages>::producer_start();
+    int q_phase = 1;  // sQ starts free
+    for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
+        const FwdWork<kBM, kBN> w(p, tiles(t));
+        if (w.skipped()) continue;
+        const int kv_batch = packed ? 0 : static_cast<int>(w.seq.kv_row());
+        // K or V tile nb into the ring's stage.
+        auto load_kv = [&](u64* empty, u64* full, unsigned char* ring_base, const TensorMap& map, int nb) {
+            mbar_wait(&empty[ring.stage], ring.phase);
+            if (lane == 0) {
+                mbar_arrive_expect_tx(&full[ring.stage], kTileKV);
+                tma_load_tile<kBN, kD>(ring_base + ring.stage * kTileKV, map, &full[ring.stage],
+                                       static_cast<int>(w.seq.k_start) + nb * kBN, w.hk, kv_batch);
+            }
+            __syncwarp();
+        };
+        auto load_k = [&](int nb) { load_kv(bars.k_empty, bars.k_full, sK, maps.k, nb); };
+        auto load_v = [&](int nb) { load_kv(bars.v_empty, bars.v_full, sV, maps.v, nb); };
+        if (w.has_keys()) load_k(w.nb_hi - 1);  // the first K, then Q once sQ is free
+        mbar_wait(&q_empty, q_phase);
+        q_phase ^= 1;
+        if (lane == 0) {
+            if (w.has_keys()) {
+                mbar_arrive_expect_tx(&q_full, kTileQ);
+                tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(w.seq.q_start) + w.tile.m0, w.tile.h,
+                                       packed ? 0 : w.tile.b);
+            } else {
+                mbar_arrive(&q_full);
+            }
+        }
+        __syncwarp();
+        for (int nb = w.nb_hi - 1; nb >= w.nb_lo; --nb, ring.advance()) {
+            if (nb != w.nb_hi - 1) load_k(nb);
+            load_v(nb);
+        }
+    }
+    for (int s = 0; s < kStages; ++s, ring.advance()) {  // leave only once the consumers are done
+        mbar_wait(&bars.k_empty[ring.stage], ring.phase);
+        mbar_wait(&bars.v_empty[ring.stage], ring.phase);
+    }
+}
