@@ -8,6 +8,9 @@
 //
 // Shah et al., "FlashAttention-3", 2024: §3.1 (producer/consumer warp specialisation, ping-pong
 // scheduling of consumer warpgroups), §3.2 (intra-warpgroup overlap of softmax and GEMMs).
+// By role: sm90_fwd_load.cuh (the producer), this file (the consumers' main loop), softmax_tile.cuh
+// (the score pipeline, shared with flash_fwd.cu), sm90_fwd_epilogue.cuh, sm90_scheduler.cuh (tile
+// order), sm90_pipeline.cuh (barriers, bulk copies, register re-balancing).
 //
 // Block: warpgroup 0 = producer (its warp 0 walks the tiles, lane 0 issues every copy; the other
 // three warps exit at once), warpgroups 1 .. kConsumers = consumers, consumer w owning query rows
