@@ -2,14 +2,14 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck, racecheck, synccheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
 # BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
 # compute-sanitizer tools, default all three), AB_BASE (the
-# checkout the ab stage compares this one with, e.g. a `git archive` of the previous commit
-# carried in an ignored folder; AB_PARTS narrows it, AB_ROUNDS sets its rounds).
+# checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous
+# commit carried in an ignored folder; AB_PARTS narrows it, AB_ROUNDS sets its rounds).
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
 # --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
 # device call's carry list.
@@ -69,6 +69,11 @@ for stage in $stages; do
       cat "$OUT/host.log" ;;
     bench) bench_stage bench ${BENCH_TIMEOUT:-240} ${BENCH_ARGS:-} --plot "$OUT/bench.png" ;;
     backward) bench_stage backward ${BENCH_TIMEOUT:-240} --backward --headdims 64,96,128,192,256 --seqlens 4096,16384 ${BENCH_ARGS:-} ;;
+    tune)  # Hopper forward tiles under measurement (docs/perf-notes.md h9): d64 with 3 consumers, d128 176 keys
+      { timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 64 --seqlen 4096,16384 --sm90 128x2,96x2x3,80x2x3
+        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 128 --seqlen 4096,16384 --sm90 128x2,176x2; } >"$OUT/tune.log" 2>&1
+      rc=$?; summary+=("tune rc=$rc ($(elapsed))")
+      tail -n 30 "$OUT/tune.log" ;;
     smoke)  # the Hopper kernels' exactness rows and their ablation columns (docs/perf-notes.md h7-h9)
       timeout ${SMOKE_TIMEOUT:-200} $PY scripts/sm90_smoke.py fwd >"$OUT/smoke.log" 2>&1
       rc=$?; summary+=("smoke rc=$rc ($(elapsed))")
@@ -81,7 +86,7 @@ for stage in $stages; do
       rc=$?; summary+=("firstcall rc=$rc ($(elapsed))")
       cat "$OUT/firstcall.md" 2>/dev/null || tail -n 20 "$OUT/firstcall.log" ;;
     ab)
-      timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py "${AB_BASE:?set AB_BASE}" . --parts "${AB_PARTS:-fwd,bwd,decode,varlen,host}" --rounds ${AB_ROUNDS:-3} \
+      timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py "${AB_BASE:?set AB_BASE}" "${AB_NEW:-.}" --parts "${AB_PARTS:-fwd,bwd,decode,varlen,host}" --rounds ${AB_ROUNDS:-3} \
         --markdown "$OUT/ab.md" >"$OUT/ab.log" 2>&1
       rc=$?; summary+=("ab rc=$rc ($(elapsed))")
       cat "$OUT/ab.md" 2>/dev/null || tail -n 20 "$OUT/ab.log" ;;
