@@ -435,16 +435,11 @@ def forward(p, q, k, v, out, lse, *, block_table=None, cache_batch_idx=None, seq
 def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=None, call="attention_varlen"):
     """Packed: q (total_q, H, D); lse (H, total_q); rows past cu_q[-1] get out = 0, lse = -inf,
     rows of sequences with malformed offsets NaN (kernels/varlen_tail.cu).  ``record`` as in
-    :func:`forward`."""
-    if p.seqlen_q == 0 or p.seqlen_k == 0 or k.shape[0] == 0:  # no row sees a key: 0 and -inf; offsets still checked
-        out[...] = 0
-        lse[...] = -np.inf
-        if q.shape[0] and p.nheads_q and p.batch:
-            _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]),
-                                  call=call, tail_only=True)
-        return
+    :func:`forward`.  When no row sees a key (max_seqlen_* = 0, or no key rows; the caller wrote 0
+    and -inf), only the offsets check and its NaN fill run."""
+    tail_only = p.seqlen_q == 0 or p.seqlen_k == 0 or k.shape[0] == 0
     _launch_attention_fwd(p, q, k, v, out, lse, packed=True, cu_q=cu_q, cu_k=cu_k, lse_strides=(0, q.shape[0]),
-                          record=record, call=call)
+                          record=None if tail_only else record, call=call, tail_only=tail_only)
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, capacity, *, block_table=None, cache_batch_idx=None,
@@ -527,7 +522,9 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         dq_grid = ((p.seqlen_q + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_q))
         dkdv_grid = ((p.seqlen_k + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_k))
         smem = main.smem_bytes
-        if main is variant or deterministic or tail_only:
+        if tail_only:
+            launches = ()
+        elif main is variant or deterministic:
             launches = (("_dq", dq_grid, smem), ("_dkdv", dkdv_grid, smem))
         else:  # fp32 dQ rows laid out like the LSE's, head-dim bucket wide
             dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=cp.float32)
@@ -540,15 +537,12 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         if packed:  # rows no well-formed sequence owns: NaN where the offsets are malformed
             first_bad = _offsets_scratch(prm)  # noqa: F841 (alive until the launches are queued)
             _kernels.get_function(tail, device, "_grads")((2 * _sm_resources(device)[0],), (256,), (_pointer(prm),))
-        if tail_only:
-            launches = ()
 
-        # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
-        pre = FlashParams.from_buffer_copy(prm)
-        if packed:
-            pre.batch, pre.seqlen_q = 1, q.shape[0]
-        rows = pre.batch * pre.seqlen_q * pre.nheads_q if not tail_only else 0
-        if rows:
+        if not tail_only:  # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
+            pre = FlashParams.from_buffer_copy(prm)
+            if packed:
+                pre.batch, pre.seqlen_q = 1, q.shape[0]
+            rows = pre.batch * pre.seqlen_q * pre.nheads_q
             _kernels.get_function(dsum_kernel, device)(((rows + 7) // 8,), (256,), (_pointer(pre),))
 
         for suffix, grid, shared_mem in launches:
@@ -570,14 +564,11 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="att
 
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic,
                     call="attention_varlen_backward"):
-    """Packed: (total, H, D) arrays; lse (H, total_q); grads pre-zeroed by the caller."""
-    if p.seqlen_q == 0 or p.seqlen_k == 0 or k.shape[0] == 0:  # nothing to differentiate: zeros; offsets still checked
-        if q.shape[0] and p.nheads_q and p.batch:
-            _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
-                                  lse_strides=(0, q.shape[0]), deterministic=deterministic, call=call, tail_only=True)
-        return
+    """Packed: (total, H, D) arrays; lse (H, total_q); grads pre-zeroed by the caller.  With nothing
+    to differentiate (max_seqlen_* = 0, or no key rows) only the offsets check and its NaN fill run."""
+    tail_only = p.seqlen_q == 0 or p.seqlen_k == 0 or k.shape[0] == 0
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=True, cu_q=cu_q, cu_k=cu_k,
-                          lse_strides=(0, q.shape[0]), deterministic=deterministic, call=call)
+                          lse_strides=(0, q.shape[0]), deterministic=deterministic, call=call, tail_only=tail_only)
 
 
 def softmax(x, axis):
