@@ -78,35 +78,12 @@ __device__ __forceinline__ void find_bad_offsets(const FlashParams& p, long long
     }
 }
 
-template <int kArrays>
-__device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu, int bit, long long e, long long total,
-                                            long long max_len, const PackedRows (&a)[kArrays], float* lse, bool zero_tail,
-                                            int max_arg) {
-    const float kInf = __int_as_float(0x7f800000);
-    const long long batch = p.batch, heads = p.nheads_q;
-    const long long good = e < 0 ? batch : max(e - 1, 0ll);  // sequences [0, good) are well formed
-    if (e < 0) {
-        if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, make_uint4(0, 0, 0, 0), lse, heads, total, -kInf);
-    } else {
-        fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan_chunk(), lse, heads, total, nan_f32());
-    }
-    // Sequences longer than max_len: all their rows NaN and the violation reported (one sequence
-    // after another, which only a bad call pays for).  The attention kernels launched next give
-    // those sequences NaN too (SeqInfo), but reach no row past max_len, and with max_seqlen_* = 0 no
-    // attention kernel runs at all.
-    if (!any_longer(p, cu, bit, good, max_len)) return;
-    for (long long b = 0; b < good; ++b) {
-        if (seq_len(p, cu, bit, b) <= max_len) continue;
-        fill_rows(a, load_index(p, cu, bit, b), load_index(p, cu, bit, b + 1), nan_chunk(), lse, heads, total, nan_f32());
-        if (blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, max_arg, b);
-    }
-}
-
 // The rows on this side ("mine": cu_mine, written through `a` and the LSE) of the sequences
 // whose offsets on the other side are bad: from the other side's first bad entry on, or longer
-// than its max_seqlen (reported as `arg_other` with kReport).  Both sides of a sequence then
-// carry its NaN in the calls that launch no attention kernel (max_seqlen_* = 0, or no key rows);
-// the attention kernels' SeqInfo does the same otherwise.
+// than its max_seqlen (reported as `arg_other` with kReport).  Both sides of a sequence then carry
+// its NaN in the calls that launch no attention kernel (max_seqlen_* = 0, or no key rows); the
+// attention kernels' SeqInfo does the same otherwise.  With one cu as both sides, the rows of its
+// own sequences longer than max_other (varlen_tail).
 template <bool kReport, int kArrays>
 __device__ __forceinline__ void partner_rows(const FlashParams& p, const void* cu_other, int bit_other, long long e_other,
                                              long long max_other, int arg_other, const void* cu_mine,
@@ -123,6 +100,24 @@ __device__ __forceinline__ void partner_rows(const FlashParams& p, const void* c
         fill_rows(a, my_row(b), my_row(b + 1), nan_chunk(), lse, p.nheads_q, total_mine, nan_f32());
         if (kReport && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, arg_other, b);
     }
+}
+
+template <int kArrays>
+__device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu, int bit, long long e, long long total,
+                                            long long max_len, const PackedRows (&a)[kArrays], float* lse, bool zero_tail,
+                                            int max_arg) {
+    const float kInf = __int_as_float(0x7f800000);
+    const long long batch = p.batch, heads = p.nheads_q;
+    if (e < 0) {
+        if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, make_uint4(0, 0, 0, 0), lse, heads, total, -kInf);
+    } else {
+        fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan_chunk(), lse, heads, total, nan_f32());
+    }
+    // Sequences longer than max_len: all their rows NaN and the violation reported (one sequence
+    // after another, which only a bad call pays for): partner_rows with this side as both sides.
+    // The attention kernels launched next give those sequences NaN too (SeqInfo), but reach no row
+    // past max_len, and with max_seqlen_* = 0 no attention kernel runs at all.
+    partner_rows<true>(p, cu, bit, e, max_len, max_arg, cu, bit, e, total, a, lse);
 }
 
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
