@@ -163,9 +163,8 @@ def sm90_disabled() -> bool:
 # Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 96, 128, 176: FA3
 # uses 176 at d128 and 80 at d256); three consumers (192 query rows) as FA3 at d64 fit from 160
 # registers per thread.  `scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS` compares others.
-# Measured: docs/perf-notes.md, h7 and h10 (d64: 192x96 with three consumers 3-11 % faster than
-# 128x128 with two at 4k and 16k, H200 2026-12-02; d128: 176 keys spill and lose at 4k).
-SM90_FWD_TILES = {64: (96, 2, 3), 128: (128, 2, 2), 192: (96, 2, 2), 256: (64, 2, 2)}
+# Measured: docs/perf-notes.md, h7.
+SM90_FWD_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 192: (96, 2, 2), 256: (64, 2, 2)}
 # Head dims up to 32 (MiniLM's) keep the sm_80 forward until a measurement says the 64 tile,
 # half of it zeros, is faster.
 SM90_FWD_MIN_HEADDIM = 33

@@ -14,7 +14,7 @@
 //
 // Block: warpgroup 0 = producer (its warp 0 walks the tiles, lane 0 issues every copy; the other
 // three warps exit at once), warpgroups 1 .. kConsumers = consumers, consumer w owning query rows
-// [64 w, 64 w + 64) of a query tile of kBM = 64 kConsumers rows.  A block computes the query tiles TileScheduler::nth gives it
+// [64 w, 64 w + 64) of a query tile of kBM = 64 kConsumers rows.  A block computes the query tiles blockIdx.x, blockIdx.x + gridDim.x, ...
 // of sm90_scheduler.cuh's order (one each, or several on a persistent grid); the rings, the
 // barriers' phases and the consumers' turns run on from one tile to the next, and sQ passes
 // between the roles through q_full (Q landed) and q_empty (every consumer stored its O from
@@ -144,7 +144,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     RingState<kStages> ring;
     int q_phase = 0;
 
-    for (unsigned k = 0, t = tiles.nth(0); t < tiles.tiles(); t = tiles.nth(++k)) {
+    for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
         const FwdWork<kBM, kBN> w(p, tiles(t));
         if (w.skipped()) continue;
         const SeqInfo& seq = w.seq;

@@ -53,7 +53,7 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
     if (lane == 0) tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
     auto ring = RingState<kStages>::producer_start();
     int q_phase = 1;  // sQ starts free
-    for (unsigned k = 0, t = tiles.nth(0); t < tiles.tiles(); t = tiles.nth(++k)) {
+    for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
         const FwdWork<kBM, kBN> w(p, tiles(t));
         if (w.skipped()) continue;
         const int kv_batch = packed ? 0 : static_cast<int>(w.seq.kv_row());

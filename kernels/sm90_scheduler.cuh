@@ -1,6 +1,5 @@
 // Which query tile of which (batch, head) a block of the Hopper forward computes.  Tiles are
-// numbered 0 .. tiles - 1; in round k a block takes tile k gridDim.x + blockIdx.x, or, in odd rounds,
-// k gridDim.x + gridDim.x - 1 - blockIdx.x (nth: a snake over the blocks).  The host
+// numbered 0 .. tiles - 1; a block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ...  The host
 // picks the grid: one block per tile, or one per SM (persistent: a block's next tile's loads
 // overlap its current tile's epilogue; FA3, Shah et al. 2024, §3.1 and its tile scheduler).
 //
@@ -8,8 +7,6 @@
 // that a section's K and V fit in half the L2 cache; within a section the tiles run longest first
 // (the last query tile of every pair, then the one before, ...: under a causal mask later query
 // rows see more keys), so that a grid of blocks striding over the numbers ends on short tiles.
-// The snake evens out the rounds of a persistent grid: with a plain stride block 0 took the
-// longest tile of every round (d256 causal 16k: 348 TF/s against 574 with one block per tile).
 // Which block computes a tile never changes what it computes: the result stays bitwise repeatable.
 #pragma once
 #include "params.cuh"
@@ -28,11 +25,6 @@ struct TileScheduler {
     __device__ __forceinline__ unsigned m_blocks() const { return static_cast<unsigned>((p.seqlen_q + kBM - 1) / kBM); }
     __device__ __forceinline__ unsigned pairs() const { return static_cast<unsigned>(p.batch * p.nheads_q); }
     __device__ __forceinline__ unsigned tiles() const { return pairs() * m_blocks(); }
-
-    // The tile of this block's k-th round (>= tiles() once it has none left; increasing in k).
-    __device__ __forceinline__ unsigned nth(unsigned k) const {
-        return k * gridDim.x + ((k & 1u) ? gridDim.x - 1u - blockIdx.x : blockIdx.x);
-    }
 
     __device__ __forceinline__ FwdTile operator()(unsigned t) const {
         const unsigned m = m_blocks(), all = pairs(), heads = static_cast<unsigned>(p.nheads_q);
