@@ -34,6 +34,13 @@ def gpu_available() -> bool:
         return False
 
 
+def no_gpu_reason() -> str:
+    """Why :func:`gpu_available` is False, for error messages: CuPy missing, or no GPU it sees."""
+    if cupy_module() is None:
+        return "CuPy is not installed (pip install 'cuflash[cuda13]', or 'cuflash[cuda12]' for a CUDA 12 driver)"
+    return "no GPU visible to CuPy"
+
+
 def is_gpu(x) -> bool:
     cp = cupy_module()
     return cp is not None and isinstance(x, cp.ndarray)
@@ -91,7 +98,8 @@ def as_array(x, name: str):
         raise TypeError(f"{name} ({type(x).__name__}) could not be taken as a GPU array: {error}") from error
     if isinstance(x, (list, tuple, int, float, np.number)) and not isinstance(x, (bool, np.bool_)):
         return _from_array_like(x, name)
-    raise TypeError(f"{name} must be a NumPy or CuPy array (or a DLPack GPU array); got {type(x).__name__}")
+    raise TypeError(f"{name} must be a NumPy or CuPy array, a DLPack GPU array, or a list, tuple or number that NumPy "
+                    f"takes as an array (the CPU path); got {type(x).__name__}")
 
 
 def _from_array_like(x, name: str):

@@ -457,7 +457,7 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
         if path is not None:
             _check_writable(path, option)
     if not _arrays.gpu_available():
-        raise click.ClickException("cuflash bench measures GPU kernels; no GPU visible to CuPy (see `cuflash info`)")
+        raise click.ClickException(f"cuflash bench measures GPU kernels; {_arrays.no_gpu_reason()} (see `cuflash info`)")
     if plot_path and importlib.util.find_spec("matplotlib") is None:
         raise click.ClickException("--plot needs matplotlib: pip install 'cuflash[plot]'")
     from . import bench as bench_module

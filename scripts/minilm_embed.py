@@ -178,7 +178,7 @@ def main(argv=None):
     sentences = args.sentences or list(CORPUS)
     weights, (ids, lengths) = load_weights(folder), tokenize(folder, sentences)
     if args.device == "gpu" and not _arrays.gpu_available():
-        raise SystemExit("--device gpu: no GPU visible to CuPy (see `cuflash info`)")
+        raise SystemExit(f"--device gpu: {_arrays.no_gpu_reason()} (see `cuflash info`)")
     on_gpu = args.device == "gpu" or (args.device == "auto" and _arrays.gpu_available())
     xp, dtype = (_arrays.cupy_module(), np.float16) if on_gpu else (np, np.float32)
     emb = encode(weights, ids, lengths, xp=xp, dtype=dtype)

@@ -219,3 +219,16 @@ def test_bench_sweep_takes_the_wide_dtypes():
     assert _check_sweep("float64,fp32,bf16,float16", "64", "512") == "fp64,fp32,bf16,fp16"
     with pytest.raises(click.BadParameter, match="not one of bf16, fp16, fp32, fp64"):
         _check_sweep("int8", "64", "512")
+
+
+@pytest.mark.parametrize("cupy_installed", [False, True])
+def test_bench_without_a_gpu_says_why(monkeypatch, cupy_installed):
+    """No CuPy at all is a different fix (install an extra) from CuPy seeing no GPU."""
+    from cuflash import _arrays
+
+    monkeypatch.setattr(_arrays, "cupy_module", (lambda: object()) if cupy_installed else (lambda: None))
+    monkeypatch.setattr(_arrays, "gpu_available", lambda: False)
+    result = CliRunner().invoke(cli.main, ["bench"])
+    assert result.exit_code != 0
+    expected = "no GPU visible to CuPy" if cupy_installed else "CuPy is not installed (pip install 'cuflash[cuda13]'"
+    assert expected in result.output, result.output

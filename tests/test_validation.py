@@ -723,3 +723,12 @@ def test_unbatched_buffers_that_are_not_arrays_are_named():
     out, lse = cuflash.attention(q[0], k[0], v[0], return_lse=True)
     with pytest.raises(TypeError, match="dq must be a NumPy or CuPy array; got int"):
         cuflash.attention_backward(out, q[0], k[0], v[0], out, lse, dq=3)
+
+
+def test_a_non_array_names_what_is_accepted():
+    """A string is refused with the kinds that are taken, array-likes included (they work on the CPU path)."""
+    import cuflash
+
+    q = np.zeros((1, 4, 1, 8), dtype=np.float32)
+    with pytest.raises(TypeError, match=r"q must be a NumPy or CuPy array, a DLPack GPU array, or a list, tuple or number"):
+        cuflash.attention("not an array", q, q)
