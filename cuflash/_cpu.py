@@ -346,7 +346,8 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     Per tile P = exp(S − lse), dV += Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − D) (times 1 − tanh²
     through the softcap), dQ += scale · dS K, dK += scale · dSᵀ Q, with D = rowsum(P ∘ dP)
     (= rowsum(dO ∘ O)).  ``out`` and ``lse`` are not read: two first passes over the same tiles
-    form the LSE (online, in the accumulation dtype) and D from the very scores, P and dP the
+    form the row max m and sum l (online, in the accumulation dtype; P = exp(S − m) / l, as
+    lse = m + log l may round back to m where |m| is huge) and D from the very scores, P and dP the
     gradients use.  So P is exactly 1 and dS exactly 0 on a row that sees one key, a float32
     LSE (float32 inputs) does not shift P by |lse|·2⁻²⁴ where scores are large, and the
     output's rounding to float16/bfloat16 does not enter D.  The GPU kernels read ``out`` and
@@ -365,20 +366,27 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
             yield (i0, i1, *_score_tile(p, band, slopes, q_all[..., i0:i1, :], k_t, i0, i1, j0, j1, mods))
 
     rows = q_all.shape[:-1] + (1,)
+    # P = exp(S - shift) / norm per row: shift = lse and norm = 1 with given stats; else the row
+    # max m and sum l themselves, not lse = m + log l, which rounds back to m where |m| dwarfs
+    # log l (a bias of float32's lowest on a masked row: every P would be 1 instead of 1/n).
     if given_stats:
-        lse_all = np.asarray(lse, dtype=acc).reshape(rows)
-        empty = lse_all == -np.inf
+        shift = np.asarray(lse, dtype=acc).reshape(rows)
+        empty, norm = shift == -np.inf, None
     else:
         m, l = np.full(rows, -np.inf, dtype=acc), np.zeros(rows, dtype=acc)
         for j0, j1, k_t, _ in key_tiles:
             for i0, i1, s, _ in query_tiles(j0, j1, k_t):
                 m[..., i0:i1, :], l[..., i0:i1, :], _, _ = _online_step(m[..., i0:i1, :], l[..., i0:i1, :], s, acc)
-        lse_all = _final_lse(m, l, acc)
         empty = l == 0  # rows that see no key: no part in any gradient (see _weighted), dq exactly 0
-    # A row that saw no key has lse = -inf; using +inf makes its P = exp(S - inf) = 0 even where
+        shift, norm = np.where(empty, acc.type(-np.inf), m), np.where(empty, acc.type(1), l)
+    # A row that saw no key has shift -inf; using +inf makes its P = exp(S - inf) = 0 even where
     # S = -inf (whereas -inf - -inf would be NaN).
-    lse_all = np.where(lse_all == -np.inf, acc.type(np.inf), lse_all)
+    shift = np.where(shift == -np.inf, acc.type(np.inf), shift)
     do_all = np.where(empty, acc.type(0), do_all)
+
+    def probs(s, i0, i1):
+        e = np.exp(s - shift[..., i0:i1, :])
+        return e if norm is None else e / norm[..., i0:i1, :]
 
     def grad_tiles(j0, j1, k_t, v_t):  # (i0, i1, P, dP, tanh, keep-mask); with dropout dP = (dO Vᵀ) ∘ Z
         for i0, i1, s, tanh in query_tiles(j0, j1, k_t):
@@ -386,7 +394,7 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
             kept = None if mods is None else mods.kept(i0, i1, j0, j1)
             if kept is not None:
                 dp = mods.dropped(dp, kept)
-            yield i0, i1, np.exp(s - lse_all[..., i0:i1, :]), dp, tanh, kept
+            yield i0, i1, probs(s, i0, i1), dp, tanh, kept
 
     dlse_all = None if dlse is None else np.asarray(dlse, dtype=acc).reshape(rows[:-1])[..., None]
     bias_grad = None if dbias is None else _BiasGrad(p, acc)

@@ -291,6 +291,8 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
         except ValueError:
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to (batch, nheads, seqlen_q, "
                              f"seqlen_k) = {full}") from None
+        if name == "bias":
+            _check_bias_range(x, p.dtype)
     dropout = None
     from .dropout import check_dropout_p, seed_and_offset
 
@@ -305,6 +307,20 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
     if bias is None and mask is None and dropout is None:
         return p
     return dataclasses.replace(p, bias=bias, mask=mask, dropout=dropout)
+
+
+def _check_bias_range(bias, dtype) -> None:
+    """A NumPy float64 bias added to float32 scores (every input dtype but float64) must not hold
+    finite values past float32's largest: they would become +inf there and the row NaN.  Values
+    below float32's range become -inf, which masks as the caller means (a GPU bias is not read
+    back: that would synchronise)."""
+    if not isinstance(bias, np.ndarray) or np.dtype(dtype) == np.float64 or np.dtype(bias.dtype) != np.float64:
+        return
+    finite = bias[np.isfinite(bias)]
+    if finite.size and finite.max() > FLOAT32_MAX:
+        raise ValueError(f"bias holds finite values above float32's range (max {finite.max():.4g}); the scores of "
+                         f"{np.dtype(dtype).name} inputs are float32, where they would become +inf and their rows "
+                         f"NaN: clip the bias, or use float64 inputs")
 
 
 def with_precision(q, p: AttnProblem, precision) -> AttnProblem:

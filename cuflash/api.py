@@ -164,7 +164,10 @@ def attention(
     -------
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
         q's dtype and layout; accumulated in float32 (float64 on the CPU path for float32 and
-        float64 inputs).
+        float64 inputs).  The accumulator holds sums of weights times v before the division by
+        the row sum (FlashAttention's online softmax), so v values near the accumulator's
+        largest (3.4e38 in float32, e.g. bfloat16 v ~ 1e38) can overflow it: NaN or inf rows
+        where the exact result is finite.
     lse : array of shape (batch, nheads, seqlen_q), float32 (float64 for float64 inputs)
         Only when ``return_lse``; -inf on rows that see no key (their ``out`` is exactly 0), NaN
         on a row whose scores are NaN or overflow.
@@ -804,9 +807,10 @@ def merge_states(*args, layout="bshd"):
     for r in rows[1:]:
         m = xp.maximum(m, r)
     m_safe = xp.where(xp.isneginf(m), 0, m)  # all parts empty: avoid -inf - -inf = NaN
-    weights = [xp.exp(r - m_safe) for r in rows]
-    total = sum(weights)
-    with np.errstate(invalid="ignore", over="ignore"):  # 0 * NaN of empty parts, then discarded
+    # (invalid: a +inf LSE gives inf - inf, NaN on purpose; then 0 * NaN of empty parts, discarded)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weights = [xp.exp(r - m_safe) for r in rows]
+        total = sum(weights)
         merged = sum(xp.where(w > 0, w * o.astype(acc_t), 0) for w, o in zip(weights, outs))
     # total = 0: every part empty (0, -inf); NaN (a NaN or +inf LSE): the row stays NaN.
     safe_total = xp.where(total != 0, total, 1)

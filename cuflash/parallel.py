@@ -247,6 +247,22 @@ def _check_scheme(scheme):
         raise ValueError(f"scheme must be one of {SCHEMES}; got {scheme!r}")
 
 
+def _check_int(value, name: str) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
+    return int(value)
+
+
+def _check_axis(x, axis, name: str = "x") -> int:
+    """``axis`` as a non-negative axis of ``x`` (an array), or a TypeError/ValueError naming it."""
+    if not _arrays.is_array(x):
+        raise TypeError(f"{name} must be a NumPy or CuPy array; got {type(x).__name__}")
+    axis = _check_int(axis, "axis")
+    if not -x.ndim <= axis < x.ndim:
+        raise ValueError(f"axis {axis} is out of range for {name} of shape {tuple(x.shape)}")
+    return axis % x.ndim
+
+
 def _chunk_ids(rank: int, world: int, scheme: str) -> list:
     """Global chunk numbers a rank holds, in local order (all chunks of one size)."""
     return [rank] if scheme == "contiguous" else [rank, 2 * world - 1 - rank]
@@ -275,8 +291,11 @@ def shard(x, rank: int, world: int, *, scheme: str = "zigzag", axis: int = 1):
 
     Raises
     ------
+    TypeError
+        ``x`` not an array; ``rank``, ``world`` or ``axis`` not an int.
     ValueError
-        A length not divisible by ``world`` (contiguous) or 2·world (zigzag), a bad rank or scheme.
+        A length not divisible by ``world`` (contiguous) or 2·world (zigzag), a bad rank, world,
+        axis or scheme.
 
     Notes
     -----
@@ -284,6 +303,10 @@ def shard(x, rank: int, world: int, *, scheme: str = "zigzag", axis: int = 1):
     the zig-zag form of Zhu's ring attention over FlashAttention kernels).
     """
     _check_scheme(scheme)
+    rank, world = _check_int(rank, "rank"), _check_int(world, "world")
+    axis = _check_axis(x, axis)
+    if world < 1:
+        raise ValueError(f"world must be >= 1; got {world}")
     if not (0 <= rank < world):
         raise ValueError(f"rank must lie in [0, {world}); got {rank}")
     xp = _arrays.module_of(x)
@@ -313,15 +336,27 @@ def unshard(shards, *, scheme: str = "zigzag", axis: int = 1):
 
     Raises
     ------
+    TypeError
+        ``shards`` not a sequence of arrays; ``axis`` not an int.
     ValueError
-        Shards of different lengths, a zig-zag shard of odd length, a bad scheme.
+        No shards, shards of different ranks or lengths, a zig-zag shard of odd length, a bad axis
+        or scheme.
 
     Notes
     -----
     See :func:`shard` (Brandon et al. 2023; ring attention over FlashAttention kernels).
     """
     _check_scheme(scheme)
+    if isinstance(shards, (str, bytes)) or not hasattr(shards, "__len__") or _arrays.is_array(shards):
+        raise TypeError(f"shards must be a list or tuple of arrays, one per rank; got {type(shards).__name__}")
     world = len(shards)
+    if world == 0:
+        raise ValueError("shards is empty: pass every rank's shard, in rank order")
+    axis = _check_axis(shards[0], axis, "shards[0]")
+    for i, x in enumerate(shards[1:], 1):
+        if not _arrays.is_array(x) or x.ndim != shards[0].ndim:
+            raise ValueError(f"shards[{i}] must be an array of {shards[0].ndim} dimensions as shards[0]; got "
+                             f"{type(x).__name__} {getattr(x, 'shape', '')}")
     xp = _arrays.module_of(shards[0])
     n = shards[0].shape[axis]
     if any(s.shape[axis] != n for s in shards):
@@ -576,6 +611,9 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
         cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
     cache_seqlens, host = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+    if host is not None and host.size and (int(host.min()) < 0 or int(host.max()) > total):
+        raise ValueError(f"cache_seqlens values must lie in [0, {total}] (the whole cache capacity, ranks' capacities "
+                         f"{caps}); got min {int(host.min())}, max {int(host.max())}")
     lengths = cache_seqlens.astype(np.int64)
     if k is not None or v is not None:
         if k is None or v is None:
@@ -588,8 +626,6 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
         if host.size and int(host.max()) + new > total:
             raise ValueError(f"cache_seqlens + {new} new tokens exceed the whole cache capacity {total} "
                              f"(ranks' capacities {caps}); got max length {int(host.max()) + new}")
-        if host.size and int(host.min()) < 0:
-            raise ValueError(f"cache_seqlens must be >= 0; got min {int(host.min())}")
         pos = host.astype(np.int64)[:, None] + np.arange(new)[None, :] - start  # (batch, new) local positions
         b_idx, t_idx = np.nonzero((pos >= 0) & (pos < cap))
         if b_idx.size:
@@ -597,7 +633,12 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
             k_cache[rows, slots] = k[rows, toks]
             v_cache[rows, slots] = v[rows, toks]
         lengths = lengths + new
+    # This rank's part of each length; a GPU length outside [0, total] (not read back: that would
+    # synchronise) becomes one past this rank's capacity, which the kernel's device-side check
+    # reports (cuflash.synchronize raises InvalidIndexError) instead of a clipped, plausible result.
     local = xp.clip(lengths - start, 0, cap)
+    if host is None:
+        local = xp.where((lengths < 0) | (lengths > total), cap + 1, local)
     out, lse = attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=local, softmax_scale=softmax_scale,
                                       softcap=softcap, return_lse=True)
     acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32

@@ -203,14 +203,16 @@ def _scores(q, k, opts, round_to=None):
 
 
 def _softmax_rows(s):
-    """Softmax over the last axis and the natural-log LSE; rows of all -inf give 0 and -inf."""
+    """Softmax over the last axis and the natural-log LSE; rows of all -inf give 0 and -inf, rows
+    with a NaN or +inf score NaN weights and a NaN LSE (docs/conventions.md)."""
     m = s.max(axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(m == -np.inf, 0.0, m)  # an empty row: avoid (-inf) - (-inf) = NaN
-    e = np.exp(s - m)
+    with np.errstate(invalid="ignore"):  # +inf - +inf: NaN on purpose
+        e = np.exp(s - m)
     total = e.sum(axis=-1, keepdims=True)
-    nonempty = total > 0
-    safe_total = np.where(nonempty, total, 1.0)
-    lse = np.where(nonempty, m + np.log(safe_total), -np.inf)[..., 0]
+    empty = total == 0  # (a NaN total is not empty: its LSE stays NaN)
+    safe_total = np.where(empty, 1.0, total)
+    lse = np.where(empty, -np.inf, m + np.log(safe_total))[..., 0]
     return e / safe_total, lse
 
 

@@ -576,3 +576,15 @@ def test_float32_scores_stay_within_the_rule_on_a_padded_batch():
             failures += R.max_error_ratio(lse[b:b + 1], ref_lse, naive_lse) > 1
             failures += R.max_error_ratio(out[b:b + 1], ref, naive) > 1
     assert failures == 0
+
+
+def test_merge_states_with_an_infinite_lse_warns_nothing():
+    """A +inf LSE makes its rows NaN (documented), without a NumPy RuntimeWarning reaching the user."""
+    import warnings
+
+    oa = np.ones((1, 2, 1, 4), np.float32)
+    la = np.zeros((1, 1, 2), np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, lse = cuflash.merge_states(oa, np.full_like(la, np.inf), oa, la)
+    assert np.isnan(out).all() and np.isnan(lse).all()

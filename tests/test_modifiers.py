@@ -232,3 +232,43 @@ def test_vjp_keeps_the_forward_keep_mask_when_the_seed_array_advances(rng):
     after = vjp(dout)
     for a, b in zip(before, after):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lowest_float_bias_on_a_masked_row(rng, dtype):
+    """The Hugging Face mask (finfo(float32).min added to the scores) on a whole query row: its
+    scores round to one value, so the row is uniform; the backward must not form P from the
+    LSE m + log n, which rounds back to m there (every P would be 1 instead of 1/n)."""
+    q, k, v = _qkv(rng, dtype, sq=7, sk=5)
+    bias = np.zeros((1, 1, 7, 5), dtype=dtype)
+    bias[..., 3, :] = np.finfo(np.float32).min
+    out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    got = cuflash.attention_backward(dout, q, k, v, out, lse, bias=bias)
+    ref = R.attention_backward_ref(dout, q, k, v, bias=bias)
+    naive = R.naive_attention_backward(dout, q, k, v, bias=bias)
+    for name, g, r, n in zip(("dq", "dk", "dv"), got, ref, naive):
+        _check(name, g, r, n)
+
+
+def test_bias_past_float32_is_refused_for_float32_scores():
+    q = np.ones((1, 2, 1, 4), np.float32)
+    k = np.ones((1, 3, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="bias holds finite values above float32's range"):
+        cuflash.attention(q, k, k, bias=np.array([[1e39, 0, 0], [0, 0, 0]]))
+    out = cuflash.attention(q, k, k, bias=np.array([[-1e39, 0, 0], [0, 0, 0]]))  # -inf in float32: masks
+    assert np.isfinite(out).all()
+    assert np.isfinite(cuflash.attention(q.astype(np.float64), k.astype(np.float64), k.astype(np.float64),
+                                         bias=np.array([[1e39, 0, 0], [0, 0, 0]]))).all()  # float64 scores
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_reference_gives_nan_lse_on_a_nan_row(value):
+    """The oracle agrees with the documented rule: a row with a NaN or +inf score is NaN, LSE too."""
+    q, k = np.ones((1, 2, 1, 4)), np.ones((1, 3, 1, 4))
+    bias = np.zeros((1, 1, 2, 3))
+    bias[..., 0, :] = value
+    out, lse = R.attention_ref(q, k, k, bias=bias)
+    assert np.isnan(lse[0, 0, 0]) and np.isnan(out[0, 0]).all() and np.isfinite(lse[0, 0, 1])
+    got, got_lse = cuflash.attention(q, k, k, bias=bias, return_lse=True)
+    assert np.isnan(got_lse[0, 0, 0]) and np.isnan(got[0, 0]).all()

@@ -114,6 +114,30 @@ def test_sharded_cache_decode_equals_one_cache(rng, world):
         parallel.run_local(world, lambda comm: parallel.decode_with_sharded_cache(
             q, kc[:, edges[comm.rank]:edges[comm.rank + 1]].copy(), vc[:, edges[comm.rank]:edges[comm.rank + 1]].copy(),
             np.array([total - 1] * batch), comm, kn, vn))
+    for bad in (total + 1, -1):  # without new tokens too: the single-cache call's rule, not a clipped answer
+        with pytest.raises(ValueError, match=rf"cache_seqlens values must lie in \[0, {total}\]"):
+            parallel.run_local(world, lambda comm: parallel.decode_with_sharded_cache(
+                q, kc[:, edges[comm.rank]:edges[comm.rank + 1]], vc[:, edges[comm.rank]:edges[comm.rank + 1]],
+                np.array([bad] * batch), comm))
+
+
+def test_shard_and_unshard_name_bad_arguments():
+    x = np.zeros((1, 8, 2, 4))
+    cases = [
+        (lambda: parallel.shard(x, 0, 2, axis=5), ValueError, "axis 5 is out of range for x of shape"),
+        (lambda: parallel.shard(x, 0, 2, axis=1.0), TypeError, "axis must be an int"),
+        (lambda: parallel.shard(x, 0.0, 2), TypeError, "rank must be an int"),
+        (lambda: parallel.shard(x, 0, 0), ValueError, "world must be >= 1"),
+        (lambda: parallel.shard(x.tolist(), 0, 2), TypeError, "x must be a NumPy or CuPy array"),
+        (lambda: parallel.unshard([]), ValueError, "shards is empty"),
+        (lambda: parallel.unshard(None), TypeError, "shards must be a list or tuple of arrays"),
+        (lambda: parallel.unshard([x, x], axis=7), ValueError, "axis 7 is out of range for shards"),
+        (lambda: parallel.unshard([x, None]), ValueError, r"shards\[1\] must be an array"),
+    ]
+    for call, kind, message in cases:
+        with pytest.raises(kind, match=message):
+            call()
+    assert np.array_equal(parallel.unshard([parallel.shard(x, r, 2, axis=-3) for r in range(2)], axis=-3), x)
 
 
 @pytest.mark.gpu
