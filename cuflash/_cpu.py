@@ -7,7 +7,8 @@ The code follows FlashAttention-2 (Dao, ICLR 2024) Algorithm 1 (forward) and Alg
   that the causal/window band can reach; keep a running row max m, a running sum l and an
   unnormalised output O (rescaled by exp(m_old − m_new) when the max grows), and divide once at
   the end.  Only one (BLOCK_M, BLOCK_N) score tile exists at a time.
-* backward: recompute each score tile from q, k and the stored LSE (P = exp(S − lse)), with
+* backward: recompute each score tile from q, k and the row statistics (P = exp(S − lse); here
+  exp(S − m) / l from the row max and sum it forms again, see backward), with
   D = rowsum(dO ∘ O), dS = P ∘ (dO Vᵀ − D); outer loop over key blocks (dk, dv finished per
   block), inner loop over query blocks (dq accumulated).
 
