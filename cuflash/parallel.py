@@ -36,15 +36,36 @@ SCHEMES = ("zigzag", "contiguous")
 
 class Communicator(Protocol):
     """What the ring needs from a transport: the rank, the world size, a simultaneous
-    send-to-one / receive-from-another of a tuple of arrays, and an all-gather of small
-    Python objects (option checks) or arrays."""
+    send-to-one / receive-from-another of a tuple of arrays, started before the step's
+    attention and finished after it (``start_sendrecv(...).wait()``; ``sendrecv`` is the two at
+    once), and an all-gather of small Python objects (option checks) or arrays."""
 
     rank: int
     size: int
 
+    def start_sendrecv(self, arrays: tuple, dest: int, source: int) -> "Exchange": ...
+
     def sendrecv(self, arrays: tuple, dest: int, source: int) -> tuple: ...
 
     def allgather(self, obj) -> list: ...
+
+
+class Exchange(Protocol):
+    """A send/receive under way (:meth:`Communicator.start_sendrecv`)."""
+
+    def wait(self) -> tuple:
+        """The received arrays, usable on the current stream (raises CollectiveTimeout)."""
+        ...
+
+
+class _Done:
+    """An exchange whose result is at hand (or is fetched by ``fetch`` when waited for)."""
+
+    def __init__(self, fetch):
+        self._fetch = fetch
+
+    def wait(self):
+        return self._fetch()
 
 
 class CollectiveTimeout(RuntimeError):
@@ -101,9 +122,12 @@ class LocalComm:
     def __init__(self, hub: _Hub, rank: int):
         self._hub, self.rank, self.size = hub, rank, hub.size
 
+    def start_sendrecv(self, arrays, dest, source):
+        self._hub.boxes[(self.rank, dest, "p2p")].put(_ready(arrays))  # sent at once; received when waited for
+        return _Done(lambda: _use(self._hub.get(source, self.rank, "p2p")))
+
     def sendrecv(self, arrays, dest, source):
-        self._hub.boxes[(self.rank, dest, "p2p")].put(_ready(arrays))
-        return _use(self._hub.get(source, self.rank, "p2p"))
+        return self.start_sendrecv(arrays, dest, source).wait()
 
     def allgather(self, obj):
         message = _ready(obj)
@@ -177,7 +201,8 @@ class NcclComm:
         ``cupyx.distributed``'s TCP store or ``mpi4py``.
     rank, size : int
     stream : cupy.cuda.Stream, optional
-        Stream of the transfers (default: the current stream).
+        Stream of the transfers (default: one of the communicator's own, so that a ring step's
+        transfer runs while its attention does on the current stream).
     timeout : float
         Seconds a transfer may take before it raises naming the rank (the stream is polled).
 
@@ -193,9 +218,12 @@ class NcclComm:
 
     def _stream(self):
         cp = _arrays.cupy_module()
-        return self.stream if self.stream is not None else cp.cuda.get_current_stream()
+        if self.stream is None:
+            self.stream = cp.cuda.Stream(non_blocking=True)
+        return self.stream
 
     def _wait(self, stream, what):
+        """Poll ``stream`` (a stream or an event) until it is done, at most the timeout."""
         import time
 
         start = time.monotonic()
@@ -204,20 +232,37 @@ class NcclComm:
                 raise CollectiveTimeout(f"rank {self.rank}: {what} did not complete within {self.timeout:g} s")
             time.sleep(1e-4)
 
-    def sendrecv(self, arrays, dest, source):
+    def start_sendrecv(self, arrays, dest, source):
+        """Start the exchange on the communicator's stream, after the work queued so far on the
+        current stream (which produced ``arrays`` and last read the buffers this exchange may
+        reuse); :meth:`wait` (host) polls it with the timeout and makes the current stream wait
+        for it, so the kernels queued in between run beside the transfer."""
         cp = _arrays.cupy_module()
         from cupy.cuda import nccl
 
-        stream = self._stream()
-        received = tuple(cp.empty_like(a) for a in arrays)  # every rank's slices share shapes
-        nccl.groupStart()
-        for a, r in zip(arrays, received):
-            a = cp.ascontiguousarray(a)
-            self.comm.send(a.data.ptr, a.size * a.itemsize, nccl.NCCL_UINT8, dest, stream.ptr)
-            self.comm.recv(r.data.ptr, r.size * r.itemsize, nccl.NCCL_UINT8, source, stream.ptr)
-        nccl.groupEnd()
-        self._wait(stream, f"the exchange with ranks {dest} and {source}")
-        return received
+        compute, stream = cp.cuda.get_current_stream(), self._stream()
+        queued = compute.record()
+        stream.wait_event(queued)
+        with stream:  # the buffers belong to the transfer's stream (CuPy's pool is per stream)
+            sent = tuple(cp.ascontiguousarray(a) for a in arrays)
+            received = tuple(cp.empty_like(a) for a in sent)  # every rank's slices share shapes
+            nccl.groupStart()
+            for a, r in zip(sent, received):
+                self.comm.send(a.data.ptr, a.size * a.itemsize, nccl.NCCL_UINT8, dest, stream.ptr)
+                self.comm.recv(r.data.ptr, r.size * r.itemsize, nccl.NCCL_UINT8, source, stream.ptr)
+            nccl.groupEnd()
+            done = stream.record()
+
+        def finish():
+            self._wait(done, f"the exchange with ranks {dest} and {source}")
+            compute.wait_event(done)
+            _ = sent  # (the copies sent stay alive until the transfer has read them)
+            return received
+
+        return _Done(finish)
+
+    def sendrecv(self, arrays, dest, source):
+        return self.start_sendrecv(arrays, dest, source).wait()
 
     def allgather(self, obj):
         cp = _arrays.cupy_module()
@@ -226,6 +271,7 @@ class NcclComm:
         if _arrays.is_gpu(obj):
             stream = self._stream()
             x = cp.ascontiguousarray(obj)
+            stream.wait_event(cp.cuda.get_current_stream().record())  # x is made on the current stream
             out = cp.empty((self.size,) + x.shape, dtype=x.dtype)
             self.comm.allGather(x.data.ptr, out.data.ptr, x.size * x.itemsize, nccl.NCCL_UINT8, stream.ptr)
             self._wait(stream, "an all-gather")
@@ -446,10 +492,11 @@ def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0
 
     Notes
     -----
-    Ring attention (Liu et al. 2023): world steps; at each the rank attends its query chunks to
-    the key/value shard it holds (one FlashAttention call per chunk pair: full, diagonal-causal
-    or skipped) and passes the shard on; partial (out, lse) are merged in float32 (float64 for
-    float64 inputs) through :func:`cuflash.merge_states`, the merge of Flash-Decoding.
+    Ring attention (Liu et al. 2023): world steps; at each the rank passes the key/value shard it
+    holds on (the transfer started first, on the communicator's stream) and attends its query
+    chunks to it meanwhile (one FlashAttention call per chunk pair: full, diagonal-causal or
+    skipped); partial (out, lse) are merged in float32 (float64 for float64 inputs) through
+    :func:`cuflash.merge_states`, the merge of Flash-Decoding.
     """
     q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     options = dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap)
@@ -460,6 +507,8 @@ def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0
     state = {c: None for c, _ in q_chunks}
     block, owner = (k, v), rank
     for step in range(world):
+        # The shard goes on to the next rank while this rank attends to it (Liu et al. 2023).
+        exchange = comm.start_sendrecv(block, (rank + 1) % world, (rank - 1) % world) if step < world - 1 else None
         for ck, ks in _local_chunks(block[0], owner, world, scheme):
             for cq, qs in q_chunks:
                 mode = _pair(cq, ck, bool(causal))
@@ -469,8 +518,8 @@ def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0
                                    softmax_scale=softmax_scale, softcap=softcap, return_lse=True)
                 o = o.astype(acc)
                 state[cq] = (o, lse) if state[cq] is None else merge_states(*state[cq], o, lse)
-        if step < world - 1:
-            block = comm.sendrecv(block, (rank + 1) % world, (rank - 1) % world)
+        if exchange is not None:
+            block = exchange.wait()
             owner = (owner - 1) % world
     xp = _arrays.module_of(q)
     out = xp.concatenate([state[c][0] for c, _ in q_chunks], axis=1).astype(q.dtype)
@@ -521,10 +570,12 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, soft
 
     Notes
     -----
-    Each key/value shard travels once around the ring with its dK/dV accumulators (float32,
-    float64 for float64 inputs) and comes back to its owner; each rank adds the gradient of its
-    queries against the shard it holds, computed from the merged ``out`` and ``lse``
-    (FlashAttention-2, Dao 2024, Algorithm 2, with the global statistics).
+    Each key/value shard travels around the ring, and its dK/dV sums (float32, float64 for
+    float64 inputs) one step behind it, coming back to the owner; each rank forms the gradient of
+    its queries against the shard it holds from the merged ``out`` and ``lse`` while the shard
+    moves on, and adds it to the sums from the ranks before (FlashAttention-2, Dao 2024,
+    Algorithm 2, with the global statistics; the transfers overlap the work as in ring
+    attention, Liu et al. 2023).
     """
     dout, q, k, v, out, lse = (_arrays.as_array(x, n) for x, n in zip(
         (dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse")))
@@ -534,10 +585,15 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, soft
     xp = _arrays.module_of(q)
     acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
     dq = xp.zeros(q.shape, dtype=acc)
-    block, owner = (k, v, xp.zeros(k.shape, dtype=acc), xp.zeros(v.shape, dtype=acc)), rank
+    nxt, prev = (rank + 1) % world, (rank - 1) % world
+    (bk, bv), owner = (k, v), rank
     q_chunks = _local_chunks(q, rank, world, scheme)
-    for _ in range(world):
-        bk, bv, dk_acc, dv_acc = block
+    sums = None  # the exchange bringing the dK/dV sums of the shard held now, from the ranks before
+    for step in range(world):
+        # K and V go on while this rank's part of their gradients is formed; the sums of the
+        # shard held before go on while this step's part is (two transfers in flight).
+        kv = comm.start_sendrecv((bk, bv), nxt, prev) if step < world - 1 else None
+        dk_part, dv_part = xp.zeros(bk.shape, dtype=acc), xp.zeros(bv.shape, dtype=acc)
         for ck, ks in _local_chunks(bk, owner, world, scheme):
             for cq, qs in q_chunks:
                 mode = _pair(cq, ck, bool(causal))
@@ -546,11 +602,16 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, soft
                 g = _block_backward(dout[:, qs], q[:, qs], bk[:, ks], bv[:, ks], out[:, qs], lse[:, :, qs],
                                     causal=mode == "diag", softmax_scale=softmax_scale, softcap=softcap)
                 dq[:, qs] += g[0].astype(acc)
-                dk_acc[:, ks] += g[1].astype(acc)
-                dv_acc[:, ks] += g[2].astype(acc)
-        block = comm.sendrecv(block, (rank + 1) % world, (rank - 1) % world)  # world sends: home again
-        owner = (owner - 1) % world
-    return dq.astype(q.dtype), block[2].astype(k.dtype), block[3].astype(v.dtype)
+                dk_part[:, ks] += g[1].astype(acc)
+                dv_part[:, ks] += g[2].astype(acc)
+        if sums is not None:
+            dk_before, dv_before = sums.wait()
+            dk_part, dv_part = dk_before + dk_part, dv_before + dv_part
+        sums = comm.start_sendrecv((dk_part, dv_part), nxt, prev)  # world sends: each shard's sums come home
+        if kv is not None:
+            (bk, bv), owner = kv.wait(), (owner - 1) % world
+    dk, dv = sums.wait()
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 # --- decoding against a cache sharded over ranks ------------------------------------------------

@@ -2,6 +2,8 @@
 from 1 to 8, both shard schemes, causal and not, GQA, against cuflash.attention on the whole
 sequence.  Multi-GPU runs over NCCL need a machine with several GPUs (issue 25)."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,56 @@ def test_run_local_and_unshard_bad_arguments(rng):
     with pytest.raises(ValueError, match="k and v must be given together"):
         parallel.run_local(1, lambda comm: parallel.decode_with_sharded_cache(
             q[:, :1], k, v, np.array([2, 2]), comm, k[:, :1]))  # k without v
+
+
+def test_ring_transfers_run_while_the_step_attends(rng, monkeypatch):
+    """Each step's transfer starts before that step's attention and is waited for after it, in
+    the forward (the K/V shard) and the backward (K/V, and the dK/dV sums one step behind)."""
+    log = []
+
+    class Logged:
+        def __init__(self, comm):
+            self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+        def allgather(self, obj):
+            return self.comm.allgather(obj)
+
+        def sendrecv(self, arrays, dest, source):
+            return self.start_sendrecv(arrays, dest, source).wait()
+
+        def start_sendrecv(self, arrays, dest, source):
+            if self.rank == 0:
+                log.append("start")
+            pending = self.comm.start_sendrecv(arrays, dest, source)
+
+            class Wait:
+                def wait(_):
+                    if self.rank == 0:
+                        log.append("wait")
+                    return pending.wait()
+            return Wait()
+
+    for name in ("attention", "_block_backward"):
+        real = getattr(parallel, name)
+
+        def logged(*a, _real=real, _name=name, **kw):
+            if threading.current_thread().name == "rank0":
+                log.append(_name)
+            return _real(*a, **kw)
+        monkeypatch.setattr(parallel, name, logged)
+    q, k, v = (rng.standard_normal((1, 12, 2, 8)) for _ in range(3))
+
+    def step(comm):
+        threading.current_thread().name = f"rank{comm.rank}"
+        comm = Logged(comm)
+        shards = [parallel.shard(x, comm.rank, 3, scheme="contiguous") for x in (q, k, v)]
+        out, lse = parallel.ring_attention(*shards, comm, scheme="contiguous", return_lse=True)
+        log.append("--") if comm.rank == 0 else None
+        return parallel.ring_attention_backward(out, *shards, out, lse, comm, scheme="contiguous")
+
+    parallel.run_local(3, step)
+    forward, backward = " ".join(log).split(" -- ")
+    assert forward == "start attention wait start attention wait attention"
+    assert backward == ("start _block_backward start wait "        # step 0: K/V out; sums out
+                        "start _block_backward wait start wait "   # step 1: K/V out; sums in, out
+                        "_block_backward wait start wait")         # step 2: sums in, out; own sums home
