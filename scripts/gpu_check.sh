@@ -2,7 +2,7 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck, racecheck, synccheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune|ring]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
@@ -82,6 +82,11 @@ for stage in $stages; do
     decode) bench_stage decode ${DECODE_TIMEOUT:-150} --suite decode ;;
     varlen) bench_stage varlen ${VARLEN_TIMEOUT:-90} --suite varlen ;;
     paper) bench_stage paper ${PAPER_TIMEOUT:-60} --suite paper ;;
+    ring)  # issue 25 on a machine with 2+ GPUs (nvidia-h200-x2/x4): exactness, weak/strong scaling, transfers
+      NCCL_NVLS_ENABLE=0 timeout ${RING_TIMEOUT:-420} $PY scripts/ring_scaling.py ${RING_ARGS:-} --markdown "$OUT/ring.md" \
+        >"$OUT/ring.log" 2>&1
+      rc=$?; summary+=("ring rc=$rc ($(elapsed))")
+      cat "$OUT/ring.md" 2>/dev/null || tail -n 20 "$OUT/ring.log" ;;
     firstcall)
       timeout ${FIRSTCALL_TIMEOUT:-240} $PY scripts/first_call.py --markdown "$OUT/firstcall.md" >"$OUT/firstcall.log" 2>&1
       rc=$?; summary+=("firstcall rc=$rc ($(elapsed))")

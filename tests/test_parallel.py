@@ -233,3 +233,20 @@ def test_ring_transfers_run_while_the_step_attends(rng, monkeypatch):
     assert backward == ("start _block_backward start wait "        # step 0: K/V out; sums out
                         "start _block_backward wait start wait "   # step 1: K/V out; sums in, out
                         "_block_backward wait start wait")         # step 2: sums in, out; own sums home
+
+
+def test_ring_scaling_script_dry_run(tmp_path):
+    """scripts/ring_scaling.py (issue 25's multi-GPU measurement) runs its whole schedule on
+    threads over NumPy: exactness within the rule, the weak/strong/transfer table written."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "ring_scaling.py"
+    spec = importlib.util.spec_from_file_location("ring_scaling", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "ring.md"
+    rows = script.main(["--dry-run", "--gpus", "3", "--markdown", str(out)])
+    assert len(rows) == 3 and all(ratio <= 1 for ratio in rows[0]["exact"].values())
+    text = out.read_text()
+    assert "| weak |" in text and "| strong |" in text and "K/V transfers alone (2 exchanges" in text
