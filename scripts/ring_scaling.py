@@ -4,7 +4,7 @@ strong scaling, and the transfers alone, in one run.
 One process per GPU (``multiprocessing``, spawn), an NCCL communicator from a unique id the
 parent hands out (no MPI needed), ``cuflash.parallel.NcclComm``; rank 0 prints the table.
 
-- exact: ring forward and backward of a (1, 4096·world, 8, D) bf16 sequence, causal, zig-zag
+- exact: ring forward and backward of a (1, 1024·world, 8, D) bf16 sequence, causal, zig-zag
   shards, against the float64 reference with the exactness rule (``cuflash.reference``);
 - weak: ``--tokens-per-gpu`` tokens on each GPU (the sequence grows with the GPUs); per-GPU
   throughput against one GPU running its local size alone;
