@@ -38,12 +38,13 @@ class Communicator(Protocol):
     """What the ring needs from a transport: the rank, the world size, a simultaneous
     send-to-one / receive-from-another of a tuple of arrays, started before the step's
     attention and finished after it (``start_sendrecv(...).wait()``; ``sendrecv`` is the two at
-    once), and an all-gather of small Python objects (option checks) or arrays."""
+    once, and a communicator with only ``sendrecv`` exchanges after the step, without overlap),
+    and an all-gather of small Python objects (option checks) or arrays."""
 
     rank: int
     size: int
 
-    def start_sendrecv(self, arrays: tuple, dest: int, source: int) -> "Exchange": ...
+    def start_sendrecv(self, arrays: tuple, dest: int, source: int) -> "Exchange": ...  # (optional)
 
     def sendrecv(self, arrays: tuple, dest: int, source: int) -> tuple: ...
 
@@ -66,6 +67,14 @@ class _Done:
 
     def wait(self):
         return self._fetch()
+
+
+def _start_sendrecv(comm, arrays, dest, source):
+    """``comm.start_sendrecv``, or for a communicator with only ``sendrecv`` (the interface
+    :func:`_check_ring` asks for) the whole exchange when waited for: the same order on every
+    rank, no overlap."""
+    start = getattr(comm, "start_sendrecv", None)
+    return start(arrays, dest, source) if start is not None else _Done(lambda: comm.sendrecv(arrays, dest, source))
 
 
 class CollectiveTimeout(RuntimeError):
@@ -293,17 +302,11 @@ def _check_scheme(scheme):
         raise ValueError(f"scheme must be one of {SCHEMES}; got {scheme!r}")
 
 
-def _check_int(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int; got {type(value).__name__}")
-    return int(value)
-
-
 def _check_axis(x, axis, name: str = "x") -> int:
     """``axis`` as a non-negative axis of ``x`` (an array), or a TypeError/ValueError naming it."""
     if not _arrays.is_array(x):
         raise TypeError(f"{name} must be a NumPy or CuPy array; got {type(x).__name__}")
-    axis = _check_int(axis, "axis")
+    axis = V._check_int(axis, "axis")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for {name} of shape {tuple(x.shape)}")
     return axis % x.ndim
@@ -349,10 +352,8 @@ def shard(x, rank: int, world: int, *, scheme: str = "zigzag", axis: int = 1):
     the zig-zag form of Zhu's ring attention over FlashAttention kernels).
     """
     _check_scheme(scheme)
-    rank, world = _check_int(rank, "rank"), _check_int(world, "world")
+    rank, world = V._check_int(rank, "rank"), V._check_int(world, "world", minimum=1)
     axis = _check_axis(x, axis)
-    if world < 1:
-        raise ValueError(f"world must be >= 1; got {world}")
     if not (0 <= rank < world):
         raise ValueError(f"rank must lie in [0, {world}); got {rank}")
     xp = _arrays.module_of(x)
@@ -508,7 +509,7 @@ def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0
     block, owner = (k, v), rank
     for step in range(world):
         # The shard goes on to the next rank while this rank attends to it (Liu et al. 2023).
-        exchange = comm.start_sendrecv(block, (rank + 1) % world, (rank - 1) % world) if step < world - 1 else None
+        exchange = _start_sendrecv(comm, block, (rank + 1) % world, (rank - 1) % world) if step < world - 1 else None
         for ck, ks in _local_chunks(block[0], owner, world, scheme):
             for cq, qs in q_chunks:
                 mode = _pair(cq, ck, bool(causal))
@@ -592,7 +593,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, soft
     for step in range(world):
         # K and V go on while this rank's part of their gradients is formed; the sums of the
         # shard held before go on while this step's part is (two transfers in flight).
-        kv = comm.start_sendrecv((bk, bv), nxt, prev) if step < world - 1 else None
+        kv = _start_sendrecv(comm, (bk, bv), nxt, prev) if step < world - 1 else None
         dk_part, dv_part = xp.zeros(bk.shape, dtype=acc), xp.zeros(bv.shape, dtype=acc)
         for ck, ks in _local_chunks(bk, owner, world, scheme):
             for cq, qs in q_chunks:
@@ -607,7 +608,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, soft
         if sums is not None:
             dk_before, dv_before = sums.wait()
             dk_part, dv_part = dk_before + dk_part, dv_before + dv_part
-        sums = comm.start_sendrecv((dk_part, dv_part), nxt, prev)  # world sends: each shard's sums come home
+        sums = _start_sendrecv(comm, (dk_part, dv_part), nxt, prev)  # world sends: each shard's sums come home
         if kv is not None:
             (bk, bv), owner = kv.wait(), (owner - 1) % world
     dk, dv = sums.wait()

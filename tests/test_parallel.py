@@ -250,3 +250,28 @@ def test_ring_scaling_script_dry_run(tmp_path):
     assert len(rows) == 3 and all(ratio <= 1 for ratio in rows[0]["exact"].values())
     text = out.read_text()
     assert "| weak |" in text and "| strong |" in text and "K/V transfers alone (2 exchanges" in text
+
+
+def test_ring_with_a_communicator_that_has_only_sendrecv(rng):
+    """The interface _check_ring asks for (rank, size, sendrecv, allgather) still runs the ring,
+    exchanging after each step instead of during it."""
+    q, k, v = (rng.standard_normal((1, 16, 2, 8)) for _ in range(3))
+    dout = rng.standard_normal(q.shape)
+
+    class Plain:
+        def __init__(self, comm):
+            self.rank, self.size, self.sendrecv, self.allgather = comm.rank, comm.size, comm.sendrecv, comm.allgather
+
+    def step(comm):
+        comm = Plain(comm)
+        qs, ks, vs, ds = (parallel.shard(x, comm.rank, comm.size) for x in (q, k, v, dout))
+        out, lse = parallel.ring_attention(qs, ks, vs, comm, causal=True, return_lse=True)
+        return (out, *parallel.ring_attention_backward(ds, qs, ks, vs, out, lse, comm, causal=True))
+
+    results = parallel.run_local(2, step)
+    got = [parallel.unshard([r[i] for r in results]) for i in range(4)]
+    ref_out = cuflash.attention(q, k, v, causal=True)
+    refs = (ref_out, *cuflash.attention_backward(dout, q, k, v, *cuflash.attention(q, k, v, causal=True, return_lse=True),
+                                                 causal=True))
+    for g, r in zip(got, refs):
+        assert np.allclose(g, r, atol=1e-12)
