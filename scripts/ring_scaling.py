@@ -40,35 +40,25 @@ def flops(tokens: int, heads: int, headdim: int, causal: bool) -> float:
     return 4.0 * heads * tokens * tokens * headdim / (2 if causal else 1)
 
 
-class Clock:
-    """Milliseconds of fn() (median of ``reps`` after a warm-up): CUDA events on the GPU, the
-    wall clock for the dry run."""
-
-    def __init__(self, xp):
-        self.xp = xp
-
-    def __call__(self, fn, reps: int = 5) -> float:
+def wall_ms(fn, reps: int = 5) -> float:
+    """Median milliseconds of fn() after a warm-up, by the wall clock (the dry run; on the GPU
+    cuflash.bench.time_gpu times with CUDA events)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
         fn()
-        times = []
-        for _ in range(reps):
-            if self.xp is np:
-                t = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t) * 1e3)
-            else:
-                a, b = self.xp.cuda.Event(), self.xp.cuda.Event()
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(self.xp.cuda.get_elapsed_time(a, b))
-        return float(np.median(times))
+        times.append((time.perf_counter() - t) * 1e3)
+    return float(np.median(times))
 
 
 def rank_main(comm, xp, dtype, args) -> dict:
     """What every rank runs; returns its measurements (rank 0's table collects them)."""
     rank, world = comm.rank, comm.size
-    clock = Clock(xp)
+    if xp is np:
+        clock = wall_ms
+    else:
+        from cuflash.bench import time_gpu as clock
     rng = np.random.default_rng(0)  # the same whole sequence on every rank
     h, d = args.heads, args.headdim
 
