@@ -1,22 +1,26 @@
-"""A/B speed comparison of two cuflash checkouts on this GPU, in alternating processes.
+"""A/B speed comparison of cuflash checkouts on this GPU, in alternating processes.
 
-    python scripts/ab_compare.py BASE_DIR NEW_DIR [--rounds 3] [--parts fwd,bwd,decode,varlen] [--markdown FILE]
+    python scripts/ab_compare.py BASE NEW [NEW2 ...] [--rounds 3] [--parts fwd,bwd,decode,varlen,host] [--markdown FILE]
 
-Each part of each checkout runs in a fresh process (its own kernels, compiled from its own
-sources), the two sides taking turns, ``--rounds`` times.  Rows: the forward and backward (bf16,
-batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against contiguous
-and paged caches (TB/s of cache read), varlen prefill (TF/s) and (part "host") warm calls of tiny
-problems per millisecond of host time.  Per row: each side's median over the rounds, new / base
-of the medians, and the spread of the same version between rounds (the larger side's (max -
-min) / median: an A/A difference).  A row is flagged slower when new / base < 0.97 and the
-difference exceeds that spread (a gap smaller than the spread is noise; more rounds narrow it).
-Used for the speed check of changes that touch every kernel (docs/perf-notes.md).
+Each checkout is a directory, optionally followed by environment settings for its processes
+(``.ab/pers,CUFLASH_SM90_PERSISTENT=1``).  In every round each checkout runs once, in a fresh
+process (its own kernels, compiled from its own sources) that measures all parts; the order of the
+checkouts rotates from round to round, so none always goes first.  Rows: the forward and backward
+(bf16, batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against
+contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s) and (part "host") warm
+calls of tiny problems per millisecond of host time.  Per row: each checkout's median over the
+rounds, each NEW / BASE of the medians, and the spread of one checkout between rounds (the
+largest (max - min) / median of the two compared: an A/A difference).  A ratio is flagged slower
+when it is < 0.97 and the difference exceeds that spread (a gap smaller than the spread is noise;
+more rounds narrow it).  Used for the speed check of changes that touch every kernel
+(docs/perf-notes.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,9 +32,15 @@ DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 655
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
 
 
-def _side(checkout: str, part: str) -> list:
-    """Rows of one part, measured with the cuflash of ``checkout`` (run in its own process)."""
-    sys.path.insert(0, checkout)
+def _side(checkout: str, parts: str) -> list:
+    """Rows of the parts (comma-separated), measured with the cuflash of ``checkout`` (run in its own process)."""
+    return [row for part in parts.split(",") for row in _part(checkout, part)]
+
+
+def _part(checkout: str, part: str) -> list:
+    """Rows of one part, measured with the cuflash of ``checkout``."""
+    if checkout not in sys.path:
+        sys.path.insert(0, checkout)
     import cupy as cp
     import ml_dtypes
     import numpy as np
@@ -104,37 +114,56 @@ def _side(checkout: str, part: str) -> list:
     return rows
 
 
+def _spec(text: str) -> tuple:
+    """(label, directory, environment) of one checkout argument ``DIR[,VAR=VALUE...]``."""
+    directory, *settings = text.split(",")
+    env = dict(item.split("=", 1) for item in settings)
+    return text, str(Path(directory).resolve()), env
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("base")
-    ap.add_argument("new")
+    ap.add_argument("checkouts", nargs="*", help="BASE NEW [NEW2 ...], each DIR[,VAR=VALUE...]")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", default="fwd,bwd,decode,varlen,host")
     ap.add_argument("--markdown")
-    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one part of one checkout
+    ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run the parts with one checkout
     args = ap.parse_args(argv)
     if args.side:
         print(json.dumps(_side(args.side, args.parts)))
         return
-    runs: dict = {}  # row -> side -> one value per round
+    if len(args.checkouts) < 2:
+        ap.error("give at least two checkouts: BASE NEW [NEW2 ...]")
+    sides = [_spec(c) for c in args.checkouts]
+    runs: dict = {}  # row -> side index -> one value per round
     for i in range(args.rounds):
-        for part in args.parts.split(","):
-            sides = (("base", args.base), ("new", args.new))
-            for label, checkout in sides if i % 2 == 0 else sides[::-1]:  # neither side always goes first
-                proc = subprocess.run([sys.executable, __file__, args.base, args.new, "--side", str(Path(checkout).resolve()),
-                                       "--parts", part], capture_output=True, text=True)
-                if proc.returncode:
-                    print(proc.stderr[-3000:], file=sys.stderr)
-                    raise SystemExit(f"{label} {part} failed")
-                for row, value in json.loads(proc.stdout.strip().splitlines()[-1]):
-                    runs.setdefault(row, {}).setdefault(label, []).append(value)
-    lines = [f"| row | base | new | new / base | A/A spread ({args.rounds} rounds) |", "|---|---|---|---|---|"]
+        for j in range(len(sides)):
+            index = (i + j) % len(sides)  # rotate the order: neither side always goes first
+            label, directory, env = sides[index]
+            proc = subprocess.run([sys.executable, __file__, "--side", directory, "--parts", args.parts],
+                                  capture_output=True, text=True, env={**os.environ, **env})
+            if proc.returncode:
+                print(proc.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"{label} failed")
+            for row, value in json.loads(proc.stdout.strip().splitlines()[-1]):
+                runs.setdefault(row, {}).setdefault(index, []).append(value)
+        print(f"round {i + 1} of {args.rounds} done", file=sys.stderr)
+    names = [label for label, _, _ in sides]
+    head = ["row", *names, *(f"{n} / {names[0]}" for n in names[1:]), f"A/A spread ({args.rounds} rounds)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row, r in runs.items():
-        base, new = statistics.median(r["base"]), statistics.median(r["new"])
-        spread = max((max(v) - min(v)) / statistics.median(v) for v in r.values())
-        ratio = new / base
-        slower = ratio < 0.97 and 1 - ratio > spread
-        lines.append(f"| {row} | {base:.2f} | {new:.2f} | {ratio:.3f}{' **slower**' if slower else ''} | {spread:.3f} |")
+        med = {k: statistics.median(v) for k, v in r.items()}
+        spread = {k: (max(v) - min(v)) / med[k] for k, v in r.items()}
+        cells = [f"{med[k]:.2f}" if k in med else "-" for k in range(len(sides))]
+        for k in range(1, len(sides)):
+            if k not in med or 0 not in med:
+                cells.append("-")
+                continue
+            ratio = med[k] / med[0]
+            slower = ratio < 0.97 and 1 - ratio > max(spread[0], spread[k])
+            cells.append(f"{ratio:.3f}{' **slower**' if slower else ''}")
+        cells.append(f"{max(spread.values()):.3f}")
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
     text = "\n".join(lines)
     print(text)
     if args.markdown:

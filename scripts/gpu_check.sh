@@ -9,8 +9,8 @@
 # BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
 # compute-sanitizer tools, default all three), AB_BASE (the
 # checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous
-# commit carried in an ignored folder; AB_PARTS narrows it, AB_ROUNDS sets its rounds; AB_PAIRS
-# "BASE:NEW BASE:NEW ..." compares several pairs in turn, a bisect in one call).
+# commit carried in an ignored folder; AB_SIDES "BASE NEW NEW2 ..." compares several checkouts with
+# the first in one rotation, each DIR[,VAR=VALUE...]; AB_PARTS narrows it, AB_ROUNDS sets its rounds).
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
 # --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
 # device call's carry list.
@@ -91,16 +91,11 @@ for stage in $stages; do
       timeout ${FIRSTCALL_TIMEOUT:-240} $PY scripts/first_call.py --markdown "$OUT/firstcall.md" >"$OUT/firstcall.log" 2>&1
       rc=$?; summary+=("firstcall rc=$rc ($(elapsed))")
       cat "$OUT/firstcall.md" 2>/dev/null || tail -n 20 "$OUT/firstcall.log" ;;
-    ab)  # AB_BASE against AB_NEW, or each BASE:NEW of AB_PAIRS (a bisect: folders under .ab), tables in ab.md
-      : >"$OUT/ab.md"
-      for pair in ${AB_PAIRS:-"${AB_BASE:?set AB_BASE or AB_PAIRS}:${AB_NEW:-.}"}; do
-        echo "#### ${pair%%:*} -> ${pair#*:}" >>"$OUT/ab.md"
-        timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py "${pair%%:*}" "${pair#*:}" --parts "${AB_PARTS:-fwd,bwd,decode,varlen,host}" \
-          --rounds ${AB_ROUNDS:-3} --markdown "$OUT/ab_pair.md" >>"$OUT/ab.log" 2>&1
-        rc=$?; summary+=("ab $pair rc=$rc ($(elapsed))")
-        cat "$OUT/ab_pair.md" >>"$OUT/ab.md" 2>/dev/null && rm -f "$OUT/ab_pair.md"
-      done
-      cat "$OUT/ab.md"; [ -s "$OUT/ab.log" ] && tail -n 5 "$OUT/ab.log" ;;
+    ab)  # checkouts against the first of AB_SIDES (or AB_BASE against AB_NEW), table in ab.md
+      timeout ${AB_TIMEOUT:-420} $PY scripts/ab_compare.py ${AB_SIDES:-${AB_BASE:?set AB_BASE or AB_SIDES} ${AB_NEW:-.}} \
+        --parts "${AB_PARTS:-fwd,bwd,decode,varlen,host}" --rounds ${AB_ROUNDS:-3} --markdown "$OUT/ab.md" >"$OUT/ab.log" 2>&1
+      rc=$?; summary+=("ab rc=$rc ($(elapsed))")
+      cat "$OUT/ab.md" 2>/dev/null; tail -n 5 "$OUT/ab.log" ;;
     *) summary+=("unknown stage $stage") ;;
   esac
 done
