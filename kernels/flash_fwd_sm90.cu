@@ -145,7 +145,8 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     int q_phase = 0;
 
     for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
-        const FwdWork<kBM, kBN> w(p, tiles(t));
+        FwdWork<kBM, kBN> w(p, tiles(t));
+        w.warp_uniform();
         if (w.skipped()) continue;
         const SeqInfo& seq = w.seq;
         const int b = w.tile.b, h = w.tile.h, m0 = w.tile.m0, nb_lo = w.nb_lo, nb_hi = w.nb_hi;

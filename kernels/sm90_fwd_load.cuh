@@ -33,6 +33,17 @@ struct FwdWork {
         seq.key_range(t.m0, t.m0 + kBM, n_lo, n_hi);
         nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
     }
+    // The bounds the control flow depends on, broadcast from lane 0 (every lane holds the same
+    // values): with them known to be warp-uniform, the compiler keeps the consumers' key loop
+    // uniform and builds the wgmma descriptors in uniform registers.  From bounds loaded from
+    // memory it did not, inside the tile loop: 3x the moves to uniform registers and no uniform
+    // ALU work in the SASS, and 13-17 % of the forward lost (docs/perf-notes.md h10).  Every lane
+    // of the warp calls it.
+    __device__ __forceinline__ void warp_uniform() {
+        seq.sq = __shfl_sync(0xffffffffu, seq.sq, 0);
+        nb_lo = __shfl_sync(0xffffffffu, nb_lo, 0);
+        nb_hi = __shfl_sync(0xffffffffu, nb_hi, 0);
+    }
     __device__ __forceinline__ bool skipped() const { return tile.m0 >= seq.sq; }
     __device__ __forceinline__ bool has_keys() const { return nb_lo < nb_hi; }
 };
