@@ -200,8 +200,9 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, ov
 
 def sm90_persistent() -> bool:
     """CUFLASH_SM90_PERSISTENT=1 launches the Hopper forward with one block per SM, each taking
-    tiles in turn (a tile's loads then overlap the previous tile's epilogue), instead of one block
-    per tile: the setting under measurement in docs/perf-notes.md h8."""
+    its next tile from a counter (the tile's loads then overlap the previous tile's last product
+    and epilogue), instead of one block per tile: the setting under measurement in
+    docs/perf-notes.md h8 and h10."""
     return os.environ.get("CUFLASH_SM90_PERSISTENT", "") == "1"
 
 

@@ -14,13 +14,15 @@
 //
 // Block: warpgroup 0 = producer (its warp 0 walks the tiles, lane 0 issues every copy; the other
 // three warps exit at once), warpgroups 1 .. kConsumers = consumers, consumer w owning query rows
-// [64 w, 64 w + 64) of a query tile of kBM = 64 kConsumers rows.  A block computes the query tiles blockIdx.x, blockIdx.x + gridDim.x, ...
-// of sm90_scheduler.cuh's order (one each, or several on a persistent grid); the rings, the
-// barriers' phases and the consumers' turns run on from one tile to the next, and sQ passes
-// between the roles through q_full (Q landed) and q_empty (every consumer stored its O from
-// it), so the producer loads the next tile's first K while the consumers finish the last.  Shared
-// memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (kBM x kD), then
-// kStages stages of K (kBN x kD) and of V (kBN x kD).  K and V have their own full/empty barriers,
+// [64 w, 64 w + 64) of a query tile of kBM = 64 kConsumers rows.  The producer picks the block's
+// query tiles (sm90_scheduler.cuh: one each, or several on a persistent grid) and hands each to
+// the consumers with its Q; the rings, the barriers' phases and the consumers' turns run on from
+// one tile to the next, and sQ passes between the roles through q_full (Q landed, the tile's
+// number in FwdBarriers::tile) and q_empty (every consumer is done with Q: after its last S with
+// kSeparateO, else after staging O in it), so the producer loads the next tile's first K, and with
+// kSeparateO its Q, while the consumers finish the last.  Shared memory, swizzled as
+// swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (kBM x kD), then kStages stages of K
+// (kBN x kD) and of V (kBN x kD), then with kSeparateO O's staging buffer (kBM x kD).  K and V have their own full/empty barriers,
 // so a consumer can start S = Q K^T before V has landed.  Tiles run from the last key tile down.
 // Without the overlap, per tile in each consumer: wait K -> [turn] issue S [end] -> wait S,
 // release K -> softmax (softmax_tile.cuh) -> wait V -> [turn] issue P V [end] -> wait, release V.

@@ -12,7 +12,7 @@
 // Order: the (batch, head) pairs are cut into sections of p.tile_heads pairs, chosen on the host so
 // that a section's K and V fit in half the L2 cache; within a section the tiles run longest first
 // (the last query tile of every pair, then the one before, ...: under a causal mask later query
-// rows see more keys), so that a grid of blocks striding over the numbers ends on short tiles.
+// rows see more keys), so that a grid of blocks taking the numbers in order ends on short tiles.
 // Which block computes a tile never changes what it computes: the result stays bitwise repeatable.
 #pragma once
 #include "params.cuh"
