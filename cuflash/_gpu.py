@@ -200,7 +200,9 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
                 kv_bytes = p.seqlen_k * (d8 + dv8) * 2 // (p.nheads_q // p.nheads_k)  # per pair: a GQA group shares K/V
                 prm.tile_heads, grid = _sm90_tile_grid(device, m_blocks, p.batch * p.nheads_q, kv_bytes)
                 maps = _fwd_maps(qx, kx, vx, packed, block_m, dict(variant.defines)["CUFLASH_BLOCK_N"])
-                launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)], None
+                # A persistent grid takes its tiles from a counter (the split kernel's, kept per stream)
+                accum = (0, 0, 1) if grid[0] < m_blocks * p.batch * p.nheads_q else None
+                launches = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)]
             else:
                 grid = (m_blocks, *_grid_yz(p.batch * p.nheads_q))
                 launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
@@ -261,7 +263,7 @@ def _offsets_scratch(prm):
 def _sm90_tile_grid(device: int, m_blocks: int, pairs: int, kv_bytes_per_pair: int):
     """The Hopper forward's tile order and grid (kernels/sm90_scheduler.cuh): (batch, head) pairs
     per section, so that a section's K and V fit in half the L2 cache, and the grid: one block per
-    tile, or with CUFLASH_SM90_PERSISTENT=1 one per SM, each striding over the tiles."""
+    tile, or with CUFLASH_SM90_PERSISTENT=1 one per SM, each taking the next tile from a counter."""
     section = min(pairs, max(1, _l2_bytes(device) // 2 // max(kv_bytes_per_pair, 1)))
     tiles = m_blocks * pairs
     if tiles >= 2**31:  # (the kernel numbers tiles in 32 bits: terabytes of q)

@@ -182,21 +182,27 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, ov
         return None
     block_n, stages, consumers = SM90_FWD_TILES[d]
     block_m = 64 * consumers
+    # Q, the K and V stages, 1 KB for the alignment; and O's staging buffer where it fits (else O
+    # is staged in sQ, which the next tile's Q then waits for).
+    smem = (block_m + 2 * stages * block_n) * d * 2 + 1024
+    separate_o = smem + block_m * d * 2 + STATIC_SMEM_RESERVE <= DEFAULT_SMEM_LIMIT
+    smem += block_m * d * 2 * separate_o
     name = (f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{block_m}_bn{block_n}_st{stages}" + "_softcap" * softcap
             + "_alibi" * alibi + "_nooverlap" * (not overlap))
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
         ("CUFLASH_STAGES", stages), ("CUFLASH_CONSUMERS", consumers), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_BLOCK_M", block_m), ("CUFLASH_OVERLAP", int(overlap)),
+        ("CUFLASH_SEPARATE_O", int(separate_o)),
     )
-    smem = (block_m + 2 * stages * block_n) * d * 2 + 1024  # Q, the K and V stages, 1 KB for the alignment
     return Variant("flash_fwd_sm90.cu", name, defines, 128 * (1 + consumers), smem, arch="90a")
 
 
 def sm90_persistent() -> bool:
     """CUFLASH_SM90_PERSISTENT=1 launches the Hopper forward with one block per SM, each taking
-    tiles in turn (a tile's loads then overlap the previous tile's epilogue), instead of one block
-    per tile: the setting under measurement in docs/perf-notes.md h8."""
+    its next tile from a counter (the tile's loads then overlap the previous tile's last product
+    and epilogue), instead of one block per tile: the setting under measurement in
+    docs/perf-notes.md h8 and h10."""
     return os.environ.get("CUFLASH_SM90_PERSISTENT", "") == "1"
 
 

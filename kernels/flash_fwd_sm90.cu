@@ -14,13 +14,15 @@
 //
 // Block: warpgroup 0 = producer (its warp 0 walks the tiles, lane 0 issues every copy; the other
 // three warps exit at once), warpgroups 1 .. kConsumers = consumers, consumer w owning query rows
-// [64 w, 64 w + 64) of a query tile of kBM = 64 kConsumers rows.  A block computes the query tiles blockIdx.x, blockIdx.x + gridDim.x, ...
-// of sm90_scheduler.cuh's order (one each, or several on a persistent grid); the rings, the
-// barriers' phases and the consumers' turns run on from one tile to the next, and sQ passes
-// between the roles through q_full (Q landed) and q_empty (every consumer stored its O from
-// it), so the producer loads the next tile's first K while the consumers finish the last.  Shared
-// memory, swizzled as swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (kBM x kD), then
-// kStages stages of K (kBN x kD) and of V (kBN x kD).  K and V have their own full/empty barriers,
+// [64 w, 64 w + 64) of a query tile of kBM = 64 kConsumers rows.  The producer picks the block's
+// query tiles (sm90_scheduler.cuh: one each, or several on a persistent grid) and hands each to
+// the consumers with its Q; the rings, the barriers' phases and the consumers' turns run on from
+// one tile to the next, and sQ passes between the roles through q_full (Q landed, the tile's
+// number in FwdBarriers::tile) and q_empty (every consumer is done with Q: after its last S with
+// kSeparateO, else after staging O in it), so the producer loads the next tile's first K, and with
+// kSeparateO its Q, while the consumers finish the last.  Shared memory, swizzled as
+// swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (kBM x kD), then kStages stages of K
+// (kBN x kD) and of V (kBN x kD), then with kSeparateO O's staging buffer (kBM x kD).  K and V have their own full/empty barriers,
 // so a consumer can start S = Q K^T before V has landed.  Tiles run from the last key tile down.
 // Without the overlap, per tile in each consumer: wait K -> [turn] issue S [end] -> wait S,
 // release K -> softmax (softmax_tile.cuh) -> wait V -> [turn] issue P V [end] -> wait, release V.
@@ -59,6 +61,11 @@
 #ifndef CUFLASH_OVERLAP
 #define CUFLASH_OVERLAP 1
 #endif
+// O staged in a buffer of its own after the K/V rings (where shared memory holds it: the host
+// decides, head dims 64 and 128), so that sQ goes back to the producer before the epilogue.
+#ifndef CUFLASH_SEPARATE_O
+#define CUFLASH_SEPARATE_O 0
+#endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
@@ -94,7 +101,7 @@ __device__ __forceinline__ void arrive_nth(int i, int threads) {
 }
 }  // namespace ws
 
-template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, bool kAlibi, bool kOverlap>
+template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, bool kAlibi, bool kOverlap, bool kSeparateO>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
     constexpr int kBM = 64 * kConsumers, kNT = kBN / 8, kOT = kD / 8;
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
@@ -103,9 +110,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 
     extern __shared__ unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // host adds 1 KB
-    unsigned char* sQ = smem;                      // (kBM, kD), reused to stage O
+    unsigned char* sQ = smem;                      // (kBM, kD), also staging O without kSeparateO
     unsigned char* sK = sQ + kTileQ;               // kStages x (kBN, kD)
     unsigned char* sV = sK + kStages * kTileKV;    // kStages x (kBN, kD)
+    unsigned char* sO = sV + kStages * kTileKV;    // (kBM, kD) with kSeparateO: where O is staged
     __shared__ FwdBarriers<kStages> bars;
     u64 &q_full = bars.q_full, &q_empty = bars.q_empty;
     u64 (&k_full)[kStages] = bars.k_full, (&k_empty)[kStages] = bars.k_empty;
@@ -144,9 +152,13 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     RingState<kStages> ring;
     int q_phase = 0;
 
-    for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
-        const FwdWork<kBM, kBN> w(p, tiles(t));
-        if (w.skipped()) continue;
+    for (;;) {
+        mbar_wait(&q_full, q_phase);  // Q of the producer's next tile (or, without keys, its number alone)
+        q_phase ^= 1;
+        const unsigned t = bars.tile;
+        if (t == kNoTile) break;
+        FwdWork<kBM, kBN> w(p, tiles(t));
+        w.warp_uniform();
         const SeqInfo& seq = w.seq;
         const int b = w.tile.b, h = w.tile.h, m0 = w.tile.m0, nb_lo = w.nb_lo, nb_hi = w.nb_hi;
         const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
@@ -156,8 +168,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         float o[kOT][4];  // O accumulator of rows r_lo, r_lo + 8 (wgmma = C-fragment layout), fp32
         zero(o);
         RowState row[2];
-        mbar_wait(&q_full, q_phase);  // Q of this tile (or, without keys, the right to stage O in sQ)
-        q_phase ^= 1;
+        // sQ back to the producer, for the next tile's Q: once this warpgroup's last S = Q K^T is
+        // done where O has a buffer of its own (the overlapped loop), else after the epilogue.
+        const bool early_release = kSeparateO && kOverlap && nb_lo < nb_hi;
+        auto release_q = [&] {
+            if (wtid == 0) mbar_arrive(&q_empty);
+        };
 
         if (w.has_keys()) {
             float s[kNT][4];   // S of the current tile, then (overlap) its P in fp32
@@ -266,13 +282,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     rescale_o();
                     pack_probs<T, kNT>(s, pk);
                 }
+                if (early_release) release_q();  // every S of the tile is done
                 pv_alone(ring, n0);
                 ring.advance();
             }
         }
 
-        store_o<T, kBM>(p, seq, b, h, m0, o, row, sQ, wg, r_lo, wtid, lane, consumer_barrier);
-        if (wtid == 0) mbar_arrive(&q_empty);  // sQ is free for the next tile's Q
+        store_o<T, kBM>(p, seq, b, h, m0, o, row, kSeparateO ? sO : sQ, wg, r_lo, wtid, lane, consumer_barrier);
+        if (!early_release) release_q();
     }
     if (wg == 0) take_turn();  // absorbs the last consumer's last arrival
 }
@@ -282,5 +299,5 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 extern "C" __global__ void __launch_bounds__(128 * (1 + CUFLASH_CONSUMERS), 1)
 CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) {
     flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES, CUFLASH_CONSUMERS,
-                   CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_OVERLAP != 0>(p, maps);
+                   CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_OVERLAP != 0, CUFLASH_SEPARATE_O != 0>(p, maps);
 }

@@ -1,9 +1,10 @@
 // The epilogue of the Hopper forward (flash_fwd_sm90.cu): one consumer warpgroup's 64 rows of a
 // query tile, O / l and the LSE (natural log; NaN for a sequence with bad metadata, SeqInfo's
-// poison).  The warpgroup stages its rows of O in its own rows of sQ (no longer read: its last
-// S = Q K^T is done; the same 128-byte swizzle the copy engine wrote Q in), then stores them in
-// 16-byte chunks, only the rows of the sequence and the columns of headdim_v.  On return the
-// warpgroup is done with sQ (the caller then frees it for the next tile's Q).
+// poison).  The warpgroup stages its rows of O in its own rows of sO (a buffer of its own, or sQ,
+// no longer read once the warpgroup's last S = Q K^T is done; the 128-byte swizzle of the copy
+// engine's tiles), then stores them in 16-byte chunks, only the rows of the sequence and the
+// columns of headdim_v.  On return the warpgroup is done with sO (staged in sQ, the caller then
+// frees sQ for the next tile's Q).
 #pragma once
 #include "online_softmax.cuh"
 #include "seqinfo.cuh"
@@ -11,7 +12,7 @@
 
 template <class T, int kBM, int kOT, class Barrier>
 __device__ __forceinline__ void store_o(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, const float (&o)[kOT][4],
-                                       const RowState (&row)[2], unsigned char* sQ, int wg, int r_lo, int wtid, int lane,
+                                       const RowState (&row)[2], unsigned char* sO, int wg, int r_lo, int wtid, int lane,
                                        Barrier consumer_barrier) {
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
@@ -29,7 +30,7 @@ __device__ __forceinline__ void store_o(const FlashParams& p, const SeqInfo& seq
         if (lane % 4 == 0 && r < rows_valid) gLse[r] = lse;
 #pragma unroll
         for (int ot = 0; ot < kOT; ++ot)
-            *reinterpret_cast<u32*>(sQ + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
+            *reinterpret_cast<u32*>(sO + swizzled_chunk<kBM>(r, ot) + (lane % 4) * 4) =
                 pack2<T>(RowState::normalize(o[ot][half * 2], inv_l), RowState::normalize(o[ot][half * 2 + 1], inv_l));
     }
     consumer_barrier();
@@ -37,8 +38,8 @@ __device__ __forceinline__ void store_o(const FlashParams& p, const SeqInfo& seq
     for (int c = e_tid; c < 64 * kOT; c += 128) {
         const int r = wg * 64 + c / kOT, col = c % kOT;
         if (r < rows_valid && col < v_chunks)
-            *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sQ + swizzled_chunk<kBM>(r, col));
+            *reinterpret_cast<uint4*>(gO + r * p.o_row_stride + col * 8) = *reinterpret_cast<const uint4*>(sO + swizzled_chunk<kBM>(r, col));
     }
-    fence_async_smem();  // this warpgroup's use of sQ comes before the copy engine's next Q
+    fence_async_smem();  // this warpgroup's use of sO (sQ) comes before the copy engine's next Q
     consumer_barrier();
 }

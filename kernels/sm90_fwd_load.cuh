@@ -4,11 +4,16 @@
 // sm90_pipeline.cuh's ring protocol.  Lane 0 issues every copy; the whole warp waits on the
 // barriers and re-converges after each copy.
 //
-// Per tile with keys: K of the first key tile (it can land while the consumers still store the
-// previous tile's O from sQ: they released every K/V stage of that tile first), then Q once the
-// consumers freed sQ (q_empty), then V of that key tile and K, V of the others, from the last key
-// tile down.  A tile without keys gets a plain arrival on q_full instead of Q (the consumers
-// then stage its O in sQ all the same).  Shah et al., "FlashAttention-3", 2024, §3.1.
+// The producer decides the block's tiles (sm90_scheduler.cuh: first blockIdx.x, then
+// TileScheduler::next) and hands each to the consumers with its Q: the tile's number goes into
+// FwdBarriers::tile before the arrival on q_full, and kNoTile there tells them the block is done.
+// Tiles past their sequence's rows (varlen) are never handed over.
+// Per tile with keys: K of the first key tile (it can land while the consumers still finish the
+// previous tile: they released every K/V stage of that tile first), then Q once the consumers
+// freed sQ (q_empty: after their last S = Q K^T where O has a buffer of its own, else after the
+// epilogue that stages O in sQ), then V of that key tile and K, V of the others, from the last
+// key tile down.  A tile without keys gets a plain arrival on q_full instead of Q.  Shah et al.,
+// "FlashAttention-3", 2024, §3.1.
 #pragma once
 #include "seqinfo.cuh"
 #include "sm90_pipeline.cuh"
@@ -33,14 +38,28 @@ struct FwdWork {
         seq.key_range(t.m0, t.m0 + kBM, n_lo, n_hi);
         nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
     }
+    // The bounds the control flow depends on, broadcast from lane 0 (every lane holds the same
+    // values): with them known to be warp-uniform, the compiler keeps the consumers' key loop
+    // uniform and builds the wgmma descriptors in uniform registers.  From bounds loaded from
+    // memory it did not, inside the tile loop: 3x the moves to uniform registers and no uniform
+    // ALU work in the SASS, and 13-17 % of the forward lost (docs/perf-notes.md h10).  Every lane
+    // of the warp calls it.
+    __device__ __forceinline__ void warp_uniform() {
+        seq.sq = __shfl_sync(0xffffffffu, seq.sq, 0);
+        nb_lo = __shfl_sync(0xffffffffu, nb_lo, 0);
+        nb_hi = __shfl_sync(0xffffffffu, nb_hi, 0);
+    }
     __device__ __forceinline__ bool skipped() const { return tile.m0 >= seq.sq; }
     __device__ __forceinline__ bool has_keys() const { return nb_lo < nb_hi; }
 };
 
-// The block's barriers: sQ (loaded, freed by every consumer) and the K and V rings.
+// The block's barriers: sQ (loaded, freed by every consumer) and the K and V rings; and the
+// number of the tile whose Q q_full announces (written before that arrival, read after it).
+constexpr unsigned kNoTile = 0xffffffffu;
 template <int kStages>
 struct FwdBarriers {
     u64 q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    unsigned tile;
 };
 
 template <int kBM, int kBN, int kD, int kStages>
@@ -53,7 +72,9 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
     if (lane == 0) tma_prefetch(maps.q), tma_prefetch(maps.k), tma_prefetch(maps.v);
     auto ring = RingState<kStages>::producer_start();
     int q_phase = 1;  // sQ starts free
-    for (unsigned t = blockIdx.x; t < tiles.tiles(); t += gridDim.x) {
+    // The next tile after t, taken by lane 0 and known to the whole warp.
+    auto next_tile = [&](unsigned t) { return __shfl_sync(0xffffffffu, lane == 0 ? tiles.next(t) : 0u, 0); };
+    for (unsigned t = blockIdx.x; t < tiles.tiles(); t = next_tile(t)) {
         const FwdWork<kBM, kBN> w(p, tiles(t));
         if (w.skipped()) continue;
         const int kv_batch = packed ? 0 : static_cast<int>(w.seq.kv_row());
@@ -73,6 +94,7 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
         mbar_wait(&q_empty, q_phase);
         q_phase ^= 1;
         if (lane == 0) {
+            bars.tile = t;
             if (w.has_keys()) {
                 mbar_arrive_expect_tx(&q_full, kTileQ);
                 tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(w.seq.q_start) + w.tile.m0, w.tile.h,
@@ -87,6 +109,12 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
             load_v(nb);
         }
     }
+    mbar_wait(&q_empty, q_phase);  // the consumers read the last tile's number: tell them there is no other
+    if (lane == 0) {
+        bars.tile = kNoTile;
+        mbar_arrive(&q_full);
+    }
+    __syncwarp();
     for (int s = 0; s < kStages; ++s, ring.advance()) {  // leave only once the consumers are done
         mbar_wait(&bars.k_empty[ring.stage], ring.phase);
         mbar_wait(&bars.v_empty[ring.stage], ring.phase);

@@ -1,12 +1,18 @@
 // Which query tile of which (batch, head) a block of the Hopper forward computes.  Tiles are
-// numbered 0 .. tiles - 1; a block takes tiles blockIdx.x, blockIdx.x + gridDim.x, ...  The host
-// picks the grid: one block per tile, or one per SM (persistent: a block's next tile's loads
-// overlap its current tile's epilogue; FA3, Shah et al. 2024, §3.1 and its tile scheduler).
+// numbered 0 .. tiles - 1; a block's first tile is blockIdx.x.  The host picks the grid: one
+// block per tile, or one per SM (persistent: a block's next tile's loads overlap its current
+// tile's last product and epilogue; FA3, Shah et al. 2024, §3.1 and its tile scheduler).  On a
+// persistent grid the next tile is the next ticket of a launch-wide counter (p.split_counters),
+// so tiles start in their numbered order whatever each costs, as the hardware starts the blocks
+// of a one-per-tile grid; a fixed stride (blockIdx.x + k gridDim.x) let the blocks drift apart
+// until the tiles in flight spanned more heads than L2 holds (d256 16k causal: 0.72x the old
+// kernel, docs/perf-notes.md h10).  Without a counter the stride stays (the one-per-tile grid,
+// whose blocks have no next tile).
 //
 // Order: the (batch, head) pairs are cut into sections of p.tile_heads pairs, chosen on the host so
 // that a section's K and V fit in half the L2 cache; within a section the tiles run longest first
 // (the last query tile of every pair, then the one before, ...: under a causal mask later query
-// rows see more keys), so that a grid of blocks striding over the numbers ends on short tiles.
+// rows see more keys), so that a grid of blocks taking the numbers in order ends on short tiles.
 // Which block computes a tile never changes what it computes: the result stays bitwise repeatable.
 #pragma once
 #include "params.cuh"
@@ -25,6 +31,17 @@ struct TileScheduler {
     __device__ __forceinline__ unsigned m_blocks() const { return static_cast<unsigned>((p.seqlen_q + kBM - 1) / kBM); }
     __device__ __forceinline__ unsigned pairs() const { return static_cast<unsigned>(p.batch * p.nheads_q); }
     __device__ __forceinline__ unsigned tiles() const { return pairs() * m_blocks(); }
+
+    // The tile after t for this block (>= tiles() when it has none).  Called by one thread.  Each
+    // block takes tickets until one is past the end, so the launch takes each of the tickets
+    // 0 .. tiles() - 1 once (the grid has at most tiles() blocks): the one that takes the last
+    // is the last to touch the counter, and resets it to 0 for the next launch.
+    __device__ __forceinline__ unsigned next(unsigned t) const {
+        if (!p.split_counters) return t + gridDim.x;
+        const unsigned ticket = atomicAdd(reinterpret_cast<unsigned*>(p.split_counters), 1u);
+        if (ticket == tiles() - 1) *p.split_counters = 0;
+        return ticket + gridDim.x;
+    }
 
     __device__ __forceinline__ FwdTile operator()(unsigned t) const {
         const unsigned m = m_blocks(), all = pairs(), heads = static_cast<unsigned>(p.nheads_q);

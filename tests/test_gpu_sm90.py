@@ -140,8 +140,8 @@ def test_packed_sequences_on_every_forward(rng, kernel, headdim):
 @requires_hopper
 @pytest.mark.parametrize("headdim", [64, 128, 192, 256])
 def test_persistent_grid_computes_the_same_bits(rng, headdim, monkeypatch):
-    """CUFLASH_SM90_PERSISTENT=1 (one block per SM, each taking tiles in turn, its next tile's
-    loads chained to the current one's epilogue through the Q and K/V barriers) computes every
+    """CUFLASH_SM90_PERSISTENT=1 (one block per SM, each taking its next tile from a counter, the
+    tile's loads chained to the current one's last product through the Q and K/V barriers) computes every
     tile as one block per tile does: bitwise-equal out and LSE, with more tiles than SMs (each
     block takes several), tiles without keys (seqlens_k 0), GQA, windows, and packed sequences;
     and exact against the reference."""
@@ -167,6 +167,16 @@ def test_persistent_grid_computes_the_same_bits(rng, headdim, monkeypatch):
     _fastpath.PLANS.clear()
     _check(q[:2, :300].get(), k[:2, :500].get(), v[:2, :500].get(), causal=True)
     check_varlen(cp, *packed, rng=rng, causal=True)
+    # The tile counter resets itself: calls one after another on a stream (warm, the same plan),
+    # and on a second stream, each take every tile once (into a NaN-filled out: a tile left out
+    # would show).
+    with cp.cuda.Stream(non_blocking=True):
+        out_c = cp.empty_like(out_b)
+        for _ in range(3):
+            out_c.view(cp.uint16).fill(0x7FFF)
+            _, lse_c = cuflash.attention(q, k, v, return_lse=True, out=out_c, **cases[-1])
+            assert cp.array_equal(out_c.view(cp.uint16), out_b.view(cp.uint16))
+            assert cp.array_equal(lse_c.view(cp.uint32), lse_b.view(cp.uint32))
     _fastpath.PLANS.clear()
 
 
