@@ -229,7 +229,7 @@ def backward_kernels(request, monkeypatch):
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [40, 64, 111, 128])
+@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 200, 256])  # 200, 256: the column-split kernel
 @pytest.mark.parametrize("seqlens", [(17, 17), (127, 129), (257, 700), (700, 130)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_both_backward_kernels_many_tiles(rng, backward_kernels, dtype, headdim, seqlens, causal):
@@ -248,7 +248,7 @@ BACKWARD_OPTIONS = [
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
 @pytest.mark.parametrize("opts", BACKWARD_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, opts):
     b, sq, sk = 2, 200, 333
