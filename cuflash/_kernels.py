@@ -213,9 +213,11 @@ def sm90_overlap() -> bool:
 
 
 # Hopper backward (flash_bwd_sm90.cu): head-dim bucket -> (rows of the inner-loop tiles, warpgroups
-# of 64 rows, blocks per SM the registers must allow).  dK and dV of head dim 256 do not fit in
-# registers: flash_bwd.cu serves it.  Measured: docs/perf-notes.md, h2.
-SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1)}
+# of 64 rows, blocks per SM the registers must allow).  Head dim 256 (and the buckets 160-224,
+# zero-padded to it): the two warpgroups of a _dkdv_dq block share 64 key rows and split the
+# columns of dK and dV, which do not fit in one warpgroup's registers (CUFLASH_COL_SPLIT,
+# perf-notes b5); deterministic d256 stays with flash_bwd.cu.  Measured: docs/perf-notes.md, h2.
+SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,20 +228,25 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     ``<name>_dkdv`` (a module of their own, so a first call compiles only what it launches; the
     D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves."""
     d = headdim_bucket(headdim)
-    if d not in SM90_BWD_TILES:
+    if d > 128:
+        d = 256  # (the columns past the head dim are zero in the tiles)
+    if d not in SM90_BWD_TILES or (d > 128 and deterministic):
         return None
     inner, wgs, min_blocks = SM90_BWD_TILES[d]
+    col_split = d > 128
     name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
             + "_alibi" * alibi + "_det" * deterministic)
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
         ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_DETERMINISTIC", int(deterministic)),
+        ("CUFLASH_COL_SPLIT", int(col_split)),
     )
-    # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv), two stages of
-    # two inner tiles, LSE and D of the _dkdv stages, the dS tile of _dkdv_dq, 1 KB for the
-    # 1024-byte alignment.
-    smem = (2 * 64 * wgs + 4 * inner) * d * 2 + 4 * inner * 4 + 64 * wgs * inner * 2 + 1024
+    # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
+    # column split), two stages of two inner tiles, LSE and D of the _dkdv stages, the dS tile of
+    # _dkdv_dq, 1 KB for the 1024-byte alignment.
+    outer = 64 if col_split else 64 * wgs
+    smem = (2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + outer * inner * 2 + 1024
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 
@@ -326,7 +333,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
                               for overlap in (True, False) if d in SM90_FWD_TILES]  # (other buckets run these)
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)
-                               for det in (False, True)]
+                               for det in (False, True) if d in SM90_BWD_TILES]  # (160-224 run the 256 kernel)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant(),

@@ -119,16 +119,31 @@ def kernel_family(major: int, minor: int, nvrtc, disabled: bool | None = None) -
         return "sm_80 kernels (the Hopper kernels need NVRTC 12.9 or newer to build sm_90a)"
     return (f"Hopper kernels (wgmma, sm_90a) for the forward at head dims {_kernels.SM90_FWD_MIN_HEADDIM}-"
             f"{max(_kernels.SM90_FWD_TILES)} "
-            f"and the backward at {_headdim_spans(_kernels.SM90_BWD_TILES)}; sm_80 kernels for other head dims "
+            f"and the backward at {_headdim_spans(_hopper_backward_buckets())}; sm_80 kernels for other head dims "
             f"and for decoding (<= 16 query rows, paged caches)")
 
 
-def _headdim_spans(tiles) -> str:
-    """The head dims whose bucket has an entry in ``tiles``, e.g. "33-64, 97-128"."""
+def _hopper_backward_buckets() -> set:
+    """The head-dim buckets the wgmma backward serves (the default, non-deterministic form)."""
+    from . import _kernels
+
+    return {b for b in _kernels.HEADDIM_BUCKETS
+            if _kernels.sm90_bwd_variant("bfloat16", b, softcap=False, alibi=False) is not None}
+
+
+def _headdim_spans(buckets) -> str:
+    """The head dims of ``buckets``, adjacent buckets joined, e.g. "33-64, 97-256"."""
     from ._kernels import HEADDIM_BUCKETS
 
-    lows = dict(zip(HEADDIM_BUCKETS, (1, *(b + 1 for b in HEADDIM_BUCKETS))))
-    return ", ".join(f"{lows[b]}-{b}" for b in HEADDIM_BUCKETS if b in tiles)
+    spans = []
+    for low, b in zip((1, *(b + 1 for b in HEADDIM_BUCKETS)), HEADDIM_BUCKETS):
+        if b not in buckets:
+            continue
+        if spans and spans[-1][1] == low - 1:
+            spans[-1][1] = b
+        else:
+            spans.append([low, b])
+    return ", ".join(f"{lo}-{hi}" for lo, hi in spans)
 
 
 def _nvrtc_tuple(cp):

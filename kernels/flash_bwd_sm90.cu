@@ -14,7 +14,10 @@
 //   _dkdv : per query tile of each GQA head, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q.
 //   _dkdv_dq : the same, and dSᵀ staged in shared memory; warpgroup w forms its kD / kWG columns
 //           of dQ = dS K (both operands read transposed) and adds them to dq_accum.
-// Head dims 64 and 128 (dK and dV of 256 do not fit in registers: flash_bwd.cu serves them).
+// Head dims 64 and 128 in the form above; 256 (and the buckets between 128 and 256, their columns
+// past the head dim zero) with the warpgroups of a _dkdv_dq block splitting the columns of dK and
+// dV (whole, they do not fit in one warpgroup's registers): CUFLASH_COL_SPLIT.  Deterministic
+// d256 stays with flash_bwd.cu (its _dq kernel's tiles do not fit in shared memory).
 #include "params.cuh"
 #include "score_grad.cuh"
 #include "swizzled_tile.cuh"
@@ -45,6 +48,11 @@
 #ifndef CUFLASH_ALIBI
 #define CUFLASH_ALIBI 0
 #endif
+// Head dims above 128: the warpgroups of a dkdv block share its 64 key rows and split dK, dV by
+// columns (flash_bwd_dkdv_sm90's kColSplit).
+#ifndef CUFLASH_COL_SPLIT
+#define CUFLASH_COL_SPLIT 0
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd_sm90
 #endif
@@ -70,18 +78,18 @@ __device__ __forceinline__ void red_add_v4(float* addr, float4 v) {
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
 }
 
-// Scale a (64 x kD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
-// warpgroup's own rows [r0, r0 + 64) of the swizzled tile `stage` (kRows rows), then (after a block
-// barrier) store rows < rows_valid and chunks < chunks_valid to g.
-template <class T, int kD, int kRows, int kThreads>
-__device__ __forceinline__ void store_tile(const float (&acc)[kD / 8][4], float mul, unsigned char* stage, int r0,
-                                           u16* g, long long row_stride, int rows_valid, int chunks_valid, int tid) {
+// Scale a (64 x kAccD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
+// warpgroup's own rows [r0, r0 + 64) and chunks [c0, c0 + kAccD / 8) of the swizzled (kRows x kD)
+// tile `stage`, then (after a block barrier) store rows < rows_valid and chunks < chunks_valid to g.
+template <class T, int kD, int kRows, int kThreads, int kAccD = kD>
+__device__ __forceinline__ void store_tile(const float (&acc)[kAccD / 8][4], float mul, unsigned char* stage, int r0,
+                                           u16* g, long long row_stride, int rows_valid, int chunks_valid, int tid, int c0 = 0) {
     const int lane = tid % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int ot = 0; ot < kD / 8; ++ot)
-            *reinterpret_cast<u32*>(stage + swizzled_chunk<kRows>(r0 + wg_row(tid) + 8 * half, ot) + (lane % 4) * 4) =
+        for (int ot = 0; ot < kAccD / 8; ++ot)
+            *reinterpret_cast<u32*>(stage + swizzled_chunk<kRows>(r0 + wg_row(tid) + 8 * half, c0 + ot) + (lane % 4) * 4) =
                 pack2<T>(acc[ot][2 * half] * mul, acc[ot][2 * half + 1] * mul);
     __syncthreads();
     constexpr int kChunks = kD / 8;
@@ -199,12 +207,19 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     store_tile<T, kD, kBM, kThreads>(dq, seq.poison(scale), sQ, wg * 64, gdQ, p.dq_row_stride, rows_valid, qk_chunks, tid);
 }
 
-template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic>
+// kColSplit (head dims above 128): the warpgroups share the block's 64 key rows and split the
+// head-dim columns of dK and dV (kD / kWG each), which do not fit in one warpgroup's registers
+// whole; each forms Sᵀ and dPᵀ of the 64 rows itself (the same values: 2 of the 5 products done
+// twice), and dQ = dS K in 64-column slices.  Otherwise warpgroup w owns key rows [64 w, 64 w + 64).
+template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic, bool kColSplit>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
-    constexpr int kBN = 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
+    constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
+    constexpr int kDc = kColSplit ? kD / kWG : kD;  // the head-dim columns of dK and dV each warpgroup holds
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
-    static_assert(!kDqAtomic || (kBM == 64 && (kDqCols == 64 || kDqCols == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
+    constexpr int kDqSlice = kColSplit ? 64 : kDqCols;  // ... in slices of this many columns
+    static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
+    static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
     unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
@@ -233,9 +248,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     u16* gdK = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + k_row * p.dk_row_stride + hk * p.dk_head_stride;
     u16* gdV = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + k_row * p.dv_row_stride + hk * p.dv_head_stride;
     const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
-    const int r_lo = wg * 64 + wg_row(tid);  // key rows r_lo and r_lo + 8 of the block
+    const int r_lo = (kColSplit ? 0 : wg * 64) + wg_row(tid);  // key rows r_lo and r_lo + 8 of the block
+    const int c_panel = kColSplit ? wg * kDc / 64 : 0;  // the first 64-column panel of this warpgroup's dK, dV
 
-    float dk[kD / 8][4], dv[kD / 8][4];
+    float dk[kDc / 8][4], dv[kDc / 8][4];
     zero(dk);
     zero(dv);
     int i_lo = 0, i_hi = 0;
@@ -287,13 +303,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // Sᵀ = K Qᵀ
-            wgmma_ss<T, kBM>(st_flat, desc_k_major<kBN>(k_base, wg * 64, ks), desc_k_major<kBM>(q_base + stage * kTileQ, 0, ks), ks > 0);
+            wgmma_ss<T, kBM>(st_flat, desc_k_major<kBN>(k_base, r_lo - wg_row(tid), ks), desc_k_major<kBM>(q_base + stage * kTileQ, 0, ks), ks > 0);
         // Without softcap (whose derivative needs S) P is formed while dPᵀ's product runs.
         constexpr bool kPDuringDp = !kSoftcap;
         if constexpr (kPDuringDp) wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // dPᵀ = V dOᵀ
-            wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_base, wg * 64, ks), desc_k_major<kBM>(do_base + stage * kTileQ, 0, ks), ks > 0);
+            wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_base, r_lo - wg_row(tid), ks), desc_k_major<kBM>(do_base + stage * kTileQ, 0, ks), ks > 0);
         wgmma_commit();
         wgmma_wait<kPDuringDp ? 1 : 0>();
         wgmma_pin(st_flat);
@@ -331,9 +347,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         u32 pa[kBM / 16][4], dsa[kBM / 16][4];
         c_to_a<T, kBM>(pa, st);
         c_to_a<T, kBM>(dsa, dpt);
-        float (&dv_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dv);
-        float (&dk_flat)[kD / 2] = reinterpret_cast<float (&)[kD / 2]>(dk);
-        if constexpr (kDqAtomic) {  // this thread's dSᵀ rows r_lo, r_lo + 8, as rounded for dK
+        float (&dv_flat)[kDc / 2] = reinterpret_cast<float (&)[kDc / 2]>(dv);
+        float (&dk_flat)[kDc / 2] = reinterpret_cast<float (&)[kDc / 2]>(dk);
+        if (kDqAtomic && (!kColSplit || wg == 0)) {  // this thread's dSᵀ rows r_lo, r_lo + 8, as rounded for dK
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -343,36 +359,45 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         }
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO
-            wgmma_rs<T, kD>(dv_flat, pa[kk], desc_n_major<kBM>(do_base + stage * kTileQ, kk));
+        for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO (this warpgroup's columns)
+            wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_base + stage * kTileQ + c_panel * kBM * 128, kk));
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
-            wgmma_rs<T, kD>(dk_flat, dsa[kk], desc_n_major<kBM>(q_base + stage * kTileQ, kk));
+            wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_base + stage * kTileQ + c_panel * kBM * 128, kk));
         wgmma_commit();
+        if constexpr (kColSplit) {  // dV and dK done first: their register operands (P, dS) free for dQ's slices
+            wgmma_wait<0>();
+            wgmma_pin(dv_flat);
+            wgmma_pin(dk_flat);
+        }
         if constexpr (kDqAtomic) {
             __syncthreads();  // every warpgroup's dSᵀ rows are staged
-            float dq[kDqCols / 8][4];  // query rows wg_row, wg_row + 8 of the tile x this warpgroup's columns
-            float (&dq_flat)[kDqCols / 2] = reinterpret_cast<float (&)[kDqCols / 2]>(dq);
-            wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
-                wgmma_ss_mn<T, kDqCols>(dq_flat, desc_n_major<kBN>(smem_addr(sdS), kk),
-                                        desc_n_major<kBN>(k_base + (wg * kDqCols / 64) * kBN * 128, kk), kk > 0);
-            wgmma_commit();
-            wgmma_wait<0>();
-            wgmma_pin(dq_flat);
             // Lane pairs swap halves so that each lane holds 4 adjacent columns of one row: the even
             // lane row wg_row, the odd lane row wg_row + 8, columns 8 nt + 4 (lane % 4 / 2) + 0..3.
             const bool odd = lane & 1;
             const int i = wg_row(tid) + 8 * odd;
             const long long stat = seq.lse_row(p, b, h, m0);
-            float* row = p.dq_accum + (stat + i) * kD + wg * kDqCols + (lane % 4 / 2) * 4;
+#pragma unroll 1
+            for (int slice = 0; slice < kDqCols / kDqSlice; ++slice) {
+                const int c0 = wg * kDqCols + slice * kDqSlice;  // the slice's first column
+                float dq[kDqSlice / 8][4];  // query rows wg_row, wg_row + 8 of the tile x the slice's columns
+                float (&dq_flat)[kDqSlice / 2] = reinterpret_cast<float (&)[kDqSlice / 2]>(dq);
+                wgmma_fence();
 #pragma unroll
-            for (int nt = 0; nt < kDqCols / 8; ++nt) {
-                const float give0 = odd ? dq[nt][0] : dq[nt][2], give1 = odd ? dq[nt][1] : dq[nt][3];
-                const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-                const float4 v = odd ? make_float4(got0, got1, dq[nt][2], dq[nt][3]) : make_float4(dq[nt][0], dq[nt][1], got0, got1);
-                if (m0 + i < seq.sq) red_add_v4(row + nt * 8, v);
+                for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
+                    wgmma_ss_mn<T, kDqSlice>(dq_flat, desc_n_major<kBN>(smem_addr(sdS), kk),
+                                             desc_n_major<kBN>(k_base + (c0 / 64) * kBN * 128, kk), kk > 0);
+                wgmma_commit();
+                wgmma_wait<0>();
+                wgmma_pin(dq_flat);
+                float* row = p.dq_accum + (stat + i) * kD + c0 + (lane % 4 / 2) * 4;
+#pragma unroll
+                for (int nt = 0; nt < kDqSlice / 8; ++nt) {
+                    const float give0 = odd ? dq[nt][0] : dq[nt][2], give1 = odd ? dq[nt][1] : dq[nt][3];
+                    const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                    const float4 v = odd ? make_float4(got0, got1, dq[nt][2], dq[nt][3]) : make_float4(dq[nt][0], dq[nt][1], got0, got1);
+                    if (m0 + i < seq.sq) red_add_v4(row + nt * 8, v);
+                }
             }
         } else {
             wgmma_wait<0>();
@@ -383,8 +408,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // every warpgroup is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kBN, write_rows - n0);
-    store_tile<T, kD, kBN, kThreads>(dk, seq.poison(scale), sK, wg * 64, gdK, p.dk_row_stride, rows_valid, qk_chunks, tid);
-    store_tile<T, kD, kBN, kThreads>(dv, seq.poison(1.f), sV, wg * 64, gdV, p.dv_row_stride, rows_valid, v_chunks, tid);
+    store_tile<T, kD, kBN, kThreads, kDc>(dk, seq.poison(scale), sK, r_lo - wg_row(tid), gdK, p.dk_row_stride, rows_valid,
+                                          qk_chunks, tid, c_panel * 8);
+    store_tile<T, kD, kBN, kThreads, kDc>(dv, seq.poison(1.f), sV, r_lo - wg_row(tid), gdV, p.dv_row_stride, rows_valid,
+                                          v_chunks, tid, c_panel * 8);
 }
 
 // One module per dQ scheme, so that a first call compiles only the kernels it launches (a module
@@ -396,11 +423,11 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false>(p);
+    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false, CUFLASH_COL_SPLIT != 0>(p);
 }
 #else
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true>(p);
+    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true, CUFLASH_COL_SPLIT != 0>(p);
 }
 
 // dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a

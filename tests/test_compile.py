@@ -125,8 +125,12 @@ def test_sources_are_found_and_includes_inlined():
 def test_hopper_variants_cover_the_panel_buckets():
     names = [v.name for v in VARIANTS if v.arch == "90a" and "_sm90_" in v.name]  # attention kernels
     # dtypes x (forward 64/128/192/256 with and without the overlap, backward 64/128 in both dQ
-    # schemes) x (softcap, alibi)
-    assert len(names) == 2 * (4 * 2 + 2 * 2) * 4
+    # schemes and 256 in the atomic one) x (softcap, alibi)
+    assert len(names) == 2 * (4 * 2 + 2 * 2 + 1) * 4
+    v = _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False)
+    assert v.name.startswith("cuflash_bwd_sm90_bf16_d256_") and dict(v.defines)["CUFLASH_COL_SPLIT"] == 1
+    assert _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False, deterministic=True) is None
+    assert _kernels.sm90_bwd_variant("bfloat16", 96, softcap=False, alibi=False) is None  # bucket 96: flash_bwd.cu
     assert _kernels.sm90_fwd_variant("bfloat16", 32, softcap=False, alibi=False) is None  # MiniLM's: sm_80
     assert _kernels.sm90_fwd_variant("bfloat16", 96, softcap=False, alibi=False).name.startswith("cuflash_fwd_sm90_bf16_d128_")
     assert _kernels.sm90_fwd_variant("bfloat16", 200, softcap=False, alibi=False).name.startswith("cuflash_fwd_sm90_bf16_d256_")

@@ -52,7 +52,8 @@ OPTIONS = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("seqlens", [(63, 65), (129, 63), (1, 147)])
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_options(rng, dtype, seqlens, opts):
+@pytest.mark.parametrize("headdim", [64, 200])  # 200: the Hopper kernel whose warpgroups split dK, dV by columns
+def test_options(rng, dtype, seqlens, opts, headdim):
     sq, sk = seqlens
     batch, hq, hkv = 3, 4, 2
     opts = dict(opts)
@@ -64,7 +65,7 @@ def test_options(rng, dtype, seqlens, opts):
         opts["alibi_slopes"] = slopes.astype(np.float32)
     if opts.get("seqlens_k") is True:
         opts["seqlens_k"] = np.array([sk, 0, max(sk // 3, 1)], dtype=np.int32)
-    q, k, v = make_qkv(rng, dtype, batch, sq, sk, hq, hkv, 64)
+    q, k, v = make_qkv(rng, dtype, batch, sq, sk, hq, hkv, headdim)
     gpu_opts = {n: (_cp().asarray(x) if isinstance(x, np.ndarray) else x) for n, x in opts.items()}
     cp = _cp()
     qd, kd, vd = cp.asarray(q), cp.asarray(k), cp.asarray(v)
@@ -84,7 +85,7 @@ def test_gqa_sums_over_groups(rng, hq_hkv):
     check_backward(_cp(), q, k, v, rng=rng, causal=True)
 
 
-@pytest.mark.parametrize("dims", [(64, 32), (32, 128), (20, 36)])
+@pytest.mark.parametrize("dims", [(64, 32), (32, 128), (20, 36), (256, 136), (144, 256)])
 def test_value_headdim_differs(rng, dims):
     q, k, v = make_qkv(rng, ml_dtypes.bfloat16, 1, 65, 129, 4, 2, dims[0], dims[1])
     check_backward(_cp(), q, k, v, rng=rng, causal=True)
@@ -127,13 +128,14 @@ def test_deterministic_backward_is_bitwise_repeatable(rng, headdim):
         R.assert_exact(g.get(), r, n, name)
 
 
-def test_varlen_backward(rng):
+@pytest.mark.parametrize("headdim", [64, 256])
+def test_varlen_backward(rng, headdim):
     cp = _cp()
     cu_q = np.array([0, 5, 5, 70, 71], dtype=np.int64)
     cu_k = np.array([0, 9, 20, 150, 150], dtype=np.int32)
-    q = rng.standard_normal((75, 4, 64)).astype(np.float16)  # 4 rows past cu_q[-1]
-    k = rng.standard_normal((150, 2, 64)).astype(np.float16)
-    v = rng.standard_normal((150, 2, 64)).astype(np.float16)
+    q = rng.standard_normal((75, 4, headdim)).astype(np.float16)  # 4 rows past cu_q[-1]
+    k = rng.standard_normal((150, 2, headdim)).astype(np.float16)
+    v = rng.standard_normal((150, 2, headdim)).astype(np.float16)
     opts = dict(causal=True)
     out, lse = cuflash.attention_varlen(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu_q),
                                         cp.asarray(cu_k), return_lse=True, **opts)
@@ -154,6 +156,7 @@ def test_varlen_backward(rng):
     assert (grads[0][71:] == 0).all()  # rows past cu_seqlens_q[-1]
 
 
-def test_long_causal_4097(rng):
-    q, k, v = make_qkv(rng, np.float16, 1, 1100, 4097, 2, 1, 128)
+@pytest.mark.parametrize("headdim", [128, 256])
+def test_long_causal_4097(rng, headdim):
+    q, k, v = make_qkv(rng, np.float16, 1, 1100, 4097, 2, 1, headdim)
     check_backward(_cp(), q, k, v, rng=rng, causal=True)

@@ -53,7 +53,8 @@ def test_dispatch_picks_the_wgmma_kernel(headdim, monkeypatch):
     consumers = dict(v.defines)["CUFLASH_CONSUMERS"]
     assert v.threads == 128 * (1 + consumers) and "nooverlap" not in v.name  # producer + consumer warpgroups
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features, _kernels.sm90_bwd_variant)
-    assert (v is not None) == (_kernels.headdim_bucket(headdim) in (64, 128))  # the wgmma backward's two tiles
+    bucket = _kernels.headdim_bucket(headdim)
+    assert (v is not None) == (bucket in (64, 128) or bucket > 128)  # 64, 128, and 256 for every bucket above 128
     monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
     assert _gpu._hopper_variant(device, "bfloat16", 128, dict(softcap=False, alibi=False)) is None
 
@@ -238,7 +239,7 @@ def backward_kernels(request, monkeypatch):
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [40, 64, 111, 128])
+@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 200, 256])  # 200, 256: the column-split kernel
 @pytest.mark.parametrize("seqlens", [(17, 17), (127, 129), (257, 700), (700, 130)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_both_backward_kernels_many_tiles(rng, backward_kernels, dtype, headdim, seqlens, causal):
@@ -257,7 +258,7 @@ BACKWARD_OPTIONS = [
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [64, 128])
+@pytest.mark.parametrize("headdim", [64, 128, 256])
 @pytest.mark.parametrize("opts", BACKWARD_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, opts):
     b, sq, sk = 2, 200, 333
