@@ -263,7 +263,7 @@ def _offsets_scratch(prm):
 def _sm90_tile_grid(device: int, m_blocks: int, pairs: int, kv_bytes_per_pair: int):
     """The Hopper forward's tile order and grid (kernels/sm90_scheduler.cuh): (batch, head) pairs
     per section, so that a section's K and V fit in half the L2 cache, and the grid: one block per
-    tile, or with CUFLASH_SM90_PERSISTENT=1 one per SM, each taking the next tile from a counter."""
+    SM, each taking the next tile from a counter (CUFLASH_SM90_PERSISTENT=0: one block per tile)."""
     section = min(pairs, max(1, _l2_bytes(device) // 2 // max(kv_bytes_per_pair, 1)))
     tiles = m_blocks * pairs
     if tiles >= 2**31:  # (the kernel numbers tiles in 32 bits: terabytes of q)

@@ -199,11 +199,11 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, ov
 
 
 def sm90_persistent() -> bool:
-    """CUFLASH_SM90_PERSISTENT=1 launches the Hopper forward with one block per SM, each taking
-    its next tile from a counter (the tile's loads then overlap the previous tile's last product
-    and epilogue), instead of one block per tile: the setting under measurement in
-    docs/perf-notes.md h8 and h10."""
-    return os.environ.get("CUFLASH_SM90_PERSISTENT", "") == "1"
+    """The Hopper forward's grid: one block per SM, each taking its next tile from a counter (the
+    tile's loads then overlap the previous tile's last product and epilogue), unless
+    CUFLASH_SM90_PERSISTENT=0 asks for one block per tile (the A/B switch of docs/perf-notes.md
+    h10 and h11, not a setting for users)."""
+    return os.environ.get("CUFLASH_SM90_PERSISTENT", "") != "0"
 
 
 def sm90_overlap() -> bool:

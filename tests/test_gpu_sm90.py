@@ -141,9 +141,9 @@ def test_packed_sequences_on_every_forward(rng, kernel, headdim):
 @requires_hopper
 @pytest.mark.parametrize("headdim", [64, 128, 192, 256])
 def test_persistent_grid_computes_the_same_bits(rng, headdim, monkeypatch):
-    """CUFLASH_SM90_PERSISTENT=1 (one block per SM, each taking its next tile from a counter, the
+    """The persistent grid (the default: one block per SM, each taking its next tile from a counter, the
     tile's loads chained to the current one's last product through the Q and K/V barriers) computes every
-    tile as one block per tile does: bitwise-equal out and LSE, with more tiles than SMs (each
+    tile as one block per tile (CUFLASH_SM90_PERSISTENT=0) does: bitwise-equal out and LSE, with more tiles than SMs (each
     block takes several), tiles without keys (seqlens_k 0), GQA, windows, and packed sequences;
     and exact against the reference."""
     import cuflash
@@ -157,7 +157,7 @@ def test_persistent_grid_computes_the_same_bits(rng, headdim, monkeypatch):
     cases = [dict(causal=True), dict(seqlens_k=lengths), dict(window_size=(100, 0), softcap=5.0)]
     for opts in cases:
         runs = []
-        for mode in ("", "1"):
+        for mode in ("0", ""):
             monkeypatch.setenv("CUFLASH_SM90_PERSISTENT", mode)
             _fastpath.PLANS.clear()
             runs.append(cuflash.attention(q, k, v, return_lse=True, **opts))
