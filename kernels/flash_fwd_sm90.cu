@@ -122,7 +122,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const TileScheduler<kBM> tiles{p};
     if (tid == 0) {
-        mbar_init(&q_full, 1), mbar_init(&q_empty, kConsumers);  // sQ: loaded by the producer, freed by every consumer
+        // sQ: loaded by the producer, freed by every consumer warp (each warp's lane 0 reads the tile's
+        // number and arrives on q_empty when done with it: read and release in one thread's order)
+        mbar_init(&q_full, 1), mbar_init(&q_empty, 4 * kConsumers);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);
             mbar_init(&k_empty[s], kConsumers), mbar_init(&v_empty[s], kConsumers);  // one arrival per consumer warpgroup
@@ -155,7 +157,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     for (;;) {
         mbar_wait(&q_full, q_phase);  // Q of the producer's next tile (or, without keys, its number alone)
         q_phase ^= 1;
-        const unsigned t = bars.tile;
+        unsigned t = 0;
+        if (lane == 0) t = bars.tile;  // (lane 0 alone reads it: the thread that frees it, below)
+        t = __shfl_sync(0xffffffffu, t, 0);
         if (t == kNoTile) break;
         FwdWork<kBM, kBN> w(p, tiles(t));
         w.warp_uniform();
@@ -172,7 +176,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         // done where O has a buffer of its own (the overlapped loop), else after the epilogue.
         const bool early_release = kSeparateO && kOverlap && nb_lo < nb_hi;
         auto release_q = [&] {
-            if (wtid == 0) mbar_arrive(&q_empty);
+            if (lane == 0) mbar_arrive(&q_empty);
         };
 
         if (w.has_keys()) {
