@@ -8,7 +8,8 @@ process (its own kernels, compiled from its own sources) that measures all parts
 checkouts rotates from round to round, so none always goes first.  Rows: the forward and backward
 (bf16, batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against
 contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s) and (part "host") warm
-calls of tiny problems per millisecond of host time.  Per row: each checkout's median over the
+calls of tiny problems per millisecond, eager (host time, unless the kernel is slower) and
+replayed from a captured CUDA graph (the GPU's rate alone).  Per row: each checkout's median over the
 rounds, each NEW / BASE of the medians, and the spread of one checkout between rounds (the
 largest (max - min) / median of the two compared: an A/A difference).  A ratio is flagged slower
 when it is < 0.97 and the difference exceeds that spread (a gap smaller than the spread is noise;
@@ -93,7 +94,7 @@ def _part(checkout: str, part: str) -> list:
                 ms = B.time_gpu(lambda: cuflash.attention_varlen(*packed, cu, cu, max_seqlen_q=s, max_seqlen_k=s,
                                                                  causal=causal))
                 rows.append((f"varlen d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
-    elif part == "host":  # warm calls of a problem too small to matter on the GPU: host-bound
+    elif part == "host":  # warm calls of a problem too small to matter on the GPU: host-bound, unless the kernel is not
         import time
 
         q, k, v = (rand((1, 128, 8, 64)) for _ in range(3))
@@ -111,6 +112,31 @@ def _part(checkout: str, part: str) -> list:
                 fn()
             cp.cuda.Device().synchronize()
             rows.append((f"host {name}, calls per ms", 3000 / ((time.perf_counter() - t) * 1e3)))
+            # The same calls' GPU time alone: 100 of them captured in a CUDA graph and replayed (no host
+            # work between the kernels), so that a slow row above can be told host-bound or kernel-bound.
+            stream = cp.cuda.Stream(non_blocking=True)
+            try:
+                with stream:
+                    fn()
+                    stream.synchronize()
+                    stream.begin_capture()
+                    try:
+                        for _ in range(100):
+                            fn()
+                    finally:
+                        graph = stream.end_capture()
+                    graph.launch(stream)
+                    stream.synchronize()
+                    a, b = cp.cuda.Event(), cp.cuda.Event()
+                    a.record(stream)
+                    for _ in range(10):
+                        graph.launch(stream)
+                    b.record(stream)
+                    b.synchronize()
+            except Exception as e:  # a checkout whose calls cannot be captured: no row
+                print(f"{name}: not captured ({type(e).__name__}: {e})", file=sys.stderr)
+                continue
+            rows.append((f"host {name}, GPU calls per ms (graph)", 1000 / cp.cuda.get_elapsed_time(a, b)))
     return rows
 
 
