@@ -136,7 +136,12 @@ def _fill_params(p, pointers, strided, *, packed, lse_strides, d8, dv8, scale, i
     prm.batch, prm.nheads_q, prm.nheads_k = p.batch, p.nheads_q, p.nheads_k
     prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
     prm.headdim_qk, prm.headdim_v = d8, dv8
-    prm.window_left, prm.window_right, prm.top_left = p.window_left, p.window_right, int(p.top_left)
+    # A window bound of max(seqlen_q, seqlen_k) or more hides no key of any sequence (every one is
+    # at most that long): passed as -1, unbounded, since the kernels keep the bounds in 32-bit ints
+    # (a bound of 2**32 became 0, a window of one key, and i + offset + bound could overflow).
+    reach = max(p.seqlen_q, p.seqlen_k)
+    prm.window_left, prm.window_right = (w if w < reach else -1 for w in (p.window_left, p.window_right))
+    prm.top_left = int(p.top_left)
     prm.softmax_scale, prm.softcap = scale, p.softcap
     prm.num_splits = prm.pack_gqa = 1
     return prm

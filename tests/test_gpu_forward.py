@@ -134,6 +134,27 @@ def test_gqa(rng, hq_hkv, causal):
     _check(q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("window", [(2**32, 0), (2**31, 2**32 + 3), (2**40, 2**40), (1000, 2**32)])
+@pytest.mark.parametrize("backward", [False, True])
+def test_window_bounds_past_32_bits_are_unbounded(rng, window, backward):
+    """A window bound past any sequence's length hides nothing, also where it does not fit the
+    kernels' 32-bit ints (2**32 used to reach them as 0: a window of one key)."""
+    q, k, v = (_rand(rng, (2, n, 4, 64), np.float16) for n in (70, 150, 150))
+    unbounded = tuple(-1 if w >= 150 else w for w in window)
+    if not backward:
+        _check(q, k, v, window_size=window)
+        _check(q, k, v, window_size=window, causal=True)
+        return
+    cp = _cp()
+    qd, kd, vd, dout = (cp.asarray(x) for x in (q, k, v, _rand(rng, (2, 70, 4, 64), np.float16)))
+    grads = []
+    for w in (window, unbounded):
+        out, lse = cuflash.attention(qd, kd, vd, window_size=w, return_lse=True)
+        grads.append(cuflash.attention_backward(dout, qd, kd, vd, out, lse, window_size=w))
+    for got, want in zip(*grads):
+        assert cp.array_equal(got.view(cp.uint16), want.view(cp.uint16))
+
+
 def test_bhsd_layout(rng):
     q = _rand(rng, (2, 4, 70, 64), ml_dtypes.bfloat16, 5.0)
     k, v = _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16), _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16)
