@@ -597,6 +597,9 @@ def main(argv=None, progress=_plain_progress):
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="false,true")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--peers", help="standard suite: only these peers (comma-separated, e.g. torch-cudnn,fa3-jax; "
+                                    "default every one available: cupy-plain, torch-flash, torch-cudnn, "
+                                    "torch-efficient, jax-cudnn, fa3-jax)")
     ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
     ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
     ap.add_argument("--suite", choices=("standard", "paper", "decode", "varlen", "host"), default="standard")
@@ -645,6 +648,10 @@ def main(argv=None, progress=_plain_progress):
     jax_peers = {} if args.no_peers else {**_jax_peer(), **_fa3_peer()}
     if args.backward:
         base_peers, jax_peers = ({} if args.no_peers else _torch_bwd_peers()), ({} if args.no_peers else _fa3_peer(True))
+    if args.peers is not None:  # (the slow baselines, cupy-plain and torch-efficient, take most of a long sweep)
+        wanted = {name.strip() for name in args.peers.split(",") if name.strip()}
+        base_peers = {n: f for n, f in base_peers.items() if n in wanted}
+        jax_peers = {n: f for n, f in jax_peers.items() if n in wanted}
     rows = []
     configs = [(dtype_name, headdim, causal, seqlen) for dtype_name in args.dtypes.split(",")
                for headdim in map(int, args.headdims.split(","))
