@@ -124,7 +124,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     if (tid == 0) {
         // sQ: loaded by the producer, freed by every consumer warp (each warp's lane 0 reads the tile's
         // number and arrives on q_empty when done with it: read and release in one thread's order)
-        mbar_init(&q_full, 1), mbar_init(&q_empty, 4 * kConsumers);
+        mbar_init(&q_full, 1), mbar_init(&q_empty, 4 * kConsumers), mbar_init(&bars.tile_full, 1);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);
             mbar_init(&k_empty[s], kConsumers), mbar_init(&v_empty[s], kConsumers);  // one arrival per consumer warpgroup
@@ -158,6 +158,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         mbar_wait(&q_full, q_phase);  // Q of the producer's next tile (or, without keys, its number alone)
         q_phase ^= 1;
         unsigned t = 0;
+        mbar_wait(&bars.tile_full, q_phase ^ 1);  // (complete before q_full: arrived on first)
         if (lane == 0) t = bars.tile;  // (lane 0 alone reads it: the thread that frees it, below)
         t = __shfl_sync(0xffffffffu, t, 0);
         if (t == kNoTile) break;

@@ -59,6 +59,7 @@ constexpr unsigned kNoTile = 0xffffffffu;
 template <int kStages>
 struct FwdBarriers {
     u64 q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
+    u64 tile_full;  // the tile's number written (a plain arrival: q_full's phase ends with the copy's bytes)
     unsigned tile;
 };
 
@@ -95,6 +96,7 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
         q_phase ^= 1;
         if (lane == 0) {
             bars.tile = t;
+            mbar_arrive(&bars.tile_full);
             if (w.has_keys()) {
                 mbar_arrive_expect_tx(&q_full, kTileQ);
                 tma_load_tile<kBM, kD>(sQ, maps.q, &q_full, static_cast<int>(w.seq.q_start) + w.tile.m0, w.tile.h,
@@ -112,6 +114,7 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
     mbar_wait(&q_empty, q_phase);  // the consumers read the last tile's number: tell them there is no other
     if (lane == 0) {
         bars.tile = kNoTile;
+        mbar_arrive(&bars.tile_full);
         mbar_arrive(&q_full);
     }
     __syncwarp();
