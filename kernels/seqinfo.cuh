@@ -153,6 +153,13 @@ struct SeqInfo {
         return j < sk && (left < 0 || j >= i + offset - left) && (right < 0 || j <= i + offset + right);
     }
 
+    // Keys [lo, hi) that query row i sees (none when lo >= hi): visible(i, j) iff lo <= j < hi.
+    // (The host passes window bounds past every sequence's length as -1: no overflow here.)
+    __device__ __forceinline__ void visible_keys(int i, int& lo, int& hi) const {
+        lo = left < 0 ? 0 : i + offset - left;
+        hi = right < 0 ? sk : min(sk, i + offset + right + 1);
+    }
+
     // Keys [lo, hi) that any query row in [m0, m1) can see; empty when lo >= hi.
     __device__ __forceinline__ void key_range(int m0, int m1, int& lo, int& hi) const {
         lo = left < 0 ? 0 : max(0, m0 + offset - left);
