@@ -153,11 +153,12 @@ struct SeqInfo {
         return j < sk && (left < 0 || j >= i + offset - left) && (right < 0 || j <= i + offset + right);
     }
 
-    // Keys [lo, hi) that query row i sees (none when lo >= hi): visible(i, j) iff lo <= j < hi.
-    // (The host passes window bounds past every sequence's length as -1: no overflow here.)
+    // Keys [lo, hi) that query row i sees, both in [0, sk] (none when lo >= hi): visible(i, j) iff
+    // lo <= j < hi for 0 <= j.  The sums in 64 bits: no wrap whatever the window bounds.
     __device__ __forceinline__ void visible_keys(int i, int& lo, int& hi) const {
-        lo = left < 0 ? 0 : i + offset - left;
-        hi = right < 0 ? sk : min(sk, i + offset + right + 1);
+        const long long x = static_cast<long long>(i) + offset, n = sk;
+        lo = left < 0 ? 0 : static_cast<int>(max(0ll, min(n, x - left)));
+        hi = right < 0 ? sk : static_cast<int>(max(0ll, min(n, x + right + 1)));
     }
 
     // Keys [lo, hi) that any query row in [m0, m1) can see; empty when lo >= hi.
