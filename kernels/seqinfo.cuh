@@ -167,6 +167,15 @@ struct SeqInfo {
         hi = right < 0 ? sk : min(sk, m1 - 1 + offset + right + 1);
     }
 
+    // Queries [lo, hi) that see key j, clamped to [m0, m1] (none when lo >= hi): visible(i, j) iff
+    // lo <= i < hi for i in [m0, m1).  The sums in 64 bits, as in visible_keys.
+    __device__ __forceinline__ void visible_queries(int j, int m0, int m1, int& lo, int& hi) const {
+        const long long x = static_cast<long long>(j) - offset;
+        const long long l = right < 0 ? m0 : x - right, h = left < 0 ? m1 : x + left + 1;
+        lo = static_cast<int>(max(static_cast<long long>(m0), min(static_cast<long long>(m1), l)));
+        hi = j < sk ? static_cast<int>(max(static_cast<long long>(m0), min(static_cast<long long>(m1), h))) : lo;
+    }
+
     // Queries [lo, hi) that can see any key in [n0, n1) (the backward's loop over query blocks).
     __device__ __forceinline__ void query_range(int n0, int n1, int& lo, int& hi) const {
         lo = right < 0 ? 0 : max(0, n0 - offset - right);
