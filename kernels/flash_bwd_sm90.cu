@@ -335,12 +335,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             auto prob_at = [&](int nt, int e, float& dcap) {
                 const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
                 const float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
-                if constexpr (!decltype(tile)::value) return pr;
-                if constexpr (kRangeMask) {
+                if constexpr (!decltype(tile)::value) {
+                    return pr;
+                } else if constexpr (kRangeMask) {
                     const int c = nt * 8 + e % 2;
                     return (c < lo[e / 2]) | (c >= hi[e / 2]) ? 0.f : pr;
+                } else {
+                    return seq.visible(i, j) ? pr : 0.f;
                 }
-                return seq.visible(i, j) ? pr : 0.f;
             };
             if constexpr (kPDuringDp) {
 #pragma unroll
