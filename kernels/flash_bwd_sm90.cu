@@ -216,6 +216,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
     constexpr int kDc = kColSplit ? kD / kWG : kD;  // the head-dim columns of dK and dV each warpgroup holds
+    // (Where it spilled, visible() stays: d64's 168-register cap of three blocks per SM, the softcap
+    // forms and the column split at d256 spilled 8-248 bytes with the range form; d128 went from 4-8 to 0.)
+    constexpr bool kRangeMask = kD == 128 && !kSoftcap && !kColSplit;
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
     constexpr int kDqSlice = kColSplit ? 64 : kDqCols;  // ... in slices of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
@@ -319,10 +322,27 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         auto dsum_at = [&](int nt, int e) { return dsum[nt * 8 + (lane % 4) * 2 + e % 2]; };
         // P of element e of column tile nt (query m0 + c, key j), and the softcap derivative.
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
+            // kRangeMask: each key row's visible queries [lo, hi), relative to this thread's first
+            // column, a compare and a select per element instead of visible()'s branches.
+            int lo[2] = {0, 0}, hi[2] = {0, 0};
+            if constexpr (kRangeMask && decltype(tile)::value) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    seq.visible_queries(n0 + r_lo + 8 * half, m0, m0 + kBM, lo[half], hi[half]);
+                    lo[half] -= m0 + (lane % 4) * 2, hi[half] -= m0 + (lane % 4) * 2;
+                }
+            }
             auto prob_at = [&](int nt, int e, float& dcap) {
                 const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
                 const float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
-                return decltype(tile)::value && !seq.visible(i, j) ? 0.f : pr;
+                if constexpr (!decltype(tile)::value) {
+                    return pr;
+                } else if constexpr (kRangeMask) {
+                    const int c = nt * 8 + e % 2;
+                    return (c < lo[e / 2]) | (c >= hi[e / 2]) ? 0.f : pr;
+                } else {
+                    return seq.visible(i, j) ? pr : 0.f;
+                }
             };
             if constexpr (kPDuringDp) {
 #pragma unroll

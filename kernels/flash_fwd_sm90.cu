@@ -104,6 +104,7 @@ __device__ __forceinline__ void arrive_nth(int i, int threads) {
 template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, bool kAlibi, bool kOverlap, bool kSeparateO>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
     constexpr int kBM = 64 * kConsumers, kNT = kBN / 8, kOT = kD / 8;
+    constexpr bool kRangeMask = kD <= 128;  // (softmax_tile.cuh: at d192/d256 the range form spills)
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
     static_assert(kD % 64 == 0 && kBN % 16 == 0 && kBN <= 256, "bad tile shape");  // (kBN x 128-byte panels: 1 KB-aligned)
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (registers, barrier ids)");
@@ -252,7 +253,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
                     const int n0 = nb * kBN;
                     s_alone(ring);
-                    softmax_tile<T, kNT, kSoftcap, kAlibi>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                    softmax_tile<T, kNT, kSoftcap, kAlibi, false, kRangeMask>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
                     rescale_o();
                     pv_alone(ring, n0);
                 }
@@ -264,7 +265,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 // P V skipped by a branch, made ptxas serialise every wgmma of the kernel, C7514.)
                 int n0 = (nb_hi - 1) * kBN;
                 s_alone(ring);
-                softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
                 pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
                 for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
                     const int prev_stage = ring.stage, prev_n0 = n0;
@@ -279,7 +280,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     wgmma_wait<1>();  // S is done (P V may still run)
                     wgmma_pin(s_flat);
                     if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
-                    softmax_tile<T, kNT, kSoftcap, kAlibi, true>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
+                    softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane);
                     keep_before_wait(row[0].l + row[1].l, p.batch < 0);  // (the row sums need every exponential)
                     wgmma_wait<0>();  // P V is done: pk and O are free
                     wgmma_pin(o_flat);

@@ -153,10 +153,27 @@ struct SeqInfo {
         return j < sk && (left < 0 || j >= i + offset - left) && (right < 0 || j <= i + offset + right);
     }
 
+    // Keys [lo, hi) that query row i sees, both in [0, sk] (none when lo >= hi): visible(i, j) iff
+    // lo <= j < hi for 0 <= j.  The sums in 64 bits: no wrap whatever the window bounds.
+    __device__ __forceinline__ void visible_keys(int i, int& lo, int& hi) const {
+        const long long x = static_cast<long long>(i) + offset, n = sk;
+        lo = left < 0 ? 0 : static_cast<int>(max(0ll, min(n, x - left)));
+        hi = right < 0 ? sk : static_cast<int>(max(0ll, min(n, x + right + 1)));
+    }
+
     // Keys [lo, hi) that any query row in [m0, m1) can see; empty when lo >= hi.
     __device__ __forceinline__ void key_range(int m0, int m1, int& lo, int& hi) const {
         lo = left < 0 ? 0 : max(0, m0 + offset - left);
         hi = right < 0 ? sk : min(sk, m1 - 1 + offset + right + 1);
+    }
+
+    // Queries [lo, hi) that see key j, clamped to [m0, m1] (none when lo >= hi): visible(i, j) iff
+    // lo <= i < hi for i in [m0, m1).  The sums in 64 bits, as in visible_keys.
+    __device__ __forceinline__ void visible_queries(int j, int m0, int m1, int& lo, int& hi) const {
+        const long long x = static_cast<long long>(j) - offset;
+        const long long l = right < 0 ? m0 : x - right, h = left < 0 ? m1 : x + left + 1;
+        lo = static_cast<int>(max(static_cast<long long>(m0), min(static_cast<long long>(m1), l)));
+        hi = j < sk ? static_cast<int>(max(static_cast<long long>(m0), min(static_cast<long long>(m1), h))) : lo;
     }
 
     // Queries [lo, hi) that can see any key in [n0, n1) (the backward's loop over query blocks).

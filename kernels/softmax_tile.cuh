@@ -17,7 +17,10 @@ struct ScoreArgs {
 // kKeepFp32: leave P in s (fp32) and pk untouched, for a caller whose previous P is still being
 // read from pk by an asynchronous P V (the intra-warpgroup overlap of flash_fwd_sm90.cu); it
 // packs P with pack_probs once that product is done.
-template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false>
+// kRangeMask: the mask as each row's visible key range, a compare and a select per score instead
+// of visible()'s branches (~14 instructions a score on masked tiles); where the caller's registers
+// allow it (at d192/d256 the Hopper consumers then spill).
+template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
                                              float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
                                              const SeqInfo& seq, const ScoreArgs& a, int lane) {
@@ -37,7 +40,19 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                     s[nt][half * 2 + e] = final_score_log2<kSoftcap, kAlibi>(
                         s[nt][half * 2 + e], a.scale, a.scale_log2, a.softcap, a.slope, i, n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
         }
-        if (masked) {
+        if (kRangeMask && masked) {  // keys [lo, hi) of row i, relative to this thread's first column
+            int lo, hi;
+            seq.visible_keys(i, lo, hi);
+            const int c0 = n0 + (lane % 4) * 2;
+            lo -= c0, hi -= c0;
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int c = nt * 8 + e;
+                    s[nt][half * 2 + e] = (c < lo) | (c >= hi) ? kNegInf : s[nt][half * 2 + e];
+                }
+        } else if (masked) {
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
