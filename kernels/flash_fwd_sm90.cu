@@ -161,7 +161,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         if (lane == 0) t = bars.tile;  // (lane 0 alone reads it: the thread that frees it, below)
         t = __shfl_sync(0xffffffffu, t, 0);
         if (t == kNoTile) break;
-        FwdWork<kBM, kBN> w(p, tiles(t));
+        FwdWork<kBM, kBN> w(p, tiles(t), SeqInfo(p, bars.seq));  // (read by every lane: __syncwarp before the release)
         w.warp_uniform();
         const SeqInfo& seq = w.seq;
         const int b = w.tile.b, h = w.tile.h, m0 = w.tile.m0, nb_lo = w.nb_lo, nb_hi = w.nb_hi;
@@ -176,6 +176,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         // done where O has a buffer of its own (the overlapped loop), else after the epilogue.
         const bool early_release = kSeparateO && kOverlap && nb_lo < nb_hi;
         auto release_q = [&] {
+            __syncwarp();  // (every lane read bars.seq; lane 0 frees it)
             if (lane == 0) mbar_arrive(&q_empty);
         };
 
