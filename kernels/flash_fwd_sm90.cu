@@ -122,8 +122,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const TileScheduler<kBM> tiles{p};
     if (tid == 0) {
-        // sQ: loaded by the producer, freed by every consumer warp (each warp's lane 0 reads the tile's
-        // number and arrives on q_empty when done with it: read and release in one thread's order)
+        // sQ: loaded by the producer, freed by every consumer warp.  Each warp reads the tile's number
+        // (lane 0) and sequence (every lane) after q_full, and frees them only through release_q, whose
+        // __syncwarp orders the other lanes' reads before lane 0's arrival on q_empty.
         mbar_init(&q_full, 1), mbar_init(&q_empty, 4 * kConsumers);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);

@@ -57,7 +57,8 @@ struct FwdWork {
 };
 
 // The block's barriers: sQ (loaded, freed by every consumer) and the K and V rings; and the
-// number of the tile whose Q q_full announces (written before that arrival, read after it).
+// number and sequence of the tile whose Q q_full announces (written before that arrival, read
+// after it, rewritten only after every consumer warp's release on q_empty).
 constexpr unsigned kNoTile = 0xffffffffu;
 template <int kStages>
 struct FwdBarriers {
