@@ -123,8 +123,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const TileScheduler<kBM> tiles{p};
     if (tid == 0) {
-        // sQ: loaded by the producer, freed by every consumer warp (each warp's lane 0 reads the tile's
-        // number and arrives on q_empty when done with it: read and release in one thread's order)
+        // sQ: loaded by the producer, freed by every consumer warp.  Each warp reads the tile's number
+        // (lane 0) and sequence (every lane) after tile_full and q_full, and frees them only through
+        // release_q, whose __syncwarp orders the other lanes' reads before lane 0's arrival on q_empty.
         mbar_init(&q_full, 1), mbar_init(&q_empty, 4 * kConsumers), mbar_init(&bars.tile_full, 1);
         for (int s = 0; s < kStages; ++s) {
             mbar_init(&k_full[s], 1), mbar_init(&v_full[s], 1);
@@ -156,14 +157,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     int q_phase = 0;
 
     for (;;) {
-        mbar_wait(&q_full, q_phase);  // Q of the producer's next tile (or, without keys, its number alone)
+        mbar_wait(&bars.tile_full, q_phase);  // the producer's next tile: its number and sequence
+        mbar_wait(&q_full, q_phase);          // and its Q (without keys: a plain arrival)
         q_phase ^= 1;
         unsigned t = 0;
-        mbar_wait(&bars.tile_full, q_phase ^ 1);  // (complete before q_full: arrived on first)
         if (lane == 0) t = bars.tile;  // (lane 0 alone reads it: the thread that frees it, below)
         t = __shfl_sync(0xffffffffu, t, 0);
         if (t == kNoTile) break;
-        FwdWork<kBM, kBN> w(p, tiles(t));
+        FwdWork<kBM, kBN> w(p, tiles(t), SeqInfo(p, bars.seq));  // (read by every lane: __syncwarp before the release)
         w.warp_uniform();
         const SeqInfo& seq = w.seq;
         const int b = w.tile.b, h = w.tile.h, m0 = w.tile.m0, nb_lo = w.nb_lo, nb_hi = w.nb_hi;
@@ -178,6 +179,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         // done where O has a buffer of its own (the overlapped loop), else after the epilogue.
         const bool early_release = kSeparateO && kOverlap && nb_lo < nb_hi;
         auto release_q = [&] {
+            __syncwarp();  // (every lane read bars.seq; lane 0 frees it)
             if (lane == 0) mbar_arrive(&q_empty);
         };
 

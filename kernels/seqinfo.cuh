@@ -19,6 +19,13 @@ __shared__ int s_seq_bad[32];
 // split-KV kernel spill (a row from memory cannot be recomputed from blockIdx, as b can).
 __shared__ int s_kv_b[32];  // one copy per warp (written by its lane 0)
 
+// What SeqInfo's constructor derived from the metadata, for a warp that did not load it (the
+// Hopper forward's producer hands it to the consumers with the tile: SeqInfo::shared).
+struct SeqShared {
+    long long q_start, k_start;
+    int sq, sk, bad, kv_b;
+};
+
 struct SeqInfo {
     int sq, sk;           // this sequence's query and key lengths
     long long q_start;    // first packed row of this sequence in q/out/lse (0 for padded batches)
@@ -100,6 +107,23 @@ struct SeqInfo {
         }
         __syncwarp();
         set_diagonal(p);
+    }
+
+    // The same sequence from another warp's SeqShared (no metadata loads, nothing reported: that
+    // warp did both).  Every thread of a warp constructs it at the same point, as above.
+    __device__ __forceinline__ SeqInfo(const FlashParams& p, const SeqShared& s)
+        : sq(s.sq), sk(s.sk), q_start(s.q_start), k_start(s.k_start) {
+        if (threadIdx.x % 32 == 0) {
+            s_seq_bad[threadIdx.x / 32] = s.bad;
+            s_kv_b[threadIdx.x / 32] = s.kv_b;
+        }
+        __syncwarp();
+        set_diagonal(p);
+    }
+
+    // This warp's SeqShared of the sequence.
+    __device__ __forceinline__ SeqShared shared() const {
+        return {q_start, k_start, sq, sk, s_seq_bad[threadIdx.x / 32], s_kv_b[threadIdx.x / 32]};
     }
 
     // Paged K/V: the block_table entries of the part-th of `parts` equal shares of the pages in

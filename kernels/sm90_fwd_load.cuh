@@ -6,7 +6,9 @@
 //
 // The producer decides the block's tiles (sm90_scheduler.cuh: first blockIdx.x, then
 // TileScheduler::next) and hands each to the consumers with its Q: the tile's number goes into
-// FwdBarriers::tile before the arrival on q_full, and kNoTile there tells them the block is done.
+// FwdBarriers::tile before the arrival on q_full, with what it loaded of the tile's sequence
+// (FwdBarriers::seq: the consumers then start the tile without a global load), and kNoTile there
+// tells them the block is done.
 // Tiles past their sequence's rows (varlen) are never handed over.
 // Per tile with keys: K of the first key tile (it can land while the consumers still finish the
 // previous tile: they released every K/V stage of that tile first), then Q once the consumers
@@ -32,7 +34,8 @@ struct FwdWork {
     FwdTile tile;
     SeqInfo seq;
     int hk, nb_lo, nb_hi;
-    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t) : tile(t), seq(p, t.b) {
+    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t) : FwdWork(p, t, SeqInfo(p, t.b)) {}
+    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t, const SeqInfo& s) : tile(t), seq(s) {
         hk = t.h / static_cast<int>(p.nheads_q / p.nheads_k);
         int n_lo, n_hi;
         seq.key_range(t.m0, t.m0 + kBM, n_lo, n_hi);
@@ -54,12 +57,14 @@ struct FwdWork {
 };
 
 // The block's barriers: sQ (loaded, freed by every consumer) and the K and V rings; and the
-// number of the tile whose Q q_full announces (written before that arrival, read after it).
+// number and sequence of the tile whose Q q_full announces (written before that arrival, read
+// after it, rewritten only after every consumer warp's release on q_empty).
 constexpr unsigned kNoTile = 0xffffffffu;
 template <int kStages>
 struct FwdBarriers {
     u64 q_full, q_empty, k_full[kStages], k_empty[kStages], v_full[kStages], v_empty[kStages];
-    u64 tile_full;  // the tile's number written (a plain arrival: q_full's phase ends with the copy's bytes)
+    u64 tile_full;  // the tile's number and sequence written (a plain arrival: q_full's phase ends with the copy's bytes)
+    SeqShared seq;  // the tile's sequence as the producer loaded it (the consumers skip the metadata loads)
     unsigned tile;
 };
 
@@ -95,6 +100,7 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
         mbar_wait(&q_empty, q_phase);
         q_phase ^= 1;
         if (lane == 0) {
+            bars.seq = w.seq.shared();
             bars.tile = t;
             mbar_arrive(&bars.tile_full);
             if (w.has_keys()) {
