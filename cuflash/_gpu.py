@@ -179,7 +179,8 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         direct = out.shape[-1] == dv8 and _aligned(out)
         ox = out if direct else (cp.zeros if tail_only else cp.empty)(out.shape[:-1] + (dv8,), dtype=out.dtype)
         decode = not packed and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
-        features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
+        features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None,
+                        mods=p.bias is not None or p.mask is not None)
         variant = _hopper_variant(device, dtype, max(d8, dv8), features) if not decode else None
         if variant is None:
             variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
@@ -189,6 +190,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         prm = _fill_params(p, pointers, dict(q=qx, k=kx, v=vx, o=ox), packed=packed, lse_strides=lse_strides,
                            d8=d8, dv8=dv8, scale=scale, indices=indices)
         _set_extents(prm, p, q, k, packed, block_table, cache_batch_idx)
+        keep_mods = _set_mods(prm, p)  # noqa: F841 (a float32 copy of a float64 bias lives until the launch)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm, seqlen_new))
         if packed and not tail_only:  # the tail kernel's module compiles beside the forward's
@@ -219,6 +221,31 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             out[...] = ox[..., : out.shape[-1]]
         if record is not None:
             record.append(dict(device=device, template=bytes(prm), launches=launches, accum=accum))
+
+
+_BIAS_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def _set_mods(prm, p):
+    """The additive bias and boolean mask (softmax_tile.cuh, ScoreMods): pointers and strides in
+    elements over (batch, head, query, key), 0 on broadcast axes, read in place (a float64 bias is
+    read as a float32 copy of its own size: the kernels form scores in float32).  Returns the
+    arrays that must live until the launch is queued."""
+    full = (p.batch, p.nheads_q, p.seqlen_q, p.seqlen_k)
+    keep = []
+    for name, x in (("bias", p.bias), ("mask", p.mask)):
+        if x is None:
+            continue
+        if name == "bias" and x.dtype.name not in _BIAS_DTYPES:
+            x = x.astype(np.float32)
+        x = _cp().broadcast_to(x, full)  # a view: broadcast axes get stride 0
+        keep.append(x)
+        setattr(prm, name, x.data.ptr)
+        for axis, stride in zip(("batch", "head", "row", "col"), x.strides):
+            setattr(prm, f"{name}_{axis}_stride", stride // x.itemsize)
+        if name == "bias":
+            prm.bias_dtype = _BIAS_DTYPES[x.dtype.name]
+    return keep
 
 
 def _set_extents(prm, p, q, k, packed, block_table=None, cache_batch_idx=None):
@@ -352,7 +379,8 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     one per row group merges their partial results (Flash-Decoding).  Returns (launches, the
     floats of the partial outputs and of their LSEs and the number of row groups, or None
     without splits)."""
-    pack = p.group_size if p.alibi_slopes is None else 1  # ALiBi slopes differ per head: no packing
+    # ALiBi slopes, bias and mask differ per head: no packing
+    pack = p.group_size if p.alibi_slopes is None and p.bias is None and p.mask is None else 1
     defines = dict(variant.defines)
     block_m, block_n = defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"]
     m_blocks = (p.seqlen_q * pack + block_m - 1) // block_m

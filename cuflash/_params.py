@@ -12,6 +12,7 @@ _POINTERS = (
     "cache_batch_idx", "seq_bad", "error_word", "offsets_first_bad",
     "dout", "dq", "dk", "dv", "dsum", "dq_accum",
     "block_table", "out_accum", "lse_accum", "split_counters", "k_new", "v_new",
+    "bias", "mask",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",
@@ -32,6 +33,8 @@ _INTEGERS = (
     "top_left",
     "total_q", "total_k", "kv_rows", "index_64bit", "error_call", "seqlen_new", "elem_bytes",
     "block_table_batch_stride", "page_size", "num_splits", "pack_gqa", "tile_heads",
+    "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
+    "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride", "bias_dtype",
 )
 _REALS = ("softmax_scale", "softcap")
 

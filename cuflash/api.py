@@ -45,10 +45,12 @@ _OPTIONS_DOC = """\
 _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seqlen_q, seqlen_k), optional
         Additive score bias (float16, bfloat16, float32 or float64), added after ALiBi and before
         the masks; e.g. (1, 1, Sq, Sk), (batch, 1, 1, Sk) key padding, (1, nheads, Sq, Sk).  Read
-        through its strides tile by tile, never materialised.  The NumPy path only, for now.
+        through its strides, never materialised (a float64 bias on the GPU is read as a float32
+        copy of its own size).  On CuPy arrays: the forward of ``attention`` only, for now.
     mask : bool array broadcastable likewise, optional
         True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
-        give output 0, LSE -inf and zero gradients.  The NumPy path only, for now.
+        give output 0, LSE -inf and zero gradients.  On CuPy arrays: the forward of
+        ``attention`` only, for now.
     dropout_p : float in [0, 1), default 0.0
         Dropout on the attention probabilities after the row statistics, kept values scaled by
         1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.
@@ -89,13 +91,15 @@ def _doc(fn):
     return fn
 
 
-def _modifiers_on_gpu(p, q, extra=False):
-    """Bias, mask, dropout and the LSE gradient run on the NumPy path only (GPU kernels: issue 23)."""
-    if _arrays.is_gpu(q) and (p.bias is not None or p.mask is not None or p.dropout is not None or extra):
+def _modifiers_on_gpu(p, q, extra=False, forward=False):
+    """What runs on the NumPy path only so far (GPU kernels: issue 23): dropout, the LSE gradient
+    and dbias, and bias and mask except in the forward of attention()."""
+    masks = (p.bias is not None or p.mask is not None) and not forward
+    if _arrays.is_gpu(q) and (masks or p.dropout is not None or extra):
         from ._gpu import NotAvailableOnGPU
 
-        raise NotAvailableOnGPU("bias, mask, dropout and dlse/return_dbias run on NumPy arrays only for now; "
-                                "pass NumPy arrays (the CPU path) for them")
+        raise NotAvailableOnGPU("dropout, dlse/return_dbias, and bias and mask in the backward run on NumPy arrays "
+                                "only for now; pass NumPy arrays (the CPU path) for them")
 
 
 def _run(gpu_name: str, cpu_fn, *args, **kwargs):
@@ -234,7 +238,7 @@ def attention(
     )
     p = V.check_modifiers(q, p, bias, mask, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
-    _modifiers_on_gpu(p, q)
+    _modifiers_on_gpu(p, q, forward=True)
     xp = _arrays.module_of(q)
     out_shape = (p.batch, p.seqlen_q, p.nheads_q, p.headdim_v)
     if layout == "bhsd":
@@ -466,6 +470,11 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
         raise TypeError("attention_vjp does not take 'out'")
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
+    if _arrays.is_gpu(q) and (options.get("bias") is not None or options.get("mask") is not None):
+        from ._gpu import NotAvailableOnGPU  # (before the forward: its vjp could not run)
+
+        raise NotAvailableOnGPU("attention_vjp with bias or mask runs on NumPy arrays only for now (the GPU "
+                                "backward does not take them yet); cuflash.attention takes them on the GPU")
     out, lse = attention(q, k, v, return_lse=True, **options)
     if isinstance(options.get("dropout_seed"), np.ndarray):  # the keep-mask of this forward, even if the
         options["dropout_seed"] = tuple(int(x) for x in options["dropout_seed"])  # array advances later

@@ -52,6 +52,9 @@
 #ifndef CUFLASH_Q_IN_REGS
 #define CUFLASH_Q_IN_REGS 1
 #endif
+#ifndef CUFLASH_MODS
+#define CUFLASH_MODS 0  // additive bias and boolean mask (softmax_tile.cuh, ScoreMods)
+#endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
@@ -222,7 +225,8 @@ __device__ __forceinline__ void combine_row(const FlashParams& p, long long row,
     __syncwarp();  // the next row's weights overwrite these
 }
 
-template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV, int kRowPad>
+template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV, int kRowPad,
+          bool kMods>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
@@ -321,6 +325,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
                                   static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
+    const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels; no GQA packing with them)
 
     float o[kMT][kOT][4];  // O accumulator, C-fragment layout, fp32
 #pragma unroll
@@ -411,7 +416,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             for (int mt = 0; mt < kMT; ++mt) {
                 const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
                 const int qpos[2] = {token(r), token(r + 8)};
-                softmax_tile<T, kNT, kSoftcap, kAlibi>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked, seq, score_args, lane);
+                softmax_tile<T, kNT, kSoftcap, kAlibi, false, false, kMods>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
+                                                                     seq, score_args, lane, &mods);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
             // the max rarely moves, and multiplying by exactly 1 changes nothing (FlashAttention-4).
@@ -522,5 +528,5 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLO
 CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
               CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0,
-              CUFLASH_ROW_PAD>(p);
+              CUFLASH_ROW_PAD, CUFLASH_MODS != 0>(p);
 }

@@ -36,6 +36,11 @@ struct FlashParams {
     // KV append only (kv_append.cu): new keys/values (batch, seqlen_new, nheads_k, headdim), written into k/v.
     const void* k_new;
     const void* v_new;
+    // Score modifiers (forward of attention(), CUFLASH_MODS kernels; null elsewhere): an additive
+    // bias (float32, float16 or bfloat16: bias_dtype) and a boolean mask (1 byte, nonzero =
+    // attend), element (b, h, i, j) at the strides below (elements; 0 on broadcast axes).
+    const void* bias;
+    const unsigned char* mask;
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;
@@ -70,6 +75,11 @@ struct FlashParams {
     long long pack_gqa;            // g query heads of one K/V head folded into the row axis (1 = none)
     // Hopper forward only (sm90_scheduler.cuh): (batch, head) pairs per section of the tile order.
     long long tile_heads;
+    // Score modifiers: strides of bias and mask over (batch, head, query, key); bias_dtype 0 float32,
+    // 1 float16, 2 bfloat16.
+    long long bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
+    long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
+    long long bias_dtype;
 
     double softmax_scale;          // multiplies q.k
     double softcap;                // > 0: s = softcap * tanh(s / softcap)

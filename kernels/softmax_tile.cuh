@@ -11,6 +11,32 @@ struct ScoreArgs {
     float scale, scale_log2, softcap, slope;  // softmax_scale, times log2(e), softcap, ALiBi slope of the head
 };
 
+// The additive bias and boolean mask of one (batch, head) problem (params.cuh: CUFLASH_MODS
+// kernels), read in place through their strides, element by element (broadcast axes have stride 0:
+// the same bytes, from L1/L2).  Entries outside the problem (rows past sq, keys past sk) are never
+// read: bias 0 and hidden there.  Step 4 of the score pipeline of docs/conventions (after ALiBi,
+// before the causal/window masks); a mask entry of 0 hides the key like those masks.
+struct ScoreMods {
+    // Reads its pointers and strides from the kernel's parameters (a __grid_constant__ struct:
+    // constant-bank operands) at each use instead of holding them in registers through the main loop.
+    const FlashParams& p;
+    int b, h, sq, sk;
+
+    // Bias times log2(e) at (i, j) (0 outside the problem), and whether the mask hides (i, j).
+    __device__ __forceinline__ float bias_log2(int i, int j) const {
+        constexpr float kLog2e = 1.4426950408889634f;
+        if (!p.bias || i >= sq || j >= sk) return 0.f;
+        const long long at = b * p.bias_batch_stride + h * p.bias_head_stride + i * p.bias_row_stride + j * p.bias_col_stride;
+        if (p.bias_dtype == 0) return static_cast<const float*>(p.bias)[at] * kLog2e;
+        const u16 x = static_cast<const u16*>(p.bias)[at];
+        return (p.bias_dtype == 1 ? to_float<half_t>(x) : to_float<bf16_t>(x)) * kLog2e;
+    }
+    __device__ __forceinline__ bool hides(int i, int j) const {
+        return p.mask && (i >= sq || j >= sk ||
+                          !p.mask[b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride + j * p.mask_col_stride]);
+    }
+};
+
 // s: the (16 x 8 kNT) scores of rows lane/4 (e = 0, 1) and lane/4 + 8 (e = 2, 3), keys n0 + 8 nt +
 // 2 (lane % 4) + e % 2; qpos: the query positions of those two rows.  masked: the tile touches a
 // band edge or the key tail.  Writes pk (A fragments of P) and alpha (the O rescale per row).
@@ -20,14 +46,17 @@ struct ScoreArgs {
 // kRangeMask: the mask as each row's visible key range, a compare and a select per score instead
 // of visible()'s branches (~14 instructions a score on masked tiles); where the caller's registers
 // allow it (at d192/d256 the Hopper consumers then spill).
-template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false>
+// kMods: bias and mask from `mods` (ScoreMods) on every tile.
+template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
+          bool kMods = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
                                              float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
-                                             const SeqInfo& seq, const ScoreArgs& a, int lane) {
-    // Without softcap and ALiBi the max is taken over raw q.k and the scale folded into the
+                                             const SeqInfo& seq, const ScoreArgs& a, int lane,
+                                             const ScoreMods* mods = nullptr) {
+    // Without softcap, ALiBi and bias the max is taken over raw q.k and the scale folded into the
     // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
     // negative scale and zeroes q for a zero scale, both exact).
-    constexpr bool kPlain = !kSoftcap && !kAlibi;
+    constexpr bool kPlain = !kSoftcap && !kAlibi && !kMods;
     const float kNegInf = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -39,6 +68,16 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                 for (int e = 0; e < 2; ++e)
                     s[nt][half * 2 + e] = final_score_log2<kSoftcap, kAlibi>(
                         s[nt][half * 2 + e], a.scale, a.scale_log2, a.softcap, a.slope, i, n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
+        }
+        if constexpr (kMods) {  // + bias, then the boolean mask (before the causal/window masks below)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = n0 + nt * 8 + (lane % 4) * 2 + e;
+                    const float x = s[nt][half * 2 + e] + mods->bias_log2(i, j);
+                    s[nt][half * 2 + e] = mods->hides(i, j) ? kNegInf : x;
+                }
         }
         if (kRangeMask && masked) {  // keys [lo, hi) of row i, relative to this thread's first column
             int lo, hi;

@@ -155,6 +155,66 @@ def test_window_bounds_past_32_bits_are_unbounded(rng, window, backward):
         assert cp.array_equal(got.view(cp.uint16), want.view(cp.uint16))
 
 
+def _bias_mask_forms(rng, b, h, sq, sk):
+    """Bias and mask in the broadcast forms users pass (issue 23), as NumPy arrays."""
+    full = rng.standard_normal((b, h, sq, 2 * sk)).astype(np.float32)
+    mask = rng.random((b, 1, sq, sk)) < 0.7
+    mask[0, 0, min(3, sq - 1)] = False  # a row that sees no key
+    return {
+        "bias 1-1-sq-sk": dict(bias=rng.standard_normal((1, 1, sq, sk)).astype(np.float32)),
+        "bias key-padding": dict(bias=np.where(rng.random((b, 1, 1, sk)) < 0.2, -np.inf, 0.0).astype(np.float32)),
+        "bias 1-h-sq-sk fp16": dict(bias=(rng.standard_normal((1, h, sq, sk)) * 3).astype(np.float16)),
+        "bias sq-sk bf16": dict(bias=rng.standard_normal((sq, sk)).astype(ml_dtypes.bfloat16)),
+        "bias float64": dict(bias=rng.standard_normal((b, 1, sq, sk))),
+        "bias strided": dict(bias=full[..., ::2]),
+        "bias stride-0": dict(bias=np.broadcast_to(rng.standard_normal((1, h, 1, sk)).astype(np.float32), (b, h, sq, sk))),
+        "mask": dict(mask=mask),
+        "mask key-padding": dict(mask=np.arange(sk)[None, None, None, :] < np.array([sk, sk // 3])[:b, None, None, None]),
+        "bias and mask": dict(bias=rng.standard_normal((b, h, sq, sk)).astype(np.float32), mask=mask),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [32, 64, 128, 200, 256])  # 32: the sm_80 kernel; the others Hopper's
+@pytest.mark.parametrize("seqlens", [(7, 63), (130, 129), (257, 700), (9, 1000)])  # (9, 1000): split-KV decode
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(40, 5), softcap=5.0)],
+                         ids=["plain", "causal", "window-softcap"])
+def test_bias_and_mask(rng, dtype, headdim, seqlens, opts):
+    """Additive bias and boolean mask (issue 23) in every broadcast form, with the other options,
+    against the reference; GQA (4 query heads on 2 K/V heads); rows that see no key give 0 and
+    an LSE of -inf; NaN-poisoned out."""
+    sq, sk = seqlens
+    q = _rand(rng, (2, sq, 4, headdim), dtype, 3.0)
+    k, v = _rand(rng, (2, sk, 2, headdim), dtype), _rand(rng, (2, sk, 2, headdim), dtype)
+    for form, mods in _bias_mask_forms(rng, 2, 4, sq, sk).items():
+        _check_mods(q, k, v, mods, form, **opts)
+
+
+def _check_mods(q, k, v, mods, what, layout="bshd", **opts):
+    """cuflash on the GPU with bias/mask (NumPy arrays here, CuPy in the call) into a NaN-poisoned
+    out=, against the reference."""
+    cp = _cp()
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    shape = list(q.shape)
+    shape[-1] = v.shape[-1]
+    out = cp.full(tuple(shape), np.nan, dtype=q.dtype)
+    _, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, layout=layout, **opts,
+                               **{n: cp.asarray(x) for n, x in mods.items()})
+    ref_out, ref_lse = attention_ref(q, k, v, layout=layout, **opts, **mods)
+    naive_out, naive_lse = naive_attention(q, k, v, return_lse=True, layout=layout, **opts, **mods)
+    assert_exact(out.get(), ref_out, naive_out, f"out ({what})")
+    assert_exact(lse.get(), ref_lse, naive_lse, f"lse ({what})")
+
+
+def test_bias_and_mask_bhsd_layout_and_huge_bias(rng):
+    """bhsd inputs take the same (batch, heads, seqlen_q, seqlen_k) bias; a bias of float32's
+    lowest (the Hugging Face mask value) hides keys without NaN."""
+    q = _rand(rng, (2, 4, 70, 64), np.float16, 3.0)
+    k, v = _rand(rng, (2, 4, 90, 64), np.float16), _rand(rng, (2, 4, 90, 64), np.float16)
+    bias = np.where(rng.random((2, 1, 70, 90)) < 0.3, np.finfo(np.float32).min, 0.0).astype(np.float32)
+    _check_mods(q, k, v, dict(bias=bias), "lowest-float bias", layout="bhsd")
+
+
 def test_bhsd_layout(rng):
     q = _rand(rng, (2, 4, 70, 64), ml_dtypes.bfloat16, 5.0)
     k, v = _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16), _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16)

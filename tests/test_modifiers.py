@@ -167,13 +167,21 @@ def test_bad_backward_arguments(rng):
         cuflash.attention_backward(out, q, k, v, out, lse, dlse=lse.astype(np.float16))
 
 
-def test_the_gpu_refuses_modifiers_for_now(rng):
+def test_the_gpu_refuses_what_it_cannot_do_yet(rng):
+    """The GPU forward of attention() takes bias and mask (tests/test_gpu_forward.py); the GPU
+    backward, attention_vjp and dropout do not yet, and say so before any work."""
     if not _arrays.gpu_available():
         pytest.skip("needs a GPU")
     cp = _arrays.cupy_module()
     q, k, v = (cp.asarray(x) for x in _qkv(rng, np.float16))
+    bias = cp.zeros((SQ, SK), cp.float32)
+    out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True)
     with pytest.raises(TypeError, match="NumPy arrays only for now"):
-        cuflash.attention(q, k, v, bias=cp.zeros((SQ, SK), cp.float32))
+        cuflash.attention_backward(out, q, k, v, out, lse, bias=bias)
+    with pytest.raises(TypeError, match="NumPy arrays only for now"):
+        cuflash.attention_vjp(q, k, v, mask=cp.ones((SQ, SK), bool))
+    with pytest.raises(TypeError, match="NumPy arrays only for now"):
+        cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1)
 
 
 def test_varlen_dropout_is_each_sequences_padded_mask(rng):
