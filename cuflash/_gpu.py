@@ -171,7 +171,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table, cache_batch_idx,
-                           seq_bad])
+                           seq_bad, p.bias, p.mask])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
         q, scale, _ = _positive_scale(p, q)
@@ -236,8 +236,11 @@ def _set_mods(prm, p):
     for name, x in (("bias", p.bias), ("mask", p.mask)):
         if x is None:
             continue
-        if name == "bias" and x.dtype.name not in _BIAS_DTYPES:
-            x = x.astype(np.float32)
+        x = x[(None,) * (4 - x.ndim)] if x.ndim < 4 else x
+        if name == "bias" and x.dtype.name not in _BIAS_DTYPES:  # float64: cast only the distinct entries
+            x = x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.strides)].astype(np.float32)
+        if x.data.ptr % x.itemsize or any(stride % x.itemsize for stride in x.strides):  # (a view of other bytes)
+            x = _cp().ascontiguousarray(x)
         x = _cp().broadcast_to(x, full)  # a view: broadcast axes get stride 0
         keep.append(x)
         setattr(prm, name, x.data.ptr)
@@ -381,6 +384,7 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     without splits)."""
     # ALiBi slopes, bias and mask differ per head: no packing
     pack = p.group_size if p.alibi_slopes is None and p.bias is None and p.mask is None else 1
+    assert pack == 1 or not prm.bias and not prm.mask  # (the kernel indexes them by the group's first head)
     defines = dict(variant.defines)
     block_m, block_n = defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"]
     m_blocks = (p.seqlen_q * pack + block_m - 1) // block_m

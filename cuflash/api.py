@@ -244,7 +244,8 @@ def attention(
     if layout == "bhsd":
         out_shape = (p.batch, p.nheads_q, p.seqlen_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")
-    out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, (("q", q), ("k", k), ("v", v)))
+    inputs = (("q", q), ("k", k), ("v", v)) + tuple((n, x) for n, x in (("bias", p.bias), ("mask", p.mask)) if x is not None)
+    out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, inputs)
     out_given = out is not None
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
@@ -470,7 +471,8 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
         raise TypeError("attention_vjp does not take 'out'")
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
-    if _arrays.is_gpu(q) and (options.get("bias") is not None or options.get("mask") is not None):
+    mods = [options.get(name) for name in ("bias", "mask") if options.get(name) is not None]
+    if mods and any(_arrays.is_gpu(x) for x in (q, *mods)):
         from ._gpu import NotAvailableOnGPU  # (before the forward: its vjp could not run)
 
         raise NotAvailableOnGPU("attention_vjp with bias or mask runs on NumPy arrays only for now (the GPU "

@@ -75,7 +75,7 @@
 // with M the largest running max of a row and f_w = 2^(m_w - M), warp 0 ends with m = M,
 // l = sum_w f_w l_w and O = sum_w f_w O_w (each thread its own columns, quad-summed later as
 // usual).  buf: kBufBytes of shared memory no warp reads any more.
-template <int kMT, int kOT, int kWarps, int kBufBytes>
+template <int kMT, int kOT, int kWarps, int kBufBytes, bool kNatural>
 __device__ __forceinline__ void merge_key_warps(float (&o)[kMT][kOT][4], RowState (&row)[kMT][2], void* buf,
                                                 int warp, int lane) {
     constexpr int kVals = kMT * kOT * 4 + 2 * kMT;  // O and l per thread
@@ -95,7 +95,8 @@ __device__ __forceinline__ void merge_key_warps(float (&o)[kMT][kOT][4], RowStat
             float m = s_max[0][mt * 16 + half * 8 + lane / 4];
 #pragma unroll
             for (int w = 1; w < kWarps; ++w) m = fmaxf(m, s_max[w][mt * 16 + half * 8 + lane / 4]);
-            f[mt][half] = exp2f(row[mt][half].m - RowState::safe_max(m));  // 0 for a warp that saw no key
+            const float diff = row[mt][half].m - RowState::safe_max(m);  // (natural units: times log2 e, RowState)
+            f[mt][half] = exp2f(kNatural ? diff * kLog2eF : diff);  // 0 for a warp that saw no key
             row[mt][half].m = m;
         }
     float* mine = static_cast<float*>(buf) + (warp - 1) * kVals * 32 + lane;  // value v at mine[32 v]
@@ -453,7 +454,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         }
     }
 
-    if constexpr (kKeyWarps > 1) merge_key_warps<kMT, kOT, kKeyWarps, 2 * kBN * kStride * 2>(o, row, sK, warp, lane);  // over sK + sV
+    if constexpr (kKeyWarps > 1) merge_key_warps<kMT, kOT, kKeyWarps, 2 * kBN * kStride * 2, kMods>(o, row, sK, warp, lane);  // over sK + sV
     const bool writer = kKeyWarps == 1 || warp == 0;  // warp 0 holds the merged state
 
     if constexpr (kSplitKV) {
@@ -465,7 +466,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     float lse;
-                    const float inv_l = row[mt][half].finalize(seq.poison(quad_sum(row[mt][half].l)), lse);
+                    const float inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse);
                     const int r = (row_warp * kMT + mt) * 16 + lane / 4 + half * 8;  // row within the block
                     if (!writer || r >= rows_valid) continue;
                     const long long at = split * rows_all + acc_row(r);
@@ -499,7 +500,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float lse;
-            const float inv_l = row[mt][half].finalize(seq.poison(quad_sum(row[mt][half].l)), lse);
+            const float inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse);
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
             const int i = (row_warp * kMT) * 16 + r;      // row within the block
             if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;

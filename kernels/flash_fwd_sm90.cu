@@ -304,7 +304,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             }
         }
 
-        store_o<T, kBM>(p, seq, b, h, m0, o, row, kSeparateO ? sO : sQ, wg, r_lo, wtid, lane, consumer_barrier);
+        store_o<T, kBM, kMods>(p, seq, b, h, m0, o, row, kSeparateO ? sO : sQ, wg, r_lo, wtid, lane, consumer_barrier);
         if (!early_release) release_q();
     }
     if (wg == 0) take_turn();  // absorbs the last consumer's last arrival

@@ -5,17 +5,24 @@
 // and at the end         O = O / l,                lse = (m + log2 l) * ln 2.
 // A row that has seen only hidden keys keeps m = -inf; using 0 in its place makes every 2^(...)
 // exactly 0 instead of 2^(-inf - -inf) = NaN.  This is the only place that guard lives.
+// kNatural (kernels with an additive bias, softmax_tile.cuh): scores and m in natural units
+// instead, alpha = 2^((m - m') log2 e) and lse = m + ln l, so that a bias near float32's lowest
+// (which times log2 e would overflow to -inf) gives the reference's finite scores: a row whose
+// every key carries it averages V, with lse = that bias + ln n.
 #pragma once
+
+constexpr float kLog2eF = 1.4426950408889634f;
 
 struct RowState {
     float m = -__int_as_float(0x7f800000);  // running max of the scores seen (log2 units)
     float l = 0.f;                          // running sum of 2^(s - m) over this thread's columns
 
     // Take a new tile maximum (already reduced over the row); return (alpha, the max to subtract).
+    template <bool kNatural = false>
     __device__ __forceinline__ float update_max(float tile_max, float& m_use) {
         float m_new = fmaxf(m, tile_max);
         m_use = safe_max(m_new);
-        float alpha = exp2f(m - m_use);     // m = -inf (first tile) gives 0: O and l are still 0
+        float alpha = exp2f(kNatural ? (m - m_use) * kLog2eF : m - m_use);  // m = -inf (first tile): 0, O and l are still 0
         m = m_new;
         l *= alpha;
         return alpha;
@@ -28,10 +35,11 @@ struct RowState {
     // l must already be summed over the threads sharing the row.  Returns 1/l (0 for an empty row)
     // and writes the natural-log LSE: -inf for an empty row, NaN for a row whose scores held a NaN
     // (or overflowed), whose l is then NaN too.
+    template <bool kNatural = false>
     __device__ __forceinline__ float finalize(float l_row, float& lse) const {
         constexpr float kLn2 = 0.6931471805599453f;
         bool empty = l_row == 0.f;
-        lse = empty ? -__int_as_float(0x7f800000) : (m + log2f(l_row)) * kLn2;
+        lse = empty ? -__int_as_float(0x7f800000) : kNatural ? m + log2f(l_row) * kLn2 : (m + log2f(l_row)) * kLn2;
         return empty ? 0.f : 1.f / l_row;
     }
 

@@ -213,16 +213,23 @@ struct SeqInfo {
     }
 };
 
-// The score pipeline of docs/conventions, in order: scale -> softcap -> ALiBi -> mask.
-// Returns the final score in log2 units (times log2(e)) so the softmax can use exp2; the caller
-// applies the mask.  Without softcap and ALiBi this is a single multiply by scale * log2(e).
+// The score pipeline of docs/conventions, in order: scale -> softcap -> ALiBi -> bias -> mask.
+// final_score: scale, softcap and ALiBi in natural units (the caller adds the bias, where there
+// is one: softmax_tile.cuh, and applies the masks).
+template <bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ float final_score(float qk, float scale, float softcap, float slope, int i, int j, int offset) {
+    float s = qk * scale;
+    if constexpr (kSoftcap) s = softcap * tanhf(s / softcap);
+    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
+    return s;
+}
+
+// The same in log2 units (times log2(e)) so the softmax can use exp2.  Without softcap and ALiBi
+// this is a single multiply by scale * log2(e).
 template <bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ float final_score_log2(float qk, float scale, float scale_log2, float softcap,
                                                   float slope, int i, int j, int offset) {
     constexpr float kLog2e = 1.4426950408889634f;
     if constexpr (!kSoftcap && !kAlibi) return qk * scale_log2;
-    float s = qk * scale;
-    if constexpr (kSoftcap) s = softcap * tanhf(s / softcap);
-    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
-    return s * kLog2e;
+    return final_score<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset) * kLog2e;
 }

@@ -10,7 +10,7 @@
 #include "seqinfo.cuh"
 #include "swizzled_tile.cuh"
 
-template <class T, int kBM, int kOT, class Barrier>
+template <class T, int kBM, bool kNatural, int kOT, class Barrier>  // kNatural: RowState's natural units
 __device__ __forceinline__ void store_o(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, const float (&o)[kOT][4],
                                        const RowState (&row)[2], unsigned char* sO, int wg, int r_lo, int wtid, int lane,
                                        Barrier consumer_barrier) {
@@ -25,7 +25,7 @@ __device__ __forceinline__ void store_o(const FlashParams& p, const SeqInfo& seq
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float lse;
-        const float inv_l = row[half].finalize(seq.poison(quad_sum(row[half].l)), lse);
+        const float inv_l = row[half].template finalize<kNatural>(seq.poison(quad_sum(row[half].l)), lse);
         const int r = e_row + half * 8;
         if (lane % 4 == 0 && r < rows_valid) gLse[r] = lse;
 #pragma unroll

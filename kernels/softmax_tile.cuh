@@ -22,14 +22,13 @@ struct ScoreMods {
     const FlashParams& p;
     int b, h, sq, sk;
 
-    // Bias times log2(e) at (i, j) (0 outside the problem), and whether the mask hides (i, j).
-    __device__ __forceinline__ float bias_log2(int i, int j) const {
-        constexpr float kLog2e = 1.4426950408889634f;
+    // The bias at (i, j) (0 outside the problem), and whether the mask hides (i, j).
+    __device__ __forceinline__ float bias(int i, int j) const {
         if (!p.bias || i >= sq || j >= sk) return 0.f;
         const long long at = b * p.bias_batch_stride + h * p.bias_head_stride + i * p.bias_row_stride + j * p.bias_col_stride;
-        if (p.bias_dtype == 0) return static_cast<const float*>(p.bias)[at] * kLog2e;
+        if (p.bias_dtype == 0) return static_cast<const float*>(p.bias)[at];
         const u16 x = static_cast<const u16*>(p.bias)[at];
-        return (p.bias_dtype == 1 ? to_float<half_t>(x) : to_float<bf16_t>(x)) * kLog2e;
+        return p.bias_dtype == 1 ? to_float<half_t>(x) : to_float<bf16_t>(x);
     }
     __device__ __forceinline__ bool hides(int i, int j) const {
         return p.mask && (i >= sq || j >= sk ||
@@ -46,7 +45,8 @@ struct ScoreMods {
 // kRangeMask: the mask as each row's visible key range, a compare and a select per score instead
 // of visible()'s branches (~14 instructions a score on masked tiles); where the caller's registers
 // allow it (at d192/d256 the Hopper consumers then spill).
-// kMods: bias and mask from `mods` (ScoreMods) on every tile.
+// kMods: bias and mask from `mods` (ScoreMods) on every tile, with scores, the running max and
+// the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite).
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
           bool kMods = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
@@ -61,23 +61,23 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int i = qpos[half];
-        if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
+        if constexpr (kMods) {  // final scores in natural units + bias, then the boolean mask (the causal/window masks below)
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = n0 + nt * 8 + (lane % 4) * 2 + e;
+                    const float x = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i, j, seq.offset)
+                                    + mods->bias(i, j);
+                    s[nt][half * 2 + e] = mods->hides(i, j) ? kNegInf : x;
+                }
+        } else if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
                     s[nt][half * 2 + e] = final_score_log2<kSoftcap, kAlibi>(
                         s[nt][half * 2 + e], a.scale, a.scale_log2, a.softcap, a.slope, i, n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
-        }
-        if constexpr (kMods) {  // + bias, then the boolean mask (before the causal/window masks below)
-#pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = n0 + nt * 8 + (lane % 4) * 2 + e;
-                    const float x = s[nt][half * 2 + e] + mods->bias_log2(i, j);
-                    s[nt][half * 2 + e] = mods->hides(i, j) ? kNegInf : x;
-                }
         }
         if (kRangeMask && masked) {  // keys [lo, hi) of row i, relative to this thread's first column
             int lo, hi;
@@ -106,7 +106,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
         float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
         if constexpr (kPlain) tile_max *= a.scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
         float m_use;
-        alpha[half] = row[half].update_max(tile_max, m_use);
+        alpha[half] = row[half].template update_max<kMods>(tile_max, m_use);
         float part_sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
@@ -114,6 +114,9 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
             if constexpr (kPlain) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
                 p0 = exp2f(fmaf(s[nt][half * 2], a.scale_log2, -m_use));
                 p1 = exp2f(fmaf(s[nt][half * 2 + 1], a.scale_log2, -m_use));
+            } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
+                p0 = exp2f((s[nt][half * 2] - m_use) * kLog2eF);
+                p1 = exp2f((s[nt][half * 2 + 1] - m_use) * kLog2eF);
             } else {
                 p0 = exp2f(s[nt][half * 2] - m_use);
                 p1 = exp2f(s[nt][half * 2 + 1] - m_use);

@@ -156,21 +156,27 @@ def test_window_bounds_past_32_bits_are_unbounded(rng, window, backward):
 
 
 def _bias_mask_forms(rng, b, h, sq, sk):
-    """Bias and mask in the broadcast forms users pass (issue 23), as NumPy arrays."""
-    full = rng.standard_normal((b, h, sq, 2 * sk)).astype(np.float32)
+    """Bias and mask in the broadcast forms users pass (issue 23), built as CuPy arrays so that the
+    strided, reversed and stride-0 views reach the kernels as such."""
+    cp = _cp()
+    full = cp.asarray(rng.standard_normal((b, h, sq, 2 * sk)).astype(np.float32))
     mask = rng.random((b, 1, sq, sk)) < 0.7
     mask[0, 0, min(3, sq - 1)] = False  # a row that sees no key
+    mask = cp.asarray(mask)
     return {
-        "bias 1-1-sq-sk": dict(bias=rng.standard_normal((1, 1, sq, sk)).astype(np.float32)),
-        "bias key-padding": dict(bias=np.where(rng.random((b, 1, 1, sk)) < 0.2, -np.inf, 0.0).astype(np.float32)),
-        "bias 1-h-sq-sk fp16": dict(bias=(rng.standard_normal((1, h, sq, sk)) * 3).astype(np.float16)),
-        "bias sq-sk bf16": dict(bias=rng.standard_normal((sq, sk)).astype(ml_dtypes.bfloat16)),
-        "bias float64": dict(bias=rng.standard_normal((b, 1, sq, sk))),
+        "bias 1-1-sq-sk": dict(bias=cp.asarray(rng.standard_normal((1, 1, sq, sk)).astype(np.float32))),
+        "bias key-padding": dict(bias=cp.asarray(np.where(rng.random((b, 1, 1, sk)) < 0.2, -np.inf, 0.0).astype(np.float32))),
+        "bias 1-h-sq-sk fp16": dict(bias=cp.asarray((rng.standard_normal((1, h, sq, sk)) * 3).astype(np.float16))),
+        "bias sq-sk bf16": dict(bias=cp.asarray(rng.standard_normal((sq, sk)).astype(ml_dtypes.bfloat16))),
+        "bias float64": dict(bias=cp.asarray(rng.standard_normal((b, 1, sq, sk)))),
+        "bias float64 stride-0": dict(bias=cp.broadcast_to(cp.asarray(rng.standard_normal((1, h, 1, sk))), (b, h, sq, sk))),
         "bias strided": dict(bias=full[..., ::2]),
-        "bias stride-0": dict(bias=np.broadcast_to(rng.standard_normal((1, h, 1, sk)).astype(np.float32), (b, h, sq, sk))),
+        "bias reversed": dict(bias=full[..., ::-2]),
+        "bias stride-0": dict(bias=cp.broadcast_to(full[:1, :, :1, :sk], (b, h, sq, sk))),
         "mask": dict(mask=mask),
-        "mask key-padding": dict(mask=np.arange(sk)[None, None, None, :] < np.array([sk, sk // 3])[:b, None, None, None]),
-        "bias and mask": dict(bias=rng.standard_normal((b, h, sq, sk)).astype(np.float32), mask=mask),
+        "mask key-padding": dict(mask=cp.asarray(np.arange(sk)[None, None, None, :] < np.array([sk, sk // 3])[:b, None, None, None])),
+        "mask stride-0 reversed": dict(mask=cp.broadcast_to(mask[:, :, ::-1], (b, h, sq, sk))),
+        "bias and mask": dict(bias=full[..., :sk], mask=mask),
     }
 
 
@@ -191,17 +197,17 @@ def test_bias_and_mask(rng, dtype, headdim, seqlens, opts):
 
 
 def _check_mods(q, k, v, mods, what, layout="bshd", **opts):
-    """cuflash on the GPU with bias/mask (NumPy arrays here, CuPy in the call) into a NaN-poisoned
-    out=, against the reference."""
+    """cuflash on the GPU with bias/mask (CuPy arrays, any strides) into a NaN-poisoned out=,
+    against the reference on NumPy copies of them."""
     cp = _cp()
     qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
     shape = list(q.shape)
     shape[-1] = v.shape[-1]
     out = cp.full(tuple(shape), np.nan, dtype=q.dtype)
-    _, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, layout=layout, **opts,
-                               **{n: cp.asarray(x) for n, x in mods.items()})
-    ref_out, ref_lse = attention_ref(q, k, v, layout=layout, **opts, **mods)
-    naive_out, naive_lse = naive_attention(q, k, v, return_lse=True, layout=layout, **opts, **mods)
+    _, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, layout=layout, **opts, **mods)
+    host = {n: cp.asnumpy(x) for n, x in mods.items()}
+    ref_out, ref_lse = attention_ref(q, k, v, layout=layout, **opts, **host)
+    naive_out, naive_lse = naive_attention(q, k, v, return_lse=True, layout=layout, **opts, **host)
     assert_exact(out.get(), ref_out, naive_out, f"out ({what})")
     assert_exact(lse.get(), ref_lse, naive_lse, f"lse ({what})")
 
@@ -211,8 +217,34 @@ def test_bias_and_mask_bhsd_layout_and_huge_bias(rng):
     lowest (the Hugging Face mask value) hides keys without NaN."""
     q = _rand(rng, (2, 4, 70, 64), np.float16, 3.0)
     k, v = _rand(rng, (2, 4, 90, 64), np.float16), _rand(rng, (2, 4, 90, 64), np.float16)
-    bias = np.where(rng.random((2, 1, 70, 90)) < 0.3, np.finfo(np.float32).min, 0.0).astype(np.float32)
-    _check_mods(q, k, v, dict(bias=bias), "lowest-float bias", layout="bhsd")
+    lowest = np.finfo(np.float32).min
+    bias = np.where(rng.random((2, 1, 70, 90)) < 0.3, lowest, 0.0).astype(np.float32)
+    bias[0, 0, 3] = lowest  # a row whose every key carries it: the mean of V, lse = lowest + ln 90
+    bias[1, 0, 5, :] = 3e38  # near float32's largest (times log2 e it would overflow)
+    _check_mods(q, k, v, dict(bias=_cp().asarray(bias)), "lowest-float bias", layout="bhsd")
+    for opts in (dict(alibi_slopes=True, causal=True), dict(seqlens_k=True, causal="top_left")):
+        qs, ks, vs = (x.transpose(0, 2, 1, 3) for x in (q, k, v))
+        gpu_opts = dict(opts)
+        if opts.get("alibi_slopes"):
+            gpu_opts["alibi_slopes"] = opts["alibi_slopes"] = rng.uniform(0.01, 0.5, (2, 4)).astype(np.float32)
+            gpu_opts["alibi_slopes"] = _cp().asarray(opts["alibi_slopes"])
+        if opts.get("seqlens_k"):
+            opts["seqlens_k"] = np.array([90, 33], dtype=np.int32)
+            gpu_opts["seqlens_k"] = _cp().asarray(opts["seqlens_k"])
+        mods = dict(bias=_cp().asarray(rng.standard_normal((1, 4, 70, 90)).astype(np.float32)),
+                    mask=_cp().asarray(rng.random((70, 90)) < 0.6))
+        _check_mods_opts(qs, ks, vs, mods, opts, gpu_opts)
+
+
+def _check_mods_opts(q, k, v, mods, opts, gpu_opts):
+    """_check_mods where options differ between the GPU call and the reference (index arrays)."""
+    cp = _cp()
+    out, lse = cuflash.attention(*(cp.asarray(x) for x in (q, k, v)), return_lse=True, **gpu_opts, **mods)
+    host = {n: cp.asnumpy(x) for n, x in mods.items()}
+    ref_out, ref_lse = attention_ref(q, k, v, **opts, **host)
+    naive_out, naive_lse = naive_attention(q, k, v, return_lse=True, **opts, **host)
+    assert_exact(out.get(), ref_out, naive_out, f"out ({sorted(opts)})")
+    assert_exact(lse.get(), ref_lse, naive_lse, f"lse ({sorted(opts)})")
 
 
 def test_bhsd_layout(rng):
