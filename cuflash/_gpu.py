@@ -180,7 +180,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         ox = out if direct else (cp.zeros if tail_only else cp.empty)(out.shape[:-1] + (dv8,), dtype=out.dtype)
         decode = not packed and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None,
-                        mods=p.bias is not None or p.mask is not None)
+                        mods=p.bias is not None or p.mask is not None or p.dropout is not None)
         variant = _hopper_variant(device, dtype, max(d8, dv8), features) if not decode else None
         if variant is None:
             variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
@@ -248,6 +248,13 @@ def _set_mods(prm, p):
             setattr(prm, f"{name}_{axis}_stride", stride // x.itemsize)
         if name == "bias":
             prm.bias_dtype = _BIAS_DTYPES[x.dtype.name]
+    if p.dropout is not None:  # (rate, seed, offset, first batch entry): cuflash/dropout.py's numbering
+        from .dropout import keep_threshold
+
+        rate, seed, offset, first = p.dropout
+        prm.dropout_seed, prm.dropout_offset = (v - 2**64 if v >= 2**63 else v for v in (seed, offset))  # the same 64 bits
+        prm.dropout_threshold, prm.dropout_first_batch = keep_threshold(rate), first
+        prm.dropout_scale = 1.0 / (1.0 - rate)
     return keep
 
 
@@ -383,8 +390,8 @@ def _decode_launches(p, prm, variant, fn, device, num_splits):
     floats of the partial outputs and of their LSEs and the number of row groups, or None
     without splits)."""
     # ALiBi slopes, bias and mask differ per head: no packing
-    pack = p.group_size if p.alibi_slopes is None and p.bias is None and p.mask is None else 1
-    assert pack == 1 or not prm.bias and not prm.mask  # (the kernel indexes them by the group's first head)
+    pack = p.group_size if p.alibi_slopes is None and p.bias is None and p.mask is None and p.dropout is None else 1
+    assert pack == 1 or not (prm.bias or prm.mask or prm.dropout_scale)  # (the kernel indexes them by the group's first head)
     defines = dict(variant.defines)
     block_m, block_n = defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"]
     m_blocks = (p.seqlen_q * pack + block_m - 1) // block_m

@@ -35,8 +35,9 @@ _INTEGERS = (
     "block_table_batch_stride", "page_size", "num_splits", "pack_gqa", "tile_heads",
     "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
     "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride", "bias_dtype",
+    "dropout_seed", "dropout_offset", "dropout_threshold", "dropout_first_batch",
 )
-_REALS = ("softmax_scale", "softcap")
+_REALS = ("softmax_scale", "softcap", "dropout_scale")
 
 
 class FlashParams(ctypes.Structure):

@@ -56,8 +56,9 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.
     dropout_seed : int, (int, int) or integer array of shape (2,), optional
         Seed, or (seed, offset), of the keep-mask, a pure function of the seed and of the
-        element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10);
-        required with ``dropout_p > 0``, and the same value must go to the backward."""
+        element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10;
+        the GPU kernels draw the same mask); required with ``dropout_p > 0``, and the same value
+        must go to the backward (on CuPy arrays the backward does not take dropout yet)."""
 
 _METHOD_DOC = """\
     Tiled exact attention with an online softmax (Dao et al., "FlashAttention", NeurIPS 2022, §3.1;
@@ -92,13 +93,13 @@ def _doc(fn):
 
 
 def _modifiers_on_gpu(p, q, extra=False, forward=False):
-    """What runs on the NumPy path only so far (GPU kernels: issue 23): dropout, the LSE gradient
-    and dbias, and bias and mask except in the forward of attention()."""
-    masks = (p.bias is not None or p.mask is not None) and not forward
-    if _arrays.is_gpu(q) and (masks or p.dropout is not None or extra):
+    """What runs on the NumPy path only so far (GPU kernels: issue 23): the LSE gradient and dbias,
+    and bias, mask and dropout except in the forward passes."""
+    mods = (p.bias is not None or p.mask is not None or p.dropout is not None) and not forward
+    if _arrays.is_gpu(q) and (mods or extra):
         from ._gpu import NotAvailableOnGPU
 
-        raise NotAvailableOnGPU("dropout, dlse/return_dbias, and bias and mask in the backward run on NumPy arrays "
+        raise NotAvailableOnGPU("dlse/return_dbias, and bias, mask and dropout in the backward, run on NumPy arrays "
                                 "only for now; pass NumPy arrays (the CPU path) for them")
 
 
@@ -472,10 +473,11 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     mods = [options.get(name) for name in ("bias", "mask") if options.get(name) is not None]
-    if mods and any(_arrays.is_gpu(x) for x in (q, *mods)):
+    dropout = options.get("dropout_p", 0.0) not in (0, 0.0, None)
+    if (mods or dropout) and any(_arrays.is_gpu(x) for x in (q, *mods)):
         from ._gpu import NotAvailableOnGPU  # (before the forward: its vjp could not run)
 
-        raise NotAvailableOnGPU("attention_vjp with bias or mask runs on NumPy arrays only for now (the GPU "
+        raise NotAvailableOnGPU("attention_vjp with bias, mask or dropout runs on NumPy arrays only for now (the GPU "
                                 "backward does not take them yet); cuflash.attention takes them on the GPU")
     out, lse = attention(q, k, v, return_lse=True, **options)
     if isinstance(options.get("dropout_seed"), np.ndarray):  # the keep-mask of this forward, even if the
@@ -585,7 +587,7 @@ def attention_varlen(
     )
     p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
-    _modifiers_on_gpu(p, q)
+    _modifiers_on_gpu(p, q, forward=True)
     xp = _arrays.module_of(q)
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")

@@ -5,6 +5,7 @@
 #pragma once
 #include "mma.cuh"
 #include "online_softmax.cuh"
+#include "philox.cuh"
 #include "seqinfo.cuh"
 
 struct ScoreArgs {
@@ -30,6 +31,20 @@ struct ScoreMods {
         const u16 x = static_cast<const u16*>(p.bias)[at];
         return p.bias_dtype == 1 ? to_float<half_t>(x) : to_float<bf16_t>(x);
     }
+    // Dropout on the probabilities of keys j, j + 1 (j even) of query row i, after the row
+    // statistics (the LSE ignores it): kept ones times 1 / (1 - p), the others 0 (philox.cuh, the
+    // mask of cuflash.dropout_mask).  One generator call gives the words of keys 4 (j >> 2) .. + 3.
+    __device__ __forceinline__ bool dropout() const { return p.dropout_scale > 0.0; }
+    __device__ __forceinline__ void drop(int i, int j, float& p0, float& p1) const {
+        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
+                             static_cast<unsigned long long>(p.dropout_threshold)};
+        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
+        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const bool hi = j & 2;  // (no run-time index into w: it would go to local memory)
+        const float scale = static_cast<float>(p.dropout_scale);
+        p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 * scale : 0.f;
+        p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 * scale : 0.f;
+    }
     __device__ __forceinline__ bool hides(int i, int j) const {
         return p.mask && (i >= sq || j >= sk ||
                           !p.mask[b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride + j * p.mask_col_stride]);
@@ -45,7 +60,7 @@ struct ScoreMods {
 // kRangeMask: the mask as each row's visible key range, a compare and a select per score instead
 // of visible()'s branches (~14 instructions a score on masked tiles); where the caller's registers
 // allow it (at d192/d256 the Hopper consumers then spill).
-// kMods: bias and mask from `mods` (ScoreMods) on every tile, with scores, the running max and
+// kMods: bias, mask and dropout from `mods` (ScoreMods) on every tile, with scores, the running max and
 // the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite).
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
           bool kMods = false>
@@ -122,6 +137,9 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                 p1 = exp2f(s[nt][half * 2 + 1] - m_use);
             }
             part_sum[nt % 2] += p0 + p1;
+            if constexpr (kMods) {
+                if (mods->dropout()) mods->drop(i, n0 + nt * 8 + (lane % 4) * 2, p0, p1);
+            }
             if constexpr (kKeepFp32) {
                 s[nt][half * 2] = p0, s[nt][half * 2 + 1] = p1;
             } else {

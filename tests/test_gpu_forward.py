@@ -247,6 +247,62 @@ def _check_mods_opts(q, k, v, mods, opts, gpu_opts):
     assert_exact(lse.get(), ref_lse, naive_lse, f"lse ({sorted(opts)})")
 
 
+@pytest.mark.parametrize("headdim", [32, 64, 128, 256])  # 32: the sm_80 kernel; the others Hopper's
+@pytest.mark.parametrize("seqlens", [(7, 63), (130, 257), (9, 1000)])  # (9, 1000): split-KV decode
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(window_size=(40, 5), softcap=5.0)],
+                         ids=["plain", "causal", "window-softcap"])
+def test_dropout(rng, headdim, seqlens, opts):
+    """Dropout (issue 23) against the reference given cuflash.dropout_mask's keep-mask: the kernels
+    draw the same mask (philox.cuh); the LSE ignores dropout; the same seed gives the same bits,
+    another offset another mask; a bias and a mask with it."""
+    cp = _cp()
+    sq, sk = seqlens
+    q = _rand(rng, (2, sq, 4, headdim), np.float16, 3.0)
+    k, v = _rand(rng, (2, sk, 2, headdim), np.float16), _rand(rng, (2, sk, 2, headdim), np.float16)
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    for seed, rate in (((2**64 - 5, 2**40 + 3), 0.3), (7, 0.9)):
+        keep = cuflash.dropout_mask(seed, (2, 4, sq, sk), rate)
+        out = cp.full((2, sq, 4, headdim), np.nan, dtype=np.float16)
+        _, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, dropout_p=rate, dropout_seed=seed, **opts)
+        ref_out, ref_lse = attention_ref(q, k, v, dropout_p=rate, dropout_keep=keep, **opts)
+        naive_out, naive_lse = naive_attention(q, k, v, return_lse=True, dropout_p=rate, dropout_keep=keep, **opts)
+        assert_exact(out.get(), ref_out, naive_out, f"out (seed {seed})")
+        assert_exact(lse.get(), ref_lse, naive_lse, f"lse (seed {seed})")
+        again = cuflash.attention(qd, kd, vd, dropout_p=rate, dropout_seed=seed, **opts)
+        assert cp.array_equal(again.view(cp.uint16), out.view(cp.uint16))
+    plain = cuflash.attention(qd, kd, vd, **opts)
+    assert cp.array_equal(cuflash.attention(qd, kd, vd, dropout_p=0.0, dropout_seed=3, **opts).view(cp.uint16),
+                          plain.view(cp.uint16))
+    bias = rng.standard_normal((1, 4, sq, sk)).astype(np.float32)
+    mask = rng.random((sq, sk)) < 0.8
+    keep = cuflash.dropout_mask((11, 2), (2, 4, sq, sk), 0.2)
+    got = cuflash.attention(qd, kd, vd, dropout_p=0.2, dropout_seed=(11, 2), bias=cp.asarray(bias), mask=cp.asarray(mask),
+                            **opts)
+    mods = dict(dropout_p=0.2, dropout_keep=keep, bias=bias, mask=mask, **opts)
+    assert_exact(got.get(), attention_ref(q, k, v, **mods)[0], naive_attention(q, k, v, **mods), "out (with bias, mask)")
+
+
+def test_dropout_varlen_numbers_each_sequence_from_zero(rng):
+    """attention_varlen's dropout: the keep-mask of (sequence, head, position within it), each
+    sequence as a batch of one of attention() with dropout_seed's first batch entry b."""
+    cp = _cp()
+    lengths = [1, 70, 0, 129]
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    q, k, v = (_rand(rng, (int(cu[-1]), 4, 64), np.float16, 3.0 if n == 0 else 1.0) for n in range(3))
+    out = cuflash.attention_varlen(*(cp.asarray(x) for x in (q, k, v)), cp.asarray(cu), cp.asarray(cu),
+                                   max_seqlen_q=129, max_seqlen_k=129, causal=True, dropout_p=0.25, dropout_seed=5).get()
+    want = cuflash.attention_varlen(q, k, v, cu, cu, causal=True, dropout_p=0.25, dropout_seed=5)  # the NumPy path
+    for b, n in enumerate(lengths):
+        if n:
+            rows = slice(cu[b], cu[b + 1])
+            keep = cuflash.dropout_mask(5, (b + 1, 4, n, n), 0.25)[b:]
+            ref = attention_ref(q[None, rows], k[None, rows], v[None, rows], causal=True, dropout_p=0.25, dropout_keep=keep)[0][0]
+            naive = naive_attention(q[None, rows], k[None, rows], v[None, rows], causal=True, dropout_p=0.25,
+                                    dropout_keep=keep)[0]
+            assert_exact(out[rows], ref, naive, f"out of sequence {b}")
+            assert_exact(want[rows], ref, naive, f"the NumPy path's out of sequence {b}")  # (the same mask there)
+
+
 def test_bhsd_layout(rng):
     q = _rand(rng, (2, 4, 70, 64), ml_dtypes.bfloat16, 5.0)
     k, v = _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16), _rand(rng, (2, 4, 90, 64), ml_dtypes.bfloat16)

@@ -168,8 +168,8 @@ def test_bad_backward_arguments(rng):
 
 
 def test_the_gpu_refuses_what_it_cannot_do_yet(rng):
-    """The GPU forward of attention() takes bias and mask (tests/test_gpu_forward.py); the GPU
-    backward, attention_vjp and dropout do not yet, and say so before any work."""
+    """The GPU forwards take bias, mask and dropout (tests/test_gpu_forward.py); the GPU backward
+    and attention_vjp with them do not yet, and say so before any work."""
     if not _arrays.gpu_available():
         pytest.skip("needs a GPU")
     cp = _arrays.cupy_module()
@@ -181,7 +181,10 @@ def test_the_gpu_refuses_what_it_cannot_do_yet(rng):
     with pytest.raises(TypeError, match="NumPy arrays only for now"):
         cuflash.attention_vjp(q, k, v, mask=cp.ones((SQ, SK), bool))
     with pytest.raises(TypeError, match="NumPy arrays only for now"):
-        cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1)
+        cuflash.attention_vjp(q, k, v, dropout_p=0.1, dropout_seed=1)
+    out, lse = cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, return_lse=True)
+    with pytest.raises(TypeError, match="NumPy arrays only for now"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dropout_p=0.1, dropout_seed=1)
 
 
 def test_varlen_dropout_is_each_sequences_padded_mask(rng):
