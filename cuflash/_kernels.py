@@ -126,24 +126,29 @@ def decode_tile(headdim: int) -> TileConfig:
     return TileConfig(16, block_n, min(4, block_n // 16), min_blocks=4, q_in_regs=False, row_pad=16)
 
 
+# CUFLASH_MODS of the forward kernels: 0 none, 1 bias and mask, 2 those and dropout (a switch of its
+# own: its generator's registers made the bias/mask kernels spill, perf-notes m1).
+_MODS_SUFFIX = {0: "", 1: "_mods", 2: "_modsdrop"}
+
+
 @functools.lru_cache(maxsize=None)
-def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False, mods: bool = False,
+def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False, mods: int = 0,
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
 
     ``splitkv`` selects the decode variant (split key range merged by the last block of each
-    row group, paged K/V, GQA packing); ``mods`` the additive bias and boolean mask of the score
-    pipeline (softmax_tile.cuh, ScoreMods).
+    row group, paged K/V, GQA packing); ``mods`` 1 the additive bias and boolean mask of the score
+    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout.
     """
     d = headdim_bucket(headdim)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
-    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + "_mods" * mods
+    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
-        ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", int(mods)),
+        ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -173,7 +178,7 @@ SM90_FWD_MIN_HEADDIM = 33
 
 @functools.lru_cache(maxsize=None)
 def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True,
-                     mods: bool = False) -> Variant | None:
+                     mods: int = 0) -> Variant | None:
     """The warp-specialised wgmma forward (TMA producer warp, consumer warpgroups taking turns;
     with ``overlap`` the next tile's S is issued with the current P V) for ``headdim``: the
     smallest entry of SM90_FWD_TILES that holds it (the copy engine fills the columns past the
@@ -190,12 +195,12 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, ov
     separate_o = smem + block_m * d * 2 + STATIC_SMEM_RESERVE <= DEFAULT_SMEM_LIMIT
     smem += block_m * d * 2 * separate_o
     name = (f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{block_m}_bn{block_n}_st{stages}" + "_softcap" * softcap
-            + "_alibi" * alibi + "_nooverlap" * (not overlap) + "_mods" * mods)
+            + "_alibi" * alibi + "_nooverlap" * (not overlap) + _MODS_SUFFIX[mods])
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
         ("CUFLASH_STAGES", stages), ("CUFLASH_CONSUMERS", consumers), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_BLOCK_M", block_m), ("CUFLASH_OVERLAP", int(overlap)),
-        ("CUFLASH_SEPARATE_O", int(separate_o)), ("CUFLASH_MODS", int(mods)),
+        ("CUFLASH_SEPARATE_O", int(separate_o)), ("CUFLASH_MODS", mods),
     )
     return Variant("flash_fwd_sm90.cu", name, defines, 128 * (1 + consumers), smem, arch="90a")
 
@@ -329,12 +334,12 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
         for d in HEADDIM_BUCKETS:
             for softcap in (False, True):
                 for alibi in (False, True):
-                    for mods in (False, True):  # (bias/mask: attention() only, overlapped Hopper kernel only)
+                    for mods in (0, 1, 2):  # (bias/mask/dropout: the overlapped Hopper kernel only)
                         out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit))
                         out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, mods=mods,
                                                smem_limit=smem_limit))
                         if mods and d in SM90_FWD_TILES:
-                            out.append(sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=True))
+                            out.append(sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods))
                     out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
                               for overlap in (True, False) if d in SM90_FWD_TILES]  # (other buckets run these)

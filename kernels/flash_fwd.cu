@@ -53,7 +53,7 @@
 #define CUFLASH_Q_IN_REGS 1
 #endif
 #ifndef CUFLASH_MODS
-#define CUFLASH_MODS 0  // additive bias and boolean mask (softmax_tile.cuh, ScoreMods)
+#define CUFLASH_MODS 0  // 1: additive bias and boolean mask (softmax_tile.cuh, ScoreMods); 2: and dropout
 #endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
@@ -227,7 +227,7 @@ __device__ __forceinline__ void combine_row(const FlashParams& p, long long row,
 }
 
 template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV, int kRowPad,
-          bool kMods>
+          bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
@@ -417,7 +417,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             for (int mt = 0; mt < kMT; ++mt) {
                 const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
                 const int qpos[2] = {token(r), token(r + 8)};
-                softmax_tile<T, kNT, kSoftcap, kAlibi, false, false, kMods>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
+                softmax_tile<T, kNT, kSoftcap, kAlibi, false, false, kMods, kDropout>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
                                                                      seq, score_args, lane, &mods);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
@@ -466,7 +466,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     float lse;
-                    const float inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse);
+                    const float inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse)
+                                        * (kDropout ? mods.out_scale() : 1.f);  // (dropout's 1 / (1 - p))
                     const int r = (row_warp * kMT + mt) * 16 + lane / 4 + half * 8;  // row within the block
                     if (!writer || r >= rows_valid) continue;
                     const long long at = split * rows_all + acc_row(r);
@@ -500,7 +501,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             float lse;
-            const float inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse);
+            const float inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse)
+                                        * (kDropout ? mods.out_scale() : 1.f);  // (dropout's 1 / (1 - p))
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
             const int i = (row_warp * kMT) * 16 + r;      // row within the block
             if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;
@@ -529,5 +531,5 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLO
 CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
               CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0,
-              CUFLASH_ROW_PAD, CUFLASH_MODS != 0>(p);
+              CUFLASH_ROW_PAD, CUFLASH_MODS != 0, CUFLASH_MODS == 2>(p);
 }

@@ -80,9 +80,9 @@ struct FlashParams {
     long long bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
     long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
     long long bias_dtype;
-    // Dropout (CUFLASH_MODS kernels; on when dropout_scale > 0): the keep-mask of philox.cuh from
-    // (seed, offset) with keep threshold round((1 - p) 2^32), batch entries numbered from
-    // dropout_first_batch; kept probabilities times dropout_scale = 1 / (1 - p).
+    // Dropout (CUFLASH_MODS = 2 kernels): the keep-mask of philox.cuh from (seed, offset) with keep
+    // threshold round((1 - p) 2^32), batch entries numbered from dropout_first_batch; the output
+    // times dropout_scale = 1 / (1 - p) with its 1 / l.
     long long dropout_seed, dropout_offset, dropout_threshold, dropout_first_batch;
 
     double softmax_scale;          // multiplies q.k

@@ -13,7 +13,7 @@
 template <class T, int kBM, bool kNatural, int kOT, class Barrier>  // kNatural: RowState's natural units
 __device__ __forceinline__ void store_o(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, const float (&o)[kOT][4],
                                        const RowState (&row)[2], unsigned char* sO, int wg, int r_lo, int wtid, int lane,
-                                       Barrier consumer_barrier) {
+                                       Barrier consumer_barrier, float out_scale = 1.f) {  // out_scale: dropout's 1 / (1 - p)
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, seq.sq - m0), v_chunks = static_cast<int>(p.headdim_v / 8);
@@ -25,7 +25,7 @@ __device__ __forceinline__ void store_o(const FlashParams& p, const SeqInfo& seq
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         float lse;
-        const float inv_l = row[half].template finalize<kNatural>(seq.poison(quad_sum(row[half].l)), lse);
+        const float inv_l = row[half].template finalize<kNatural>(seq.poison(quad_sum(row[half].l)), lse) * out_scale;
         const int r = e_row + half * 8;
         if (lane % 4 == 0 && r < rows_valid) gLse[r] = lse;
 #pragma unroll

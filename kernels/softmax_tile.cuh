@@ -32,18 +32,19 @@ struct ScoreMods {
         return p.bias_dtype == 1 ? to_float<half_t>(x) : to_float<bf16_t>(x);
     }
     // Dropout on the probabilities of keys j, j + 1 (j even) of query row i, after the row
-    // statistics (the LSE ignores it): kept ones times 1 / (1 - p), the others 0 (philox.cuh, the
-    // mask of cuflash.dropout_mask).  One generator call gives the words of keys 4 (j >> 2) .. + 3.
-    __device__ __forceinline__ bool dropout() const { return p.dropout_scale > 0.0; }
+    // statistics (the LSE ignores it): the dropped ones 0 (philox.cuh, the mask of
+    // cuflash.dropout_mask); the kept ones' 1 / (1 - p) is applied with 1 / l at the end
+    // (out_scale), so that P stays in [0, 1] in 16 bits.  One generator call gives the words of
+    // keys 4 (j >> 2) .. + 3.
+    __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
     __device__ __forceinline__ void drop(int i, int j, float& p0, float& p1) const {
         const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
                              static_cast<unsigned long long>(p.dropout_threshold)};
         const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
         const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
         const bool hi = j & 2;  // (no run-time index into w: it would go to local memory)
-        const float scale = static_cast<float>(p.dropout_scale);
-        p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 * scale : 0.f;
-        p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 * scale : 0.f;
+        p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 : 0.f;
+        p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 : 0.f;
     }
     __device__ __forceinline__ bool hides(int i, int j) const {
         return p.mask && (i >= sq || j >= sk ||
@@ -60,10 +61,10 @@ struct ScoreMods {
 // kRangeMask: the mask as each row's visible key range, a compare and a select per score instead
 // of visible()'s branches (~14 instructions a score on masked tiles); where the caller's registers
 // allow it (at d192/d256 the Hopper consumers then spill).
-// kMods: bias, mask and dropout from `mods` (ScoreMods) on every tile, with scores, the running max and
+// kMods: bias and mask from `mods` (ScoreMods) on every tile (kDropout: and dropout), with scores, the running max and
 // the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite).
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
-          bool kMods = false>
+          bool kMods = false, bool kDropout = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
                                              float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
                                              const SeqInfo& seq, const ScoreArgs& a, int lane,
@@ -137,9 +138,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                 p1 = exp2f(s[nt][half * 2 + 1] - m_use);
             }
             part_sum[nt % 2] += p0 + p1;
-            if constexpr (kMods) {
-                if (mods->dropout()) mods->drop(i, n0 + nt * 8 + (lane % 4) * 2, p0, p1);
-            }
+            if constexpr (kDropout) mods->drop(i, n0 + nt * 8 + (lane % 4) * 2, p0, p1);
             if constexpr (kKeepFp32) {
                 s[nt][half * 2] = p0, s[nt][half * 2 + 1] = p1;
             } else {
