@@ -61,7 +61,8 @@ def keep_threshold(dropout_p: float) -> int:
 
 def seed_and_offset(dropout_seed, name: str = "dropout_seed"):
     """(seed, offset) as Python ints from an int, an (int, int) pair or a NumPy integer array of
-    shape (2,) (a GPU (2,) int64 array is read by the kernels, not here)."""
+    shape (2,) or () (a GPU array for the seed is not taken yet: issue 23 has the kernels read one on
+    the device, for captured graphs that advance it)."""
     if isinstance(dropout_seed, np.ndarray):
         if dropout_seed.dtype.kind not in "iu":
             raise TypeError(f"{name} as an array must hold integers, (seed, offset) of shape (2,) or a seed of "

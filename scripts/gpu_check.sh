@@ -2,7 +2,7 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck, racecheck, synccheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune|ring]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune|ring|ncu]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
@@ -90,6 +90,22 @@ for stage in $stages; do
         >"$OUT/ring.log" 2>&1
       rc=$?; summary+=("ring rc=$rc ($(elapsed))")
       cat "$OUT/ring.md" 2>/dev/null || tail -n 20 "$OUT/ring.log" ;;
+    ncu)  # Nsight Compute on single forward/backward calls (scripts/ncu_case.py): NCU_CASES "D:SEQLEN[:causal][:varlen][:backward] ..."
+      : >"$OUT/ncu.txt"
+      for case in ${NCU_CASES:-128:16384 128:16384:causal 64:16384 64:512:causal:varlen}; do
+        IFS=: read -r d s flags <<<"$case"
+        args="--headdim $d --seqlen $s"
+        [[ $flags == *causal* ]] && args+=" --causal"
+        [[ $flags == *varlen* ]] && args+=" --varlen"
+        kernel=cuflash_fwd_sm90
+        [[ $flags == *backward* ]] && args+=" --backward" && kernel='cuflash_bwd_sm90.*dkdv'
+        echo "#### $case" >>"$OUT/ncu.txt"
+        timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
+          --set ${NCU_SET:-full} $PY scripts/ncu_case.py $args >>"$OUT/ncu.txt" 2>&1
+        summary+=("ncu $case rc=$? ($(elapsed))")
+      done
+      grep -E "^####|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Issued Ipc Active|No Eligible|Registers Per|Achieved Occupancy" \
+        "$OUT/ncu.txt" | head -n 60 ;;
     firstcall)
       timeout ${FIRSTCALL_TIMEOUT:-240} $PY scripts/first_call.py --markdown "$OUT/firstcall.md" >"$OUT/firstcall.log" 2>&1
       rc=$?; summary+=("firstcall rc=$rc ($(elapsed))")
