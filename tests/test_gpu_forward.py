@@ -270,6 +270,8 @@ def test_dropout(rng, headdim, seqlens, opts):
         assert_exact(lse.get(), ref_lse, naive_lse, f"lse (seed {seed})")
         again = cuflash.attention(qd, kd, vd, dropout_p=rate, dropout_seed=seed, **opts)
         assert cp.array_equal(again.view(cp.uint16), out.view(cp.uint16))
+        other = cuflash.attention(qd, kd, vd, dropout_p=rate, dropout_seed=(7, 1), **opts)  # another offset
+        assert not cp.array_equal(other.view(cp.uint16), out.view(cp.uint16))
     plain = cuflash.attention(qd, kd, vd, **opts)
     assert cp.array_equal(cuflash.attention(qd, kd, vd, dropout_p=0.0, dropout_seed=3, **opts).view(cp.uint16),
                           plain.view(cp.uint16))
