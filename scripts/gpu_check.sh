@@ -7,7 +7,7 @@
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
 # BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
-# compute-sanitizer tools, default all three), AB_BASE (the
+# compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only), AB_BASE (the
 # checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous
 # commit carried in an ignored folder; AB_SIDES "BASE NEW NEW2 ..." compares several checkouts with
 # the first in one rotation, each DIR[,VAR=VALUE...]; AB_PARTS narrows it, AB_ROUNDS sets its rounds).
