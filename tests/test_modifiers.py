@@ -55,7 +55,8 @@ def test_bias_forward_and_backward(xp, rng, dtype, form, opts):
     dout = rng.standard_normal(out.shape).astype(dtype)
     dlse = rng.standard_normal(lse.shape).astype(lse.dtype)
     grads = cuflash.attention_backward(xp.asarray(dout), *(xp.asarray(x) for x in (q, k, v)), out, lse,
-                                       return_dbias=True, dlse=xp.asarray(dlse), **dict(opts, bias=bias))
+                                       return_dbias=True, dlse=xp.asarray(dlse),
+                                       **dict(opts, bias=xp.asarray(bias) if xp is not np else bias))
     refs = R.attention_backward_ref(dout, q, k, v, dlse=dlse, **args)
     naives = R.naive_attention_backward(dout, q, k, v, dlse=dlse, **args)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
