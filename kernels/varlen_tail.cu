@@ -120,10 +120,39 @@ __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu
     partner_rows<true>(p, cu, bit, e, max_len, max_arg, cu, bit, e, total, a, lse);
 }
 
+// The common case in one round of loads and one barrier (the general path takes four of each):
+// both offsets well formed, and no sequence longer than its side's max_seqlen.  Every thread of
+// the block calls it; when true, q_end is cu_seqlens_q[batch] (where the q side's tail starts)
+// and block 0 has published "no bad entry" for the attention kernels launched next.
+__device__ __forceinline__ bool offsets_all_good(const FlashParams& p, long long& q_end) {
+    __shared__ long long s_q_end;
+    bool bad = false;
+    for (long long i = threadIdx.x; i <= p.batch; i += blockDim.x) {
+        const long long q = load_index(p, p.cu_seqlens_q, kIndexCuQ, i), k = load_index(p, p.cu_seqlens_k, kIndexCuK, i);
+        if (i == 0) {
+            bad |= q != 0 || k != 0;
+        } else {
+            const long long q0 = load_index(p, p.cu_seqlens_q, kIndexCuQ, i - 1);
+            const long long k0 = load_index(p, p.cu_seqlens_k, kIndexCuK, i - 1);
+            bad |= q < q0 || q > p.total_q || q - q0 > p.seqlen_q || k < k0 || k > p.total_k || k - k0 > p.seqlen_k;
+        }
+        if (i == p.batch) s_q_end = q;
+    }
+    if (__syncthreads_or(bad)) return false;
+    q_end = s_q_end;
+    if (blockIdx.x == 0 && threadIdx.x == 0) p.offsets_first_bad[0] = p.offsets_first_bad[1] = -1;
+    return true;
+}
+
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
+    const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
+    long long q_end;
+    if (offsets_all_good(p, q_end)) {  // only the rows past the last sequence: 0, and the LSE -inf
+        fill_rows(out, q_end, p.total_q, make_uint4(0, 0, 0, 0), p.lse, p.nheads_q, p.total_q, -__int_as_float(0x7f800000));
+        return;
+    }
     long long e_q, e_k;
     find_bad_offsets(p, e_q, e_k);
-    const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
     varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, out, p.lse, true, kArgMaxSeqlenQ);
     // (the key side is checked, and reported, here only: the forward writes no key rows)
     partner_rows<true>(p, p.cu_seqlens_k, kIndexCuK, e_k, p.seqlen_k, kArgMaxSeqlenK, p.cu_seqlens_q, kIndexCuQ, e_q,
@@ -132,6 +161,8 @@ extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __gr
 
 // The backward's: dq rows (q side) and dk, dv rows (k side), in one launch.
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _grads)(const __grid_constant__ FlashParams p) {
+    long long q_end;
+    if (offsets_all_good(p, q_end)) return;  // the gradients of rows past the last sequence start at 0
     long long e_q, e_k;
     find_bad_offsets(p, e_q, e_k);
     const PackedRows dq[1] = {{p.dq, p.dq_row_stride, p.dq_head_stride, p.nheads_q, p.headdim_qk / 8}};
