@@ -2,7 +2,7 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck, racecheck, synccheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [warm|tests|sanitize|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune|ring|ncu]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|raceprobe|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune|ring|ncu]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
@@ -67,6 +67,12 @@ for stage in $stages; do
         rc=$?; summary+=("$tool rc=$rc ($(elapsed)): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
         tail -n 5 "$OUT/sanitize_$tool.log"
       done ;;
+    raceprobe)  # whether racecheck takes an mbarrier handover for synchronisation (scripts/racecheck_probe.py)
+      for form in default explicit named racy; do
+        timeout 60 compute-sanitizer --tool racecheck $PY scripts/racecheck_probe.py $form >>"$OUT/raceprobe.log" 2>&1
+        summary+=("raceprobe $form rc=$?: $(grep -E 'RACECHECK SUMMARY' "$OUT/raceprobe.log" | tail -n 1)")
+      done
+      grep -E "wrong reads|RACECHECK SUMMARY" "$OUT/raceprobe.log" ;;
     host)
       timeout ${HOST_TIMEOUT:-60} $PY scripts/bench.py --suite host >"$OUT/host.log" 2>&1
       rc=$?; summary+=("host rc=$rc: $(head -n 1 "$OUT/host.log")")
