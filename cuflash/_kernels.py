@@ -220,7 +220,8 @@ def sm90_overlap() -> bool:
 
 
 # Hopper backward (flash_bwd_sm90.cu): head-dim bucket -> (rows of the inner-loop tiles, warpgroups
-# of 64 rows, blocks per SM the registers must allow).  Head dim 256 (and the buckets 160-224,
+# of 64 rows, blocks per SM the registers must allow).  The bucket 96 runs the 128 kernel (zero-padded
+# columns).  Head dim 256 (and the buckets 160-224,
 # zero-padded to it): the two warpgroups of a _dkdv_dq block share 64 key rows and split the
 # columns of dK and dV, which do not fit in one warpgroup's registers (CUFLASH_COL_SPLIT,
 # perf-notes b5); deterministic d256 stays with flash_bwd.cu.  Measured: docs/perf-notes.md, h2.
@@ -237,6 +238,8 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     d = headdim_bucket(headdim)
     if d > 128:
         d = 256  # (the columns past the head dim are zero in the tiles)
+    elif d > 64:
+        d = 128  # (65-96 too: padded, it ran 2x the sm_80 kernel's 137-140 TF/s, perf-notes b6)
     if d not in SM90_BWD_TILES or (d > 128 and deterministic):
         return None
     inner, wgs, min_blocks = SM90_BWD_TILES[d]
@@ -344,7 +347,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
                               for overlap in (True, False) if d in SM90_FWD_TILES]  # (other buckets run these)
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)
-                               for det in (False, True) if d in SM90_BWD_TILES]  # (160-224 run the 256 kernel)
+                               for det in (False, True) if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant(),

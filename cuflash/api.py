@@ -332,8 +332,8 @@ def attention_backward(
     layout : {"bshd", "bhsd"}, default "bshd"
         Axis order of dout, q, k, v, out and of the gradients, as in :func:`attention`.
     deterministic : bool, default False
-        Bitwise-repeatable gradients.  By default the Hopper backward (head dims 33–64 and
-        97–128 on compute capability 9.0) forms dQ inside the dK/dV kernel and adds it to an
+        Bitwise-repeatable gradients.  By default the Hopper backward (head dims 33–128 on
+        compute capability 9.0) forms dQ inside the dK/dV kernel and adds it to an
         fp32 buffer of B·H·Sq·D floats with atomics, so dq may differ in the last bits from run
         to run; ``True`` computes dQ in a kernel of its own instead (no atomics, no buffer;
         about 10 % slower on an H200, see BENCHMARKS.md).  The CPU path and the other GPU kernels

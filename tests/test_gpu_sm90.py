@@ -1,8 +1,8 @@
 """The Hopper (wgmma) kernels and the sm_80 kernels they replace there.
 
 On a compute-capability-9.0 GPU, cuflash.attention runs kernels/flash_fwd_sm90.cu (warp-specialised,
-issue 21) for head-dim buckets 64, 128, 192 and 256, and attention_backward runs kernels/flash_bwd_sm90.cu for buckets 64 and
-128, so test_gpu_forward.py's and test_gpu_backward.py's sweeps test them; this file checks that
+issue 21) for head-dim buckets 64, 128, 192 and 256, and attention_backward runs kernels/flash_bwd_sm90.cu for head dims
+33-256 (its 64, 128 and 256 kernels), so test_gpu_forward.py's and test_gpu_backward.py's sweeps test them; this file checks that
 the dispatch really picks them, tests their tiling edges (many tiles, both stages, tails, causal
 and window bands crossing tiles, GQA groups), and keeps the sm_80 kernels tested on Hopper
 through the CUFLASH_DISABLE_SM90 switch.
@@ -54,7 +54,8 @@ def test_dispatch_picks_the_wgmma_kernel(headdim, monkeypatch):
     assert v.threads == 128 * (1 + consumers) and "nooverlap" not in v.name  # producer + consumer warpgroups
     v = _gpu._hopper_variant(device, "bfloat16", _kernels.headdim_bucket(headdim), features, _kernels.sm90_bwd_variant)
     bucket = _kernels.headdim_bucket(headdim)
-    assert (v is not None) == (bucket in (64, 128) or bucket > 128)  # 64, 128, and 256 for every bucket above 128
+    assert v is not None  # 64; 128 for the buckets 96 and 128; 256 for every bucket above 128
+    assert dict(v.defines)["CUFLASH_HEADDIM"] == (64 if bucket == 64 else 128 if bucket <= 128 else 256)
     monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
     assert _gpu._hopper_variant(device, "bfloat16", 128, dict(softcap=False, alibi=False)) is None
 
@@ -239,7 +240,7 @@ def backward_kernels(request, monkeypatch):
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [40, 64, 111, 128, 200, 256])  # 200, 256: the column-split kernel
+@pytest.mark.parametrize("headdim", [40, 64, 72, 96, 111, 128, 200, 256])  # 72, 96: the 128 kernel; 200, 256: column split
 @pytest.mark.parametrize("seqlens", [(17, 17), (127, 129), (257, 700), (700, 130)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_both_backward_kernels_many_tiles(rng, backward_kernels, dtype, headdim, seqlens, causal):
@@ -258,7 +259,7 @@ BACKWARD_OPTIONS = [
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("headdim", [64, 128, 256])
+@pytest.mark.parametrize("headdim", [64, 96, 128, 256])
 @pytest.mark.parametrize("opts", BACKWARD_OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, opts):
     b, sq, sk = 2, 200, 333
