@@ -530,15 +530,18 @@ def _fill_params_append(k_cache, v_cache, k, v, capacity):
 
 
 def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides,
-                          deterministic, call, tail_only=False):
+                          deterministic, call, tail_only=False, dlse=None, dbias=None):
     """dsum pre-pass, then the dq and dkdv kernels, or on Hopper unless ``deterministic`` one dkdv
     kernel that adds dQ atomically to an fp32 buffer and a kernel rounding it into dq;
     grads = (dq, dk, dv) views, written in full (packed: pre-zeroed, and the rows of sequences
     with malformed offsets set to NaN first, kernels/varlen_tail.cu).  ``tail_only`` (packed):
-    only that check and fill, for calls with no row to differentiate (max_seqlen_* = 0)."""
+    only that check and fill, for calls with no row to differentiate (max_seqlen_* = 0).
+    Bias, mask and dropout run flash_bwd.cu's CUFLASH_MODS kernels on every GPU; ``dlse`` (the
+    LSE's gradient) is subtracted from D; ``dbias`` (bias's shape) is written in full."""
     cp = _cp()
     dtype = _check_gpu_dtype(q)
-    device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k])
+    device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, p.bias, p.mask,
+                           dlse, dbias])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
         q, scale, q_sign = _positive_scale(p, q)  # dq is mapped back below
@@ -552,9 +555,10 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             # (zeros: rows of a packed batch past its last sequence are written by no kernel)
             gx.append(g_out if direct else cp.zeros(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
-        variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, smem_limit=_smem_limit(device))
-        main = _hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic),
-                               _kernels.sm90_bwd_variant) or variant
+        mods = 2 if p.dropout is not None else int(p.bias is not None or p.mask is not None)
+        variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, mods=mods, smem_limit=_smem_limit(device))
+        main = (_hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic),
+                                _kernels.sm90_bwd_variant) if not mods else None) or variant
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
                         alibi_slopes=p.alibi_slopes)
         indices = dict(seqlens_k=p.seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -562,6 +566,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         prm = _fill_params(p, pointers, strided, packed=packed, lse_strides=lse_strides, d8=d8, dv8=dv8, scale=scale,
                            indices=indices)
         _set_extents(prm, p, q, k, packed)
+        keep_mods = _set_mods(prm, p)  # noqa: F841 (alive until the launches are queued)
+        dbias_acc = _dbias_accumulator(prm, dbias)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm))
         tile = main.threads // 2  # rows per block: 16 per warp (flash_bwd.cu), 64 per warpgroup (Hopper)
@@ -591,6 +597,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
                 pre.batch, pre.seqlen_q = 1, q.shape[0]
             rows = pre.batch * pre.seqlen_q * pre.nheads_q
             _kernels.get_function(dsum_kernel, device)(((rows + 7) // 8,), (256,), (_pointer(pre),))
+            if dlse is not None:  # dS = P (dP - D + dlse): the LSE's gradient joins D
+                dsum -= dlse
 
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
@@ -599,14 +607,34 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:
                 g_out[...] = g_x[..., : g_out.shape[-1]]
+        if dbias is not None:
+            dbias[...] = dbias_acc.reshape(dbias.shape)
         if q_sign != 1.0:
             grads[0][...] = grads[0] * q_sign  # -dq, or 0 (NaN rows of bad metadata stay NaN)
 
 
-def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="attention_backward"):
-    """Padded batch: bshd views; lse (B, H, Sq).  ``deterministic``: no atomics (bitwise repeatable)."""
+def _dbias_accumulator(prm, dbias):
+    """A float32 zero buffer of dbias's shape (lifted to four axes) for flash_bwd.cu to add dS into,
+    its strides 0 on axes where the bias broadcasts (size 1), so that they sum there; None
+    without dbias."""
+    if dbias is None:
+        return None
+    shape = (1,) * (4 - dbias.ndim) + tuple(dbias.shape)
+    acc = _cp().zeros(shape, dtype=np.float32)
+    prm.dbias = acc.data.ptr
+    for axis, size, stride in zip(("batch", "head", "row", "col"), shape, acc.strides):
+        setattr(prm, f"dbias_{axis}_stride", 0 if size == 1 else stride // 4)
+    return acc
+
+
+def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="attention_backward", dlse=None,
+             dbias=None):
+    """Padded batch: bshd views; lse (B, H, Sq).  ``deterministic``: no atomics (bitwise repeatable;
+    the bias gradient is summed with atomics all the same).  ``dlse`` (B, H, Sq), ``dbias``: as
+    cuflash._cpu.backward's."""
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=False,
-                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q), deterministic=deterministic, call=call)
+                          lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q), deterministic=deterministic, call=call,
+                          dlse=dlse, dbias=dbias)
 
 
 def backward_varlen(p, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, *, deterministic,

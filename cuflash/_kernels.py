@@ -281,15 +281,16 @@ def dsum_variant(dtype: str) -> Variant:
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
+def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: int = 0,
                 smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
-    """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind."""
+    """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind; ``mods`` as
+    :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout)."""
     d = headdim_bucket(headdim)
     warps = bwd_warps(d, smem_limit)
-    name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi
+    name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
-        ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
+        ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
     )
     return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps))
 
@@ -343,7 +344,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                                smem_limit=smem_limit))
                         if mods and d in SM90_FWD_TILES:
                             out.append(sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods))
-                    out.append(bwd_variant(dtype, d, softcap=softcap, alibi=alibi, smem_limit=smem_limit))
+                    out += [bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)
+                            for mods in (0, 1, 2)]  # (bias/mask/dropout: flash_bwd.cu only, on every GPU)
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
                               for overlap in (True, False) if d in SM90_FWD_TILES]  # (other buckets run these)
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)

@@ -12,7 +12,7 @@ _POINTERS = (
     "cache_batch_idx", "seq_bad", "error_word", "offsets_first_bad",
     "dout", "dq", "dk", "dv", "dsum", "dq_accum",
     "block_table", "out_accum", "lse_accum", "split_counters", "k_new", "v_new",
-    "bias", "mask",
+    "bias", "mask", "dbias",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",
@@ -36,6 +36,7 @@ _INTEGERS = (
     "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
     "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride", "bias_dtype",
     "dropout_seed", "dropout_offset", "dropout_threshold", "dropout_first_batch",
+    "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride", "dbias_col_stride",
 )
 _REALS = ("softmax_scale", "softcap", "dropout_scale")
 

@@ -92,17 +92,6 @@ def _doc(fn):
     return fn
 
 
-def _modifiers_on_gpu(p, q, extra=False, forward=False):
-    """What runs on the NumPy path only so far (GPU kernels: issue 23): the LSE gradient and dbias,
-    and bias, mask and dropout except in the forward passes."""
-    mods = (p.bias is not None or p.mask is not None or p.dropout is not None) and not forward
-    if _arrays.is_gpu(q) and (mods or extra):
-        from ._gpu import NotAvailableOnGPU
-
-        raise NotAvailableOnGPU("dlse/return_dbias, and bias, mask and dropout in the backward, run on NumPy arrays "
-                                "only for now; pass NumPy arrays (the CPU path) for them")
-
-
 def _run(gpu_name: str, cpu_fn, *args, **kwargs):
     """Dispatch to the GPU implementation for GPU arrays, else to the CPU path."""
     if any(_arrays.is_gpu(a) for a in args if a is not None):
@@ -239,7 +228,6 @@ def attention(
     )
     p = V.check_modifiers(q, p, bias, mask, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
-    _modifiers_on_gpu(p, q, forward=True)
     xp = _arrays.module_of(q)
     out_shape = (p.batch, p.seqlen_q, p.nheads_q, p.headdim_v)
     if layout == "bhsd":
@@ -410,7 +398,6 @@ def attention_backward(
     if dlse is not None:
         dlse = _arrays.as_array(dlse, "dlse")
         V.check_out(dlse, "dlse", (p.batch, p.nheads_q, p.seqlen_q), lse_dtype(q.dtype), q)
-    _modifiers_on_gpu(p, q, extra=dlse is not None or return_dbias)
     o_shape = tuple(V.to_bshd(q, layout).shape[:3]) + (p.headdim_v,)
     if layout == "bhsd":
         o_shape = (o_shape[0], o_shape[2], o_shape[1], o_shape[3])
@@ -431,10 +418,7 @@ def attention_backward(
         return tuple(grads) + ((dbias,) if return_dbias else ())
     views = [V.to_bshd(x, layout) for x in (dout, q, k, v, out)]
     gviews = [V.to_bshd(g, layout) for g in grads]
-    if dlse is not None or dbias is not None:  # the NumPy path (the GPU refused them above)
-        _cpu.backward(p, *views, lse, *gviews, deterministic=deterministic, dlse=dlse, dbias=dbias)
-    else:
-        _run("backward", _cpu.backward, p, *views, lse, *gviews, deterministic=deterministic)
+    _run("backward", _cpu.backward, p, *views, lse, *gviews, deterministic=deterministic, dlse=dlse, dbias=dbias)
     return tuple(grads) + ((dbias,) if return_dbias else ())
 
 
@@ -472,13 +456,6 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
         raise TypeError("attention_vjp does not take 'out'")
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
-    mods = [options.get(name) for name in ("bias", "mask") if options.get(name) is not None]
-    dropout = options.get("dropout_p", 0.0) not in (0, 0.0, None)
-    if (mods or dropout) and any(_arrays.is_gpu(x) for x in (q, *mods)):
-        from ._gpu import NotAvailableOnGPU  # (before the forward: its vjp could not run)
-
-        raise NotAvailableOnGPU("attention_vjp with bias, mask or dropout runs on NumPy arrays only for now (the GPU "
-                                "backward does not take them yet); cuflash.attention takes them on the GPU")
     out, lse = attention(q, k, v, return_lse=True, **options)
     if isinstance(options.get("dropout_seed"), np.ndarray):  # the keep-mask of this forward, even if the
         options["dropout_seed"] = tuple(int(x) for x in options["dropout_seed"])  # array advances later
@@ -587,7 +564,6 @@ def attention_varlen(
     )
     p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
-    _modifiers_on_gpu(p, q, forward=True)
     xp = _arrays.module_of(q)
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")
@@ -680,7 +656,6 @@ def attention_varlen_backward(
     )
     p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
-    _modifiers_on_gpu(p, q)
     o_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     V.check_out(dout, "dout", o_shape, q.dtype, q)
     V.check_out(out, "out", o_shape, q.dtype, q)

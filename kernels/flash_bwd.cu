@@ -12,6 +12,11 @@
 // exchange for no atomics and no fp32 dQ buffer.  An LSE of -inf (a row that sees no key) is read
 // as +inf, so P = 2^(s - inf) = 0 and the row contributes nothing.  The softcap derivative
 // 1 - tanh² multiplies dS; the softmax scale is applied once, when dQ and dK are written.
+// CUFLASH_MODS (score_mods.cuh): 1 an additive bias and a boolean mask in P (natural units, against
+// the forward's LSE), and the bias gradient dS added into p.dbias by _dq (which visits every
+// (query, key) pair once); 2 also dropout, its keep-mask regenerated from the forward's seed
+// (FlashAttention, Dao et al. 2022, Algorithm 4): dV += (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D), with
+// Z = keep / (1 - p).  The gradient through the LSE needs no kernel: the host subtracts dlse from D.
 // Tiles: kT = 16 kWarps query rows (dq) or key rows (dkdv), kT-wide inner tiles, shared-memory
 // rows padded by 16 bytes.  Not handled here: head dims that are not multiples of 8 (the caller pads).
 #include "mma.cuh"
@@ -35,13 +40,16 @@
 #ifndef CUFLASH_ALIBI
 #define CUFLASH_ALIBI 0
 #endif
+#ifndef CUFLASH_MODS
+#define CUFLASH_MODS 0  // 1: additive bias and boolean mask (score_mods.cuh); 2: and dropout
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd
 #endif
 #define CUFLASH_CAT2(a, b) a##b
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
 
-template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi>
+template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -70,11 +78,13 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
 
     const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
     const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
-    float lse2[2], dsum[2];  // rows lane/4 and lane/4 + 8 of this warp
+    const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
+    float lse2[2], dsum[2];  // rows lane/4 and lane/4 + 8 of this warp (kMods: natural units)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warp * 16 + lane / 4 + 8 * half;
-        lse2[half] = r < rows_valid ? lse_log2(p.lse[stat + r]) : __int_as_float(0x7f800000);
+        lse2[half] = r >= rows_valid ? __int_as_float(0x7f800000)
+                     : kMods ? lse_natural(p.lse[stat + r]) : lse_log2(p.lse[stat + r]);
         dsum[half] = r < rows_valid ? p.dsum[stat + r] : 0.f;
     }
 
@@ -103,10 +113,14 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                float dcap;
-                float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
+                float dcap, pr;
+                if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], mods, dcap);
+                else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                 if (masked && !seq.visible(i, j)) pr = 0.f;
-                s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
+                const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(i, j) : dp[nt][e];
+                const float ds = pr * (dpz - dsum[e / 2]);  // d(loss)/d(final score)
+                if constexpr (kMods) mods.add_dbias(i, j, ds);
+                s[nt][e] = ds * dcap;  // dS, without the softmax scale
             }
         u32 ds[kT / 16][4];
         c_to_a<T, kT>(ds, s);
@@ -119,7 +133,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                                     p.dq_row_stride, rows_valid - warp * 16, qk_chunks, lane);
 }
 
-template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi>
+template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + 8;
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -127,7 +141,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     u16* sV = sK + kT * kStride;                 // (kT, kStride), reused to stage dV
     u16* sQ = sV + kT * kStride;                 // (kT, kStride)
     u16* sdO = sQ + kT * kStride;                // (kT, kStride)
-    float* sLse2 = reinterpret_cast<float*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units
+    float* sLse2 = reinterpret_cast<float*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units (kMods: natural)
     float* sDsum = sLse2 + kT;                                    // (kT) D of the query tile
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -162,6 +176,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
         for (int g = 0; g < group; ++g) {  // dK, dV sum over the query heads sharing this K/V head
             const int h = hk * group + g;
             const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+            const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
             const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
             const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
             const long long stat = seq.lse_row(p, b, h, 0);
@@ -172,7 +187,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 load_tile<kT, kD, kThreads>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
                 cp_async_commit();
                 for (int r = tid; r < kT; r += kThreads) {
-                    sLse2[r] = r < rows_valid ? lse_log2(p.lse[stat + m0 + r]) : __int_as_float(0x7f800000);
+                    sLse2[r] = r >= rows_valid ? __int_as_float(0x7f800000)
+                               : kMods ? lse_natural(p.lse[stat + m0 + r]) : lse_log2(p.lse[stat + m0 + r]);
                     sDsum[r] = r < rows_valid ? p.dsum[stat + m0 + r] : 0.f;
                 }
                 cp_async_wait<0>();
@@ -190,11 +206,13 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     for (int e = 0; e < 4; ++e) {
                         const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
                         const int i = m0 + c;
-                        float dcap;
-                        float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
+                        float dcap, pr;
+                        if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], mods, dcap);
+                        else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
                         if (masked && !seq.visible(i, j)) pr = 0.f;
-                        st[nt][e] = pr;
-                        dpt[nt][e] = pr * (dpt[nt][e] - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
+                        const float z = kDropout ? mods.keep_scale(i, j) : 1.f;
+                        st[nt][e] = pr * z;  // (dropout: the P the forward multiplied V by)
+                        dpt[nt][e] = pr * (dpt[nt][e] * z - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
                     }
                 u32 pa[kT / 16][4], dsa[kT / 16][4];
                 c_to_a<T, kT>(pa, st);
@@ -214,9 +232,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dq<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+    flash_bwd_dq<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_MODS >= 1,
+                 CUFLASH_MODS == 2>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dkdv<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+    flash_bwd_dkdv<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_MODS >= 1,
+                   CUFLASH_MODS == 2>(p);
 }

@@ -41,6 +41,9 @@ struct FlashParams {
     // attend), element (b, h, i, j) at the strides below (elements; 0 on broadcast axes).
     const void* bias;
     const unsigned char* mask;
+    // Backward with a bias (flash_bwd.cu, CUFLASH_MODS kernels): dS accumulated into float32 at the
+    // dbias strides below (0 on the bias's broadcast axes); null: no bias gradient.
+    float* dbias;
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;
@@ -84,6 +87,7 @@ struct FlashParams {
     // threshold round((1 - p) 2^32), batch entries numbered from dropout_first_batch; the output
     // times dropout_scale = 1 / (1 - p) with its 1 / l.
     long long dropout_seed, dropout_offset, dropout_threshold, dropout_first_batch;
+    long long dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;
 
     double softmax_scale;          // multiplies q.k
     double softcap;                // > 0: s = softcap * tanh(s / softcap)

@@ -1,6 +1,8 @@
 // Recomputing P from the scores and the saved LSE in the backward kernels (flash_bwd.cu and
-// flash_bwd_sm90.cu), with the softcap derivative.
+// flash_bwd_sm90.cu), with the softcap derivative; with a bias and mask (prob_mods) as the
+// forward's score pipeline forms them (score_mods.cuh).
 #pragma once
+#include "score_mods.cuh"
 #include "seqinfo.cuh"
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -24,6 +26,29 @@ __device__ __forceinline__ float prob(float qk, float scale, float softcap, floa
     }
     if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
     return exp2f(s * kLog2e - lse2);
+}
+
+// The row's LSE as prob_mods reads it: natural units (the forward's kNatural rows: a bias near
+// float32's lowest stays finite there), -inf (no visible key) turned into +inf so that P = 0.
+__device__ __forceinline__ float lse_natural(float lse) {
+    return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse;
+}
+
+// P for one score with the bias added after ALiBi and the boolean mask (0 where it hides the key),
+// in natural units against lse_natural; dcap as prob's.  The causal/window masks stay the caller's.
+template <bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ float prob_mods(float qk, float scale, float softcap, float slope, int i, int j,
+                                           int offset, float lse, const ScoreMods& mods, float& dcap) {
+    dcap = 1.f;
+    float s = qk * scale;
+    if constexpr (kSoftcap) {
+        const float t = tanhf(s / softcap);
+        s = softcap * t;
+        dcap = 1.f - t * t;
+    }
+    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
+    s += mods.bias(i, j);
+    return mods.hides(i, j) ? 0.f : exp2f((s - lse) * kLog2e);
 }
 
 // Runs body(MaskedTile<true>{}) on tiles that need the per-element mask and body(MaskedTile<false>{})

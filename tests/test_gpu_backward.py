@@ -160,3 +160,92 @@ def test_varlen_backward(rng, headdim):
 def test_long_causal_4097(rng, headdim):
     q, k, v = make_qkv(rng, np.float16, 1, 1100, 4097, 2, 1, headdim)
     check_backward(_cp(), q, k, v, rng=rng, causal=True)
+
+
+MODIFIERS = ["bias+mask", "key-padding", "dropout", "dropout+bias+dlse", "dlse"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128, 256])
+@pytest.mark.parametrize("case", MODIFIERS)
+def test_bias_mask_dropout_and_dlse(rng, dtype, headdim, case):
+    """The backward with an additive bias (and its gradient), a boolean mask, dropout regenerated
+    from the forward's seed, and the gradient through the LSE (flash_bwd.cu's CUFLASH_MODS kernels,
+    which also serve the head dims the Hopper backward takes without them), against the float64
+    reference: GQA, causal on odd cases, sizes past one tile, a row that sees no key."""
+    cp = _cp()
+    b, sq, sk, hq, hk = 2, 70, 130, 4, 2
+    q, k, v = make_qkv(rng, dtype, b, sq, sk, hq, hk, headdim)
+    opts = dict(causal=MODIFIERS.index(case) % 2 == 1)
+    if "bias" in case:
+        opts["bias"] = rng.standard_normal((1, hq, sq, sk)).astype(np.float32)
+    if "mask" in case:
+        mask = rng.random((b, 1, sq, sk)) < 0.8
+        mask[1, 0, 5] = False  # a row that sees no key: output 0, gradients 0
+        opts["mask"] = mask
+    if case == "key-padding":
+        opts["bias"] = np.where(rng.random((b, 1, 1, sk)) < 0.2, -np.inf, 0.0).astype(np.float16)
+    run = dict(opts)
+    ref_opts = dict(opts)
+    if "dropout" in case:
+        seed = (77, 3)
+        run.update(dropout_p=0.2, dropout_seed=seed)
+        ref_opts.update(dropout_p=0.2, dropout_keep=cuflash.dropout_mask(seed, (b, hq, sq, sk), 0.2))
+    gpu = {key: cp.asarray(x) if isinstance(x, np.ndarray) else x for key, x in run.items()}
+    out, lse = cuflash.attention(*(cp.asarray(x) for x in (q, k, v)), return_lse=True, **gpu)
+    dout = rng.standard_normal(out.shape).astype(dtype)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32) if "dlse" in case else None
+    bufs = [cp.full(x.shape, np.nan, dtype=x.dtype) for x in (q, k, v)]
+    grads = cuflash.attention_backward(cp.asarray(dout), *(cp.asarray(x) for x in (q, k, v)), out, lse,
+                                       dq=bufs[0], dk=bufs[1], dv=bufs[2], return_dbias="bias" in run,
+                                       dlse=None if dlse is None else cp.asarray(dlse), **gpu)
+    refs = R.attention_backward_ref(dout, q, k, v, dlse=dlse, **ref_opts)
+    naives = R.naive_attention_backward(dout, q, k, v, dlse=dlse, **ref_opts)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        R.assert_exact(_arrays.to_numpy(g).astype(np.float64), r, n, name)
+    if "bias" in run:
+        dbias = grads[3]
+        assert dbias.shape == run["bias"].shape and dbias.dtype == run["bias"].dtype
+        R.assert_exact(_arrays.to_numpy(dbias).astype(np.float64), refs[3], naives[3].astype(dbias.dtype), "dbias")
+
+
+def test_vjp_with_bias_on_the_gpu(rng):
+    """attention_vjp with a GPU bias: out, and (dq, dk, dv, dbias) from the GPU backward."""
+    cp = _cp()
+    q, k, v = make_qkv(rng, np.float16, 1, 33, 65, 2, 2, 64)
+    bias = rng.standard_normal((33, 65)).astype(np.float32)
+    out, vjp = cuflash.attention_vjp(*(cp.asarray(x) for x in (q, k, v)), bias=cp.asarray(bias), causal=True)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    grads = vjp(cp.asarray(dout))
+    refs = R.attention_backward_ref(dout, q, k, v, bias=bias, causal=True)
+    naives = R.naive_attention_backward(dout, q, k, v, bias=bias, causal=True)
+    for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), grads, refs, naives):
+        R.assert_exact(_arrays.to_numpy(g).astype(np.float64), r, n.astype(g.dtype) if name == "dbias" else n, name)
+
+
+@pytest.mark.parametrize("headdim", [64, 128])
+def test_varlen_dropout_backward_numbers_each_sequence_from_zero(rng, headdim):
+    """attention_varlen_backward with dropout on the GPU: sequence b's gradients are those of batch
+    entry b of a padded problem with the same seed (the forward's keep-mask, regenerated)."""
+    cp = _cp()
+    lengths_q, lengths_k = [5, 0, 70, 33], [7, 3, 130, 12]
+    cu_q, cu_k = np.cumsum([0] + lengths_q).astype(np.int32), np.cumsum([0] + lengths_k).astype(np.int32)
+    hq, hk = 4, 2
+    q = rng.standard_normal((cu_q[-1], hq, headdim)).astype(np.float16)
+    k = rng.standard_normal((cu_k[-1], hk, headdim)).astype(np.float16)
+    v = rng.standard_normal((cu_k[-1], hk, headdim)).astype(np.float16)
+    run = dict(dropout_p=0.25, dropout_seed=(5, 9), causal=True, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    args = [cp.asarray(x) for x in (q, k, v)] + [cp.asarray(cu_q), cp.asarray(cu_k)]
+    out, lse = cuflash.attention_varlen(*args, return_lse=True, **run)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    grads = [_arrays.to_numpy(g).astype(np.float64)
+             for g in cuflash.attention_varlen_backward(cp.asarray(dout), *args[:3], out, lse, *args[3:], **run)]
+    mq, mk = max(lengths_q), max(lengths_k)
+    for b in (0, 2, 3):
+        keep = cuflash.dropout_mask((5, 9), (4, hq, mq, mk), 0.25)[b:b + 1, :, :lengths_q[b], :lengths_k[b]]
+        sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        opts = dict(causal=True, dropout_p=0.25, dropout_keep=keep)
+        refs = R.attention_backward_ref(dout[sq_][None], q[sq_][None], k[sk_][None], v[sk_][None], **opts)
+        naives = R.naive_attention_backward(dout[sq_][None], q[sq_][None], k[sk_][None], v[sk_][None], **opts)
+        for name, g, r, n, rows in zip(("dq", "dk", "dv"), grads, refs, naives, (sq_, sk_, sk_)):
+            R.assert_exact(g[rows][None], r, n, f"{name} of sequence {b}")

@@ -1,7 +1,7 @@
 """Additive bias, boolean masks, dropout and the LSE gradient (issue 23) against the float64
 oracle, with the exactness rule; every broadcast form, strided and stride-0 views, fully masked
-rows, causal and window with masks, GQA, every dtype of the NumPy path.  The GPU runs of the same
-bodies are skipped until the kernels take these options (NotAvailableOnGPU)."""
+rows, causal and window with masks, GQA, every dtype of the NumPy path, and the same bodies on the
+GPU (float16/bfloat16; tests/test_gpu_backward.py covers the GPU kernels' head dims)."""
 
 import ml_dtypes
 import numpy as np
@@ -166,26 +166,6 @@ def test_bad_backward_arguments(rng):
         cuflash.attention_backward(out, q, k, v, out, lse, dlse=lse[:, :, :-1])
     with pytest.raises(TypeError, match="dlse"):
         cuflash.attention_backward(out, q, k, v, out, lse, dlse=lse.astype(np.float16))
-
-
-def test_the_gpu_refuses_what_it_cannot_do_yet(rng):
-    """The GPU forwards take bias, mask and dropout (tests/test_gpu_forward.py); the GPU backward
-    and attention_vjp with them do not yet, and say so before any work."""
-    if not _arrays.gpu_available():
-        pytest.skip("needs a GPU")
-    cp = _arrays.cupy_module()
-    q, k, v = (cp.asarray(x) for x in _qkv(rng, np.float16))
-    bias = cp.zeros((SQ, SK), cp.float32)
-    out, lse = cuflash.attention(q, k, v, bias=bias, return_lse=True)
-    with pytest.raises(TypeError, match="NumPy arrays only for now"):
-        cuflash.attention_backward(out, q, k, v, out, lse, bias=bias)
-    with pytest.raises(TypeError, match="NumPy arrays only for now"):
-        cuflash.attention_vjp(q, k, v, mask=cp.ones((SQ, SK), bool))
-    with pytest.raises(TypeError, match="NumPy arrays only for now"):
-        cuflash.attention_vjp(q, k, v, dropout_p=0.1, dropout_seed=1)
-    out, lse = cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, return_lse=True)
-    with pytest.raises(TypeError, match="NumPy arrays only for now"):
-        cuflash.attention_backward(out, q, k, v, out, lse, dropout_p=0.1, dropout_seed=1)
 
 
 def test_varlen_dropout_is_each_sequences_padded_mask(rng):

@@ -1,0 +1,63 @@
+// Score modifiers of one (batch, head) problem: an additive bias, a boolean mask and dropout, read
+// in place through their strides (params.cuh, the CUFLASH_MODS kernels).  Used by the forward's
+// score pipeline (softmax_tile.cuh) and by the backward's P and dS (score_grad.cuh, flash_bwd.cu),
+// so that both passes see the same scores and the same keep-mask.
+#pragma once
+#include "mma.cuh"
+#include "params.cuh"
+#include "philox.cuh"
+
+// The additive bias and boolean mask of one (batch, head) problem (params.cuh: CUFLASH_MODS
+// kernels), read in place through their strides, element by element (broadcast axes have stride 0:
+// the same bytes, from L1/L2).  Entries outside the problem (rows past sq, keys past sk) are never
+// read: bias 0 and hidden there.  Step 4 of the score pipeline of docs/conventions (after ALiBi,
+// before the causal/window masks); a mask entry of 0 hides the key like those masks.
+struct ScoreMods {
+    // Reads its pointers and strides from the kernel's parameters (a __grid_constant__ struct:
+    // constant-bank operands) at each use instead of holding them in registers through the main loop.
+    const FlashParams& p;
+    int b, h, sq, sk;
+
+    // The bias at (i, j) (0 outside the problem), and whether the mask hides (i, j).
+    __device__ __forceinline__ float bias(int i, int j) const {
+        if (!p.bias || i >= sq || j >= sk) return 0.f;
+        const long long at = b * p.bias_batch_stride + h * p.bias_head_stride + i * p.bias_row_stride + j * p.bias_col_stride;
+        if (p.bias_dtype == 0) return static_cast<const float*>(p.bias)[at];
+        const u16 x = static_cast<const u16*>(p.bias)[at];
+        return p.bias_dtype == 1 ? to_float<half_t>(x) : to_float<bf16_t>(x);
+    }
+    // Dropout on the probabilities of keys j, j + 1 (j even) of query row i, after the row
+    // statistics (the LSE ignores it): the dropped ones 0 (philox.cuh, the mask of
+    // cuflash.dropout_mask); the kept ones' 1 / (1 - p) is applied with 1 / l at the end
+    // (out_scale), so that P stays in [0, 1] in 16 bits.  One generator call gives the words of
+    // keys 4 (j >> 2) .. + 3.
+    __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
+    __device__ __forceinline__ void drop(int i, int j, float& p0, float& p1) const {
+        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
+                             static_cast<unsigned long long>(p.dropout_threshold)};
+        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
+        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const bool hi = j & 2;  // (no run-time index into w: it would go to local memory)
+        p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 : 0.f;
+        p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 : 0.f;
+    }
+    // The dropout factor of one probability (i, j) in the backward: 1 / (1 - p) if kept, else 0.
+    __device__ __forceinline__ float keep_scale(int i, int j) const {
+        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
+                             static_cast<unsigned long long>(p.dropout_threshold)};
+        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
+        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const unsigned word = (j & 2) ? ((j & 1) ? w.w[3] : w.w[2]) : ((j & 1) ? w.w[1] : w.w[0]);  // (no run-time index)
+        return key.keep(word) ? out_scale() : 0.f;
+    }
+    // The bias gradient: dS at (i, j) added to the float32 accumulator of dbias (p.dbias; strides 0
+    // on the bias's broadcast axes, which sum there: atomics, so not bitwise repeatable).
+    __device__ __forceinline__ void add_dbias(int i, int j, float ds) const {
+        if (!p.dbias || i >= sq || j >= sk) return;
+        atomicAdd(p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride + j * p.dbias_col_stride, ds);
+    }
+    __device__ __forceinline__ bool hides(int i, int j) const {
+        return p.mask && (i >= sq || j >= sk ||
+                          !p.mask[b * p.mask_batch_stride + h * p.mask_head_stride + i * p.mask_row_stride + j * p.mask_col_stride]);
+    }
+};
