@@ -325,14 +325,15 @@ def attention_backward(
         fp32 buffer of B·H·Sq·D floats with atomics, so dq may differ in the last bits from run
         to run; ``True`` computes dQ in a kernel of its own instead (no atomics, no buffer;
         about 10 % slower on an H200, see BENCHMARKS.md).  The CPU path and the other GPU kernels
-        are always repeatable.
+        are always repeatable, except the GPU's ``dbias``, which is summed with atomics.
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
         with the inputs or each other.
 
     dlse : array of lse's shape, optional
         Gradient of a loss through the returned LSE (dS gains P · dlse, since d lse_i / d s_ij
-        = P_ij); without it the LSE is not differentiated.  Float, NumPy path only for now.
+        = P_ij); without it the LSE is not differentiated.  float32 (float64 for float64 inputs),
+        the same kind of array as q.
     return_dbias : bool, default False
         Also return ``dbias`` (needs ``bias``).
 
@@ -343,7 +344,9 @@ def attention_backward(
         have dq = 0 and contribute nothing to dk, dv.
     dbias : array with bias's shape and dtype
         Only with ``return_dbias``: dS summed over the axes where bias has size 1 (accumulated
-        in float32, float64 for float32/float64 inputs).
+        in float32, float64 for float32/float64 inputs on the NumPy path; on the GPU in float32
+        with atomics, so not bitwise repeatable).  On the GPU, bias, mask and dropout run the
+        sm_80-style backward kernels (kernels/flash_bwd.cu) on every GPU, Hopper included.
 
     Raises
     ------
@@ -358,7 +361,10 @@ def attention_backward(
 {method}
     Backward: D = rowsum(dO ∘ O), P = exp(S - lse), dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
     dQ = scale · dS K, dK = scale · dSᵀ Q (FlashAttention-2, Algorithm 2), with the softcap
-    derivative ``1 - tanh²`` applied to dS.
+    derivative ``1 - tanh²`` applied to dS.  With dropout the keep-mask Z (scaled by 1/(1 - p)) is
+    regenerated from the seed, not stored: dV = (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D) (FlashAttention,
+    Dao et al. 2022, Algorithm 4); dbias = dS before the softcap derivative; dlse enters as
+    D - dlse.
     """
     dout, q, k, v, out, lse = (
         _arrays.as_array(x, n)
