@@ -545,6 +545,138 @@ def varlen_markdown(rows, env):
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------
+# The modifiers suite (issue 23): bias, key-padding mask and dropout, forward and backward, against
+# cuflash without them and against the peers that take a bias or mask.
+
+MODIFIER_CASES = ("bias", "key-padding", "dropout")
+
+
+def _modifier_inputs(case, batch, nheads, seqlen, causal, rng):
+    """cuflash's options for ``case``, the baseline's (the same call without the modifier; for key
+    padding, seqlens_k of the same valid lengths), and the peers' (additive bias, boolean mask,
+    dense where they need causal folded in) as CuPy arrays."""
+    if case == "bias":
+        bias = rng.standard_normal((1, nheads, seqlen, seqlen), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+        dense = bias
+        if causal:  # the peers take a bias or is_causal, not both
+            future = cp.triu(cp.ones((seqlen, seqlen), dtype=bool), 1)
+            dense = cp.where(future, cp.asarray(-cp.inf, dtype=cp.float32), bias.astype(cp.float32)).astype(bias.dtype)
+        return dict(bias=bias, causal=causal), dict(causal=causal), dict(bias=dense)
+    if case == "key-padding":
+        valid = cp.asarray(np.random.default_rng(1).integers(seqlen // 2, seqlen + 1, batch), dtype=cp.int32)
+        mask = cp.arange(seqlen)[None, None, None, :] < valid[:, None, None, None]  # (B, 1, 1, S)
+        dense = mask if not causal else mask & ~cp.triu(cp.ones((seqlen, seqlen), dtype=bool), 1)
+        return dict(mask=mask, causal=causal), dict(seqlens_k=valid, causal=causal), dict(mask=dense)
+    return (dict(dropout_p=0.1, dropout_seed=(1, 0), causal=causal), dict(causal=causal), None)
+
+
+def _modifier_peers(backward):
+    """torch SDPA (cuDNN and memory-efficient backends) with attn_mask, and JAX's cuDNN
+    dot_product_attention with bias= / mask=; each ``make(q, k, v, peer_opts) -> callable``
+    (backward: the gradient of q, k, v and, for a bias, of the bias)."""
+    peers = {}
+    found = _torch_sdpa()
+    if found is not None:
+        torch, SDPBackend, sdpa_kernel, sdpa = found
+
+        def torch_make(backend):
+            def make(q, k, v, opts):
+                grad = backward
+                tq, tk, tv = (torch.from_dlpack(x.swapaxes(1, 2)).detach().requires_grad_(grad) for x in (q, k, v))
+                mask = opts.get("bias", opts.get("mask"))
+                tm = torch.from_dlpack(mask).detach()
+                if grad and "bias" in opts:
+                    tm.requires_grad_()
+                if not grad:
+                    def call():
+                        with sdpa_kernel([backend]):
+                            return sdpa(tq, tk, tv, attn_mask=tm)
+                    return call
+                with sdpa_kernel([backend]):
+                    o = sdpa(tq, tk, tv, attn_mask=tm)
+                inputs = (tq, tk, tv) + ((tm,) if tm.requires_grad else ())
+                do = torch.randn_like(o)
+                return lambda: torch.autograd.grad(o, inputs, do, retain_graph=True)
+            return make
+
+        peers.update({"torch-cudnn": torch_make(SDPBackend.CUDNN_ATTENTION),
+                      "torch-efficient": torch_make(SDPBackend.EFFICIENT_ATTENTION)})
+    found = _gpu_jax()
+    if found is not None:
+        jax, jnp = found
+
+        def jax_make(q, k, v, opts):
+            jq, jk, jv = (jnp.from_dlpack(x) for x in (q, k, v))
+            extra = {name: jnp.from_dlpack(x) for name, x in opts.items()}
+
+            def fwd(a, b, c, *mod):
+                return jax.nn.dot_product_attention(a, b, c, implementation="cudnn", **dict(zip(extra, mod)))
+
+            if not backward:
+                return _jitted_call(jax, fwd, jq, jk, jv, *extra.values())
+            argnums = (0, 1, 2) + ((3,) if "bias" in extra else ())
+            grad = jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=argnums)
+            return _jitted_call(jax, grad, jq, jk, jv, *extra.values())
+
+        peers["jax-cudnn"] = jax_make
+    return peers
+
+
+def modifiers_suite(seqlens=(4096, 16384), headdim=128, tokens=16384, hidden=2048, backward=False, peers=None,
+                    progress=_plain_progress):
+    """Issue 23's speed rows: bf16, head dim 128, batch·seqlen = ``tokens``: a random (1, H, S, S)
+    bias, a (B, 1, 1, S) key-padding mask with valid lengths uniform in [S/2, S], and dropout 0.1,
+    causal and not, forward or backward.  Each row: cuflash with the modifier, cuflash without it
+    (key padding: seqlens_k of the same lengths) and the peers that take it, in TF/s of the full
+    S x S problem (so that the times compare)."""
+    peers = _modifier_peers(backward) if peers is None else peers
+    rows = []
+    configs = [(case, s, causal) for case in MODIFIER_CASES for s in seqlens for causal in (False, True)]
+    with progress(configs, "cuflash bench --suite modifiers") as configs:
+        for case, s, causal in configs:
+            batch, heads = max(1, tokens // s), hidden // headdim
+            rng = cp.random.default_rng(0)
+            q, k, v, dout = (rng.standard_normal((batch, s, heads, headdim), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+                             for _ in range(4))
+            opts, base, peer_opts = _modifier_inputs(case, batch, heads, s, causal, rng)
+            flops = attention_flops(batch, heads, s, s, headdim, causal, backward=backward)
+            row = dict(case=case, seqlen=s, causal=causal, batch=batch, nheads=heads)
+            for name, run_opts in (("cuflash", opts), ("cuflash-plain", base)):
+                out, lse = cuflash.attention(q, k, v, return_lse=True, **run_opts)
+                if backward:
+                    fn = lambda o=run_opts, out=out, lse=lse: cuflash.attention_backward(dout, q, k, v, out, lse, **o)  # noqa: E731
+                else:
+                    fn = lambda o=run_opts: cuflash.attention(q, k, v, **o)  # noqa: E731
+                row[name] = flops / time_gpu(fn) / 1e9
+            for name, make in (peers.items() if peer_opts is not None else ()):
+                try:
+                    row[name] = flops / time_gpu(make(q, k, v, peer_opts), reps=10) / 1e9
+                except Exception as exc:  # a backend that does not take this mask: report, keep going
+                    row[name], row[f"{name}_error"] = None, _error_text(exc)
+                cp.get_default_memory_pool().free_all_blocks()
+            rows.append(row)
+            _echo(row, progress)
+    return rows
+
+
+def modifiers_markdown(rows, env, backward=False):
+    fixed = ("case", "seqlen", "causal", "batch", "nheads", "cuflash", "cuflash-plain")
+    names = _systems(rows, fixed)
+    title = "backward" if backward else "forward"
+    lines = [f"Bias, key-padding mask, dropout ({title}), bf16, head dim 128, 16k tokens, TF/s of the full problem "
+             f"(GPU {env['gpu']}, {env['date']})", "",
+             "| case | seqlen | causal | cuflash | cuflash without it | " + " | ".join(names)
+             + " | cuflash / without | cuflash / best peer |", "|---|---|---|---|---|" + "---|" * (len(names) + 2)]
+    for r in rows:
+        best = max((r[n] for n in names if r.get(n)), default=None)
+        vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
+        lines.append(f"| {r['case']} | {r['seqlen']} | {r['causal']} | {r['cuflash']:.0f} | {r['cuflash-plain']:.0f} | "
+                     + " | ".join(vals) + f" | {r['cuflash'] / r['cuflash-plain']:.2f} | "
+                     + (f"{r['cuflash'] / best:.2f}" if best else "–") + " |")
+    return "\n".join(lines)
+
+
 def host_suite(calls=2000):
     """Host microseconds per warm call (no synchronisation) for cuflash.attention and for a bare
     launch of the same compiled kernel, plus NVRTC seconds per forward variant (cold, no cache)."""
@@ -602,7 +734,7 @@ def main(argv=None, progress=_plain_progress):
                                     "torch-efficient, jax-cudnn, fa3-jax)")
     ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
     ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
-    ap.add_argument("--suite", choices=("standard", "paper", "decode", "varlen", "host"), default="standard")
+    ap.add_argument("--suite", choices=("standard", "paper", "decode", "varlen", "host", "modifiers"), default="standard")
     ap.add_argument("--page-size", type=int, default=256, help="decode suite: also time a paged cache (0 = no)")
     ap.add_argument("--json")
     ap.add_argument("--markdown")
@@ -619,9 +751,12 @@ def main(argv=None, progress=_plain_progress):
         if args.json:
             Path(args.json).write_text(json.dumps(r, indent=1))
         return
-    if args.suite in ("decode", "varlen"):
+    if args.suite in ("decode", "varlen", "modifiers"):
         env = environment()
-        if args.suite == "decode":
+        if args.suite == "modifiers":
+            rows = modifiers_suite(backward=args.backward, peers={} if args.no_peers else None, progress=progress)
+            md = modifiers_markdown(rows, env, backward=args.backward)
+        elif args.suite == "decode":
             rows = decode_suite(peers={} if args.no_peers else None, page_size=args.page_size, progress=progress)
             md = decode_markdown(rows, env)
         else:

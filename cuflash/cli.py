@@ -439,12 +439,14 @@ def _check_sweep(dtypes, headdims, seqlens):
 
 
 @main.command()
-@click.option("--suite", type=click.Choice(["standard", "paper", "decode", "varlen", "host"]), default="standard",
-              show_default=True,
+@click.option("--suite", type=click.Choice(["standard", "paper", "decode", "varlen", "host", "modifiers"]),
+              default="standard", show_default=True,
               help="standard: the FlashAttention-2/3 sweep; paper: GPT-2 medium, standard vs cuflash; "
                    "decode: one token against a KV cache, TB/s; varlen: packed vs padded prefill; host: CPU "
-                   "microseconds per call and cold compile seconds.")
-@click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard suite).")
+                   "microseconds per call and cold compile seconds; modifiers: bias, key-padding mask and "
+                   "dropout against cuflash without them and the peers that take them.")
+@click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard and "
+                                               "modifiers suites).")
 @click.option("--dtypes", default="bf16,fp16", show_default=True,
               help="Comma list of bf16, fp16, fp32, fp64 (bfloat16, float16, float32, float64 also accepted); "
                    "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate (cuflash has no "
@@ -463,7 +465,8 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     dtypes = _check_sweep(dtypes, headdims, seqlens)
     if suite != "standard":
         ctx = click.get_current_context()
-        given = [f"--{name.replace('_', '-')}" for name in ("backward", "dtypes", "headdims", "seqlens", "plot_path")
+        fixed = ("dtypes", "headdims", "seqlens", "plot_path") + (("backward",) if suite != "modifiers" else ())
+        given = [f"--{name.replace('_', '-')}" for name in fixed
                  if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
         if given:
             options = ", ".join(given).replace("--plot-path", "--plot")

@@ -2,7 +2,7 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck, racecheck, synccheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [warm|tests|sanitize|raceprobe|host|bench|backward|decode|varlen|paper|firstcall|ab|smoke|tune|ring|ncu]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|raceprobe|host|bench|backward|decode|varlen|modifiers|paper|firstcall|ab|smoke|tune|ring|ncu]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
@@ -90,6 +90,9 @@ for stage in $stages; do
       tail -n 25 "$OUT/smoke.log" ;;
     decode) bench_stage decode ${DECODE_TIMEOUT:-150} --suite decode ;;
     varlen) bench_stage varlen ${VARLEN_TIMEOUT:-90} --suite varlen ;;
+    modifiers)  # issue 23: bias, key-padding mask, dropout against cuflash without them and the peers
+      bench_stage modifiers ${MODIFIERS_TIMEOUT:-150} --suite modifiers
+      bench_stage modifiers_bwd ${MODIFIERS_TIMEOUT:-150} --suite modifiers --backward ;;
     paper) bench_stage paper ${PAPER_TIMEOUT:-60} --suite paper ;;
     ring)  # issue 25 on a machine with 2+ GPUs (nvidia-h200-x2/x4): exactness, weak/strong scaling, transfers
       NCCL_NVLS_ENABLE=0 timeout ${RING_TIMEOUT:-420} $PY scripts/ring_scaling.py ${RING_ARGS:-} --markdown "$OUT/ring.md" \
