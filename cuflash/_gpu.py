@@ -536,7 +536,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
     grads = (dq, dk, dv) views, written in full (packed: pre-zeroed, and the rows of sequences
     with malformed offsets set to NaN first, kernels/varlen_tail.cu).  ``tail_only`` (packed):
     only that check and fill, for calls with no row to differentiate (max_seqlen_* = 0).
-    Bias, mask and dropout run flash_bwd.cu's CUFLASH_MODS kernels on every GPU; ``dlse`` (the
+    Bias, mask and dropout run the CUFLASH_MODS kernels of either; ``dlse`` (the
     LSE's gradient) is subtracted from D; ``dbias`` (bias's shape) is written in full."""
     cp = _cp()
     dtype = _check_gpu_dtype(q)
@@ -557,8 +557,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
         mods = 2 if p.dropout is not None else int(p.bias is not None or p.mask is not None)
         variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, mods=mods, smem_limit=_smem_limit(device))
-        main = (_hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic),
-                                _kernels.sm90_bwd_variant) if not mods else None) or variant
+        main = _hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic, mods=mods),
+                               _kernels.sm90_bwd_variant) or variant
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
                         alibi_slopes=p.alibi_slopes)
         indices = dict(seqlens_k=p.seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

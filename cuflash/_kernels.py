@@ -230,7 +230,7 @@ SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
 
 @functools.lru_cache(maxsize=None)
 def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
-                     deterministic: bool = False) -> Variant | None:
+                     deterministic: bool = False, mods: int = 0) -> Variant | None:
     """The wgmma backward kernels for ``headdim``'s bucket: ``<name>_dkdv_dq`` +
     ``<name>_dq_convert`` (atomic fp32 dQ), or with ``deterministic`` ``<name>_dq`` +
     ``<name>_dkdv`` (a module of their own, so a first call compiles only what it launches; the
@@ -243,14 +243,16 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     if d not in SM90_BWD_TILES or (d > 128 and deterministic):
         return None
     inner, wgs, min_blocks = SM90_BWD_TILES[d]
+    if mods:  # (bias/mask/dropout at d64: three blocks' 168 registers spilled 64-152 bytes, two blocks' 255 none)
+        min_blocks = min(min_blocks, 2)
     col_split = d > 128
     name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
-            + "_alibi" * alibi + "_det" * deterministic)
+            + "_alibi" * alibi + "_det" * deterministic + _MODS_SUFFIX[mods])
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
         ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_DETERMINISTIC", int(deterministic)),
-        ("CUFLASH_COL_SPLIT", int(col_split)),
+        ("CUFLASH_COL_SPLIT", int(col_split)), ("CUFLASH_MODS", mods),
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
     # column split), two stages of two inner tiles, LSE and D of the _dkdv stages, the dS tile of
@@ -345,11 +347,12 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                         if mods and d in SM90_FWD_TILES:
                             out.append(sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods))
                     out += [bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)
-                            for mods in (0, 1, 2)]  # (bias/mask/dropout: flash_bwd.cu only, on every GPU)
+                            for mods in (0, 1, 2)]
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
                               for overlap in (True, False) if d in SM90_FWD_TILES]  # (other buckets run these)
-                    hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det)
-                               for det in (False, True) if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
+                    hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det, mods=mods)
+                               for det in (False, True) for mods in (0, 1, 2)
+                               if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant(),

@@ -18,6 +18,9 @@
 // past the head dim zero) with the warpgroups of a _dkdv_dq block splitting the columns of dK and
 // dV (whole, they do not fit in one warpgroup's registers): CUFLASH_COL_SPLIT.  Deterministic
 // d256 stays with flash_bwd.cu (its _dq kernel's tiles do not fit in shared memory).
+// CUFLASH_MODS as flash_bwd.cu's (score_mods.cuh): 1 bias and mask in P (natural units, against the
+// forward's LSE), the bias gradient added by the dK/dV kernel (in both dQ schemes it visits every
+// (query, key) pair once); 2 also dropout: dV += (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D).
 #include "params.cuh"
 #include "score_grad.cuh"
 #include "swizzled_tile.cuh"
@@ -52,6 +55,9 @@
 // columns (flash_bwd_dkdv_sm90's kColSplit).
 #ifndef CUFLASH_COL_SPLIT
 #define CUFLASH_COL_SPLIT 0
+#endif
+#ifndef CUFLASH_MODS
+#define CUFLASH_MODS 0  // 1: additive bias and boolean mask (score_mods.cuh); 2: and dropout
 #endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd_sm90
@@ -101,7 +107,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kAccD / 8][4], flo
     }
 }
 
-template <class T, int kD, int kBN, int kWG, bool kSoftcap, bool kAlibi>
+template <class T, int kD, int kBN, int kWG, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     constexpr int kBM = 64 * kWG, kThreads = 128 * kWG, kNT = kBN / 8;
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
@@ -132,11 +138,13 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
     const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
     const int r_lo = wg * 64 + wg_row(tid);  // block rows r_lo and r_lo + 8
-    float lse2[2], dsum[2];
+    const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
+    float lse2[2], dsum[2];  // (kMods: the LSE in natural units)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = r_lo + 8 * half;
-        lse2[half] = r < rows_valid ? lse_log2(p.lse[stat + r]) : __int_as_float(0x7f800000);
+        lse2[half] = r >= rows_valid ? __int_as_float(0x7f800000)
+                     : kMods ? lse_natural(p.lse[stat + r]) : lse_log2(p.lse[stat + r]);
         dsum[half] = r < rows_valid ? p.dsum[stat + r] : 0.f;
     }
 
@@ -185,10 +193,12 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                    float dcap;
-                    float pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
+                    float dcap, pr;
+                    if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], mods, dcap);
+                    else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                     if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
-                    s[nt][e] = pr * (dp[nt][e] - dsum[e / 2]) * dcap;  // dS, without the softmax scale
+                    const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(i, j) : dp[nt][e];
+                    s[nt][e] = pr * (dpz - dsum[e / 2]) * dcap;  // dS, without the softmax scale
                 }
         });
         u32 ds[kBN / 16][4];
@@ -211,14 +221,15 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 // head-dim columns of dK and dV (kD / kWG each), which do not fit in one warpgroup's registers
 // whole; each forms Sᵀ and dPᵀ of the 64 rows itself (the same values: 2 of the 5 products done
 // twice), and dQ = dS K in 64-column slices.  Otherwise warpgroup w owns key rows [64 w, 64 w + 64).
-template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic, bool kColSplit>
+template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic, bool kColSplit, bool kMods,
+          bool kDropout>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
     constexpr int kDc = kColSplit ? kD / kWG : kD;  // the head-dim columns of dK and dV each warpgroup holds
     // (Where it spilled, visible() stays: d64's 168-register cap of three blocks per SM, the softcap
     // forms and the column split at d256 spilled 8-248 bytes with the range form; d128 went from 4-8 to 0.)
-    constexpr bool kRangeMask = kD == 128 && !kSoftcap && !kColSplit;
+    constexpr bool kRangeMask = kD == 128 && !kSoftcap && !kColSplit && !kMods;
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
     constexpr int kDqSlice = kColSplit ? 64 : kDqCols;  // ... in slices of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
@@ -228,7 +239,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
     unsigned char* sQ = sV + kTileKV;        // 2 stages of (kBM, kD)
     unsigned char* sdO = sQ + 2 * kTileQ;    // 2 stages of (kBM, kD)
-    float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units
+    float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units (kMods: natural)
     float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
     unsigned char* sdS = sdO + 2 * kTileQ + 1024;               // kDqAtomic: dSᵀ (kBN keys, kBM queries), swizzled
 
@@ -281,7 +292,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         cp_async_commit();
         const long long stat = seq.lse_row(p, b, h, m0);
         for (int r = tid; r < kBM; r += kThreads) {  // read after the barrier that publishes the stage
-            sLse2[stage * kBM + r] = r < rows_valid ? lse_log2(p.lse[stat + r]) : __int_as_float(0x7f800000);
+            sLse2[stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000)
+                                     : kMods ? lse_natural(p.lse[stat + r]) : lse_log2(p.lse[stat + r]);
             sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
         }
     };
@@ -295,6 +307,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     for (int t = 0, stage = 0; t < steps; ++t, stage ^= 1, cur = next, next.advance(tiles, group)) {
         const int h = step_head(cur), m0 = step_m0(cur);
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+        const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
         cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
@@ -334,7 +347,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             }
             auto prob_at = [&](int nt, int e, float& dcap) {
                 const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                const float pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
+                float pr;
+                if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], mods, dcap);
+                else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
                 if constexpr (!decltype(tile)::value) {
                     return pr;
                 } else if constexpr (kRangeMask) {
@@ -361,7 +376,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                 for (int e = 0; e < 4; ++e) {
                     float dcap = 1.f;
                     if constexpr (!kPDuringDp) st[nt][e] = prob_at(nt, e, dcap);
-                    dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dsum_at(nt, e)) * dcap;  // dSᵀ, without the softmax scale
+                    if constexpr (kMods) {
+                        const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                        const float z = kDropout ? mods.keep_scale(i, j) : 1.f;
+                        const float ds = st[nt][e] * (dpt[nt][e] * z - dsum_at(nt, e));  // d(loss)/d(final score)
+                        if (!kColSplit || wg == 0) mods.add_dbias(i, j, ds);  // (column split: both warpgroups hold it)
+                        dpt[nt][e] = ds * dcap;  // dSᵀ, without the softmax scale
+                        st[nt][e] *= z;  // (dropout: the P the forward multiplied V by)
+                    } else {
+                        dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dsum_at(nt, e)) * dcap;  // dSᵀ, without the softmax scale
+                    }
                 }
         });
         u32 pa[kBM / 16][4], dsa[kBM / 16][4];
@@ -439,15 +463,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
 // _dq + _dkdv (dQ summed in order, no atomics), 0 builds _dkdv_dq + _dq_convert (fp32 dQ atomics).
 #if CUFLASH_DETERMINISTIC
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dq_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0>(p);
+    flash_bwd_dq_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0,
+                      CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false, CUFLASH_COL_SPLIT != 0>(p);
+    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false, CUFLASH_COL_SPLIT != 0,
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
 }
 #else
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true, CUFLASH_COL_SPLIT != 0>(p);
+    flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true, CUFLASH_COL_SPLIT != 0,
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
 }
 
 // dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a

@@ -12,7 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import cuflash
 from cuflash import _arrays, _fastpath, _gpu, _kernels
+from cuflash import reference as R
 
 from .conftest import HAS_GPU, requires_gpu
 from .test_cpu import check_backward, check_varlen, make_qkv, varlen_inputs
@@ -271,3 +273,33 @@ def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, op
         opts["seqlens_k"] = cp.asarray(np.array([sk, 70], dtype=np.int32))
     q, k, v = make_qkv(rng, dtype, b, sq, sk, 6, 2, headdim)
     check_backward(cp, q, k, v, rng=rng, deterministic=backward_kernels, **opts)
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 200])
+@pytest.mark.parametrize("case", ["bias+mask", "dropout+bias"])
+def test_both_backward_kernels_with_bias_mask_dropout(rng, backward_kernels, headdim, case):
+    """Bias (with its gradient), mask and dropout in the Hopper backward (CUFLASH_MODS of
+    flash_bwd_sm90.cu, both dQ schemes; d200: the column-split kernel, whose deterministic form is
+    flash_bwd.cu's) and in the sm_80 one, against the float64 reference: GQA, causal, tails."""
+    cp = _arrays.cupy_module()
+    b, sq, sk, hq, hk = 2, 130, 257, 4, 2
+    q, k, v = make_qkv(rng, np.float16, b, sq, sk, hq, hk, headdim)
+    opts = dict(causal=True, bias=rng.standard_normal((b, 1, sq, sk)).astype(np.float32))
+    ref_opts = dict(opts)
+    if "mask" in case:
+        opts["mask"] = ref_opts["mask"] = rng.random((1, hq, sq, sk)) < 0.7
+    run = dict(opts)
+    if "dropout" in case:
+        run.update(dropout_p=0.15, dropout_seed=(9, 1))
+        ref_opts.update(dropout_p=0.15, dropout_keep=cuflash.dropout_mask((9, 1), (b, hq, sq, sk), 0.15))
+    gpu = {key: cp.asarray(x) if isinstance(x, np.ndarray) else x for key, x in run.items()}
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, **gpu)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    grads = cuflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, return_dbias=True,
+                                       deterministic=backward_kernels, **gpu)
+    refs = R.attention_backward_ref(dout, q, k, v, **ref_opts)
+    naives = R.naive_attention_backward(dout, q, k, v, **ref_opts)
+    for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), grads, refs, naives):
+        R.assert_exact(_arrays.to_numpy(g).astype(np.float64), r, n.astype(g.dtype) if name == "dbias" else n, name)
