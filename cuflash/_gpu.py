@@ -570,7 +570,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
                            indices=indices)
         _set_extents(prm, p, q, k, packed)
         keep_mods = _set_mods(prm, p)  # noqa: F841 (alive until the launches are queued)
-        dbias_acc = _dbias_accumulator(prm, dbias)
+        dbias_acc, dbias_of = _dbias_accumulator(prm, p, dbias, deterministic)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm))
         tile = main.threads // 2  # rows per block: 16 per warp (flash_bwd.cu), 64 per warpgroup (Hopper)
@@ -601,7 +601,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             rows = pre.batch * pre.seqlen_q * pre.nheads_q
             _kernels.get_function(dsum_kernel, device)(((rows + 7) // 8,), (256,), (_pointer(pre),))
             if dlse is not None:  # dS = P (dP - D + dlse): the LSE's gradient joins D
-                dsum -= dlse
+                dsum -= cp.where(cp.isneginf(lse), 0, dlse)  # (rows with no key stay 0, whatever dlse says)
 
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
@@ -611,23 +611,27 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             if g_x is not g_out:
                 g_out[...] = g_x[..., : g_out.shape[-1]]
         if dbias is not None:
-            dbias[...] = dbias_acc.reshape(dbias.shape)
+            dbias[...] = dbias_of().reshape(dbias.shape)
         if q_sign != 1.0:
             grads[0][...] = grads[0] * q_sign  # -dq, or 0 (NaN rows of bad metadata stay NaN)
 
 
-def _dbias_accumulator(prm, dbias):
-    """A float32 zero buffer of dbias's shape (lifted to four axes) for flash_bwd.cu to add dS into,
-    its strides 0 on axes where the bias broadcasts (size 1), so that they sum there; None
-    without dbias."""
+def _dbias_accumulator(prm, p, dbias, deterministic):
+    """A float32 zero buffer for flash_bwd.cu to add dS into (None without dbias), and the dbias it
+    gives.  Default: dbias's shape lifted to four axes, strides 0 on the axes where the bias
+    broadcasts (size 1), so that the atomics sum there.  ``deterministic`` with a broadcast axis:
+    the full (batch, heads, seqlen_q, seqlen_k) dS (each element added once, to 0: exact), summed
+    over those axes by CuPy in a fixed order afterwards; 4 bytes per score of memory."""
     if dbias is None:
-        return None
+        return None, None
     shape = (1,) * (4 - dbias.ndim) + tuple(dbias.shape)
-    acc = _cp().zeros(shape, dtype=np.float32)
+    full = (p.batch, p.nheads_q, p.seqlen_q, p.seqlen_k)
+    summed = tuple(axis for axis in range(4) if shape[axis] == 1 and full[axis] > 1)
+    acc = _cp().zeros(full if deterministic and summed else shape, dtype=np.float32)
     prm.dbias = acc.data.ptr
-    for axis, size, stride in zip(("batch", "head", "row", "col"), shape, acc.strides):
+    for axis, size, stride in zip(("batch", "head", "row", "col"), acc.shape, acc.strides):
         setattr(prm, f"dbias_{axis}_stride", 0 if size == 1 else stride // 4)
-    return acc
+    return acc, (lambda: acc.sum(axis=summed, keepdims=True) if acc.shape != shape else acc)
 
 
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="attention_backward", dlse=None,

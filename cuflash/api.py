@@ -328,7 +328,9 @@ def attention_backward(
         fp32 buffer of B·H·Sq·D floats with atomics, so dq may differ in the last bits from run
         to run; ``True`` computes dQ in a kernel of its own instead (no atomics, no buffer;
         about 10 % slower on an H200, see BENCHMARKS.md).  The CPU path and the other GPU kernels
-        are always repeatable, except the GPU's ``dbias``, which is summed with atomics.
+        are always repeatable; the GPU's ``dbias`` too, by summing a full-size float32 dS over the
+        bias's broadcast axes afterwards (4 bytes per score; without ``deterministic`` atomics sum
+        them in place).
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
         with the inputs or each other.
@@ -347,8 +349,8 @@ def attention_backward(
         have dq = 0 and contribute nothing to dk, dv.
     dbias : array with bias's shape and dtype
         Only with ``return_dbias``: dS summed over the axes where bias has size 1 (accumulated
-        in float32, float64 for float32/float64 inputs on the NumPy path; on the GPU in float32
-        with atomics, so not bitwise repeatable).  On the GPU, bias, mask and dropout run the
+        in float32, float64 for float32/float64 inputs on the NumPy path; on the GPU in float32,
+        with atomics unless ``deterministic``).  On the GPU, bias, mask and dropout run the
         sm_80-style backward kernels (kernels/flash_bwd.cu) on every GPU, Hopper included.
 
     Raises
@@ -415,7 +417,9 @@ def attention_backward(
     V.check_out(lse, "lse", (p.batch, p.nheads_q, p.seqlen_q), lse_dtype(q.dtype), q)
     xp = _arrays.module_of(q)
     grads = []
-    inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
+    inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("bias", bias),
+              ("mask", mask), ("dlse", dlse))
+    inputs = tuple((name, x) for name, x in inputs if x is not None)
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         given = V.check_output_buffer(given, name, like.shape, like.dtype, q, inputs)
         inputs += ((name, given),)

@@ -56,9 +56,10 @@ struct ScoreMods {
         return key.keep(word) ? out_scale() : 0.f;
     }
     // The bias gradient: dS at (i, j) added to the float32 accumulator of dbias (p.dbias; strides 0
-    // on the bias's broadcast axes, which sum there: atomics, so not bitwise repeatable).
+    // on the bias's broadcast axes, which sum there: atomics, not bitwise repeatable; with
+    // deterministic=True the host gives a full-size buffer, each element added once, to 0).
     __device__ __forceinline__ void add_dbias(int i, int j, float ds) const {
-        if (!p.dbias || i >= sq || j >= sk) return;
+        if (!p.dbias || i >= sq || j >= sk || ds == 0.f) return;  // (hidden and dropped entries add nothing)
         atomicAdd(p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride + j * p.dbias_col_stride, ds);
     }
     __device__ __forceinline__ bool hides(int i, int j) const {

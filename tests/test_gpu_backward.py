@@ -249,3 +249,31 @@ def test_varlen_dropout_backward_numbers_each_sequence_from_zero(rng, headdim):
         naives = R.naive_attention_backward(dout[sq_][None], q[sq_][None], k[sk_][None], v[sk_][None], **opts)
         for name, g, r, n, rows in zip(("dq", "dk", "dv"), grads, refs, naives, (sq_, sk_, sk_)):
             R.assert_exact(g[rows][None], r, n, f"{name} of sequence {b}")
+
+
+def test_dbias_deterministic_and_dlse_on_rows_with_no_key(rng):
+    """From a review: with deterministic=True a broadcast bias's gradient is bitwise repeatable (a
+    full-size dS summed afterwards, no atomics on shared addresses); a non-finite dlse on a row that
+    sees no key leaves the gradients finite (that row's P is 0: the reference's 0, not 0 x inf)."""
+    cp = _cp()
+    b, sq, sk, h = 2, 65, 300, 4
+    q, k, v = make_qkv(rng, np.float16, b, sq, sk, h, h, 64)
+    bias = np.where(rng.random((b, 1, 1, sk)) < 0.3, -np.inf, 0.0).astype(np.float32)  # key padding
+    mask = np.ones((b, 1, sq, sk), bool)
+    mask[0, 0, 7] = False  # row 7 of batch entry 0 sees no key
+    gpu = dict(bias=cp.asarray(bias), mask=cp.asarray(mask))
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, **gpu)
+    dout = rng.standard_normal(out.shape).astype(np.float16)
+    dlse = rng.standard_normal(lse.shape).astype(np.float32)
+    dlse_bad = dlse.copy()
+    dlse_bad[0, :, 7] = np.inf
+    runs = [cuflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, dlse=cp.asarray(dlse_bad),
+                                       return_dbias=True, deterministic=True, **gpu) for _ in range(3)]
+    for again in runs[1:]:
+        for g, h_ in zip(runs[0], again):
+            assert np.array_equal(g.get().view(np.uint8), h_.get().view(np.uint8))
+    refs = R.attention_backward_ref(dout, q, k, v, dlse=dlse, bias=bias, mask=mask)
+    naives = R.naive_attention_backward(dout, q, k, v, dlse=dlse, bias=bias, mask=mask)
+    for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), runs[0], refs, naives):
+        R.assert_exact(_arrays.to_numpy(g).astype(np.float64), r, n.astype(g.dtype) if name == "dbias" else n, name)

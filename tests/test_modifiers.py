@@ -264,3 +264,19 @@ def test_reference_gives_nan_lse_on_a_nan_row(value):
     assert np.isnan(lse[0, 0, 0]) and np.isnan(out[0, 0]).all() and np.isfinite(lse[0, 0, 1])
     got, got_lse = cuflash.attention(q, k, k, bias=bias, return_lse=True)
     assert np.isnan(got_lse[0, 0, 0]) and np.isnan(got[0, 0]).all()
+
+
+def test_gradient_buffers_may_not_overlap_bias_mask_or_dlse(rng):
+    """From a review: the backward reads bias, mask and dlse while it writes dq, dk, dv, so a
+    gradient buffer sharing their memory is refused like one sharing q's."""
+    q, k, v = _qkv(rng, np.float32)
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
+    store = np.zeros(B * HQ * SQ * SK + q.size, np.float32)
+    bias = store[:B * HQ * SQ * SK].reshape(B, HQ, SQ, SK)
+    dq = store[:q.size].reshape(q.shape)
+    with pytest.raises(ValueError, match="dq overlaps bias"):
+        cuflash.attention_backward(out, q, k, v, out, lse, bias=bias, dq=dq)
+    dlse = np.zeros(lse.size + q.size, np.float32)
+    with pytest.raises(ValueError, match="dq overlaps dlse"):
+        cuflash.attention_backward(out, q, k, v, out, lse, dlse=dlse[:lse.size].reshape(lse.shape),
+                                   dq=dlse[:q.size].reshape(q.shape))
