@@ -171,7 +171,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table, cache_batch_idx,
-                           seq_bad, p.bias, p.mask])
+                           seq_bad, p.bias, p.mask, p.dropout_seed_array])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
         q, scale, _ = _positive_scale(p, q)
@@ -255,6 +255,9 @@ def _set_mods(prm, p):
         prm.dropout_seed, prm.dropout_offset = (v - 2**64 if v >= 2**63 else v for v in (seed, offset))  # the same 64 bits
         prm.dropout_threshold, prm.dropout_first_batch = keep_threshold(rate), first
         prm.dropout_scale = 1.0 / (1.0 - rate)
+        if p.dropout_seed_array is not None:  # read by the kernels (ScoreMods::dropout_key)
+            keep.append(p.dropout_seed_array)
+            prm.dropout_seed_ptr = p.dropout_seed_array.data.ptr
     return keep
 
 
@@ -541,7 +544,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
     cp = _cp()
     dtype = _check_gpu_dtype(q)
     device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, p.bias, p.mask,
-                           dlse, dbias])
+                           p.dropout_seed_array, dlse, dbias])
     with cp.cuda.Device(device):
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
         q, scale, q_sign = _positive_scale(p, q)  # dq is mapped back below

@@ -12,7 +12,7 @@ _POINTERS = (
     "cache_batch_idx", "seq_bad", "error_word", "offsets_first_bad",
     "dout", "dq", "dk", "dv", "dsum", "dq_accum",
     "block_table", "out_accum", "lse_accum", "split_counters", "k_new", "v_new",
-    "bias", "mask", "dbias",
+    "bias", "mask", "dbias", "dropout_seed_ptr",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",

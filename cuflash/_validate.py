@@ -54,6 +54,7 @@ class AttnProblem:
     bias: Any = None  # None or a float array broadcastable to (batch, nheads_q, seqlen_q, seqlen_k)
     mask: Any = None  # None or a bool array broadcastable likewise (True = attend)
     dropout: Any = None  # None or (dropout_p, seed, offset, first batch index), dropout_p > 0 (cuflash/dropout.py)
+    dropout_seed_array: Any = None  # a GPU (2,) int64 (seed, offset) the kernels read (seed and offset above 0)
     precision: str = "ieee"  # or "tf32": float32 products on TF32 operands (cuflash/_precision.py)
 
     @property
@@ -294,19 +295,24 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
         if name == "bias":
             _check_bias_range(x, p.dtype)
     dropout = None
-    from .dropout import check_dropout_p, seed_and_offset
+    from .dropout import check_dropout_p, device_seed, seed_and_offset
 
     rate = check_dropout_p(dropout_p)
+    seed_array = device_seed(dropout_seed)  # (checked without reading it)
+    if seed_array is not None and not _arrays.is_gpu(q):
+        raise TypeError("dropout_seed is a GPU array: it needs GPU inputs (q, k, v); pass an int or a (seed, offset) "
+                        "pair for NumPy inputs")
     if rate > 0:
         if dropout_seed is None:
             raise ValueError("dropout_p > 0 needs a dropout_seed (an int or a (seed, offset) pair): the backward "
                              "pass regenerates the same mask from it")
-        dropout = (rate, *seed_and_offset(dropout_seed), 0)
-    elif dropout_seed is not None:
+        dropout = (rate, 0, 0, 0) if seed_array is not None else (rate, *seed_and_offset(dropout_seed), 0)
+    elif dropout_seed is not None and seed_array is None:
         seed_and_offset(dropout_seed)  # still a valid seed
     if bias is None and mask is None and dropout is None:
         return p
-    return dataclasses.replace(p, bias=bias, mask=mask, dropout=dropout)
+    return dataclasses.replace(p, bias=bias, mask=mask, dropout=dropout,
+                               dropout_seed_array=seed_array if dropout is not None else None)
 
 
 def _check_bias_range(bias, dtype) -> None:

@@ -58,7 +58,10 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         Seed, or (seed, offset), of the keep-mask, a pure function of the seed and of the
         element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10;
         the GPU kernels draw the same mask); required with ``dropout_p > 0``, and the same value
-        must go to the backward (on CuPy arrays the backward does not take dropout yet)."""
+        must go to the backward.  With GPU inputs it may be a contiguous CuPy int64 (or uint64)
+        array of shape (2,), read by the kernels on the device (its 64 bits as unsigned; never
+        copied to the host), so that a captured CUDA graph replays with the values written there
+        since."""
 
 _METHOD_DOC = """\
     Tiled exact attention with an online softmax (Dao et al., "FlashAttention", NeurIPS 2022, §3.1;
@@ -471,8 +474,11 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)
-    if isinstance(options.get("dropout_seed"), np.ndarray):  # the keep-mask of this forward, even if the
-        options["dropout_seed"] = tuple(int(x) for x in options["dropout_seed"])  # array advances later
+    seed = options.get("dropout_seed")  # the keep-mask of this forward, even if the array advances later:
+    if isinstance(seed, np.ndarray):
+        options["dropout_seed"] = tuple(int(x) for x in seed)
+    elif _arrays.is_gpu(seed):  # a copy in stream order (no host read)
+        options["dropout_seed"] = seed.copy()
     with_bias = options.get("bias") is not None
 
     def vjp(dout, dlse=None):

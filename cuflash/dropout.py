@@ -59,10 +59,28 @@ def keep_threshold(dropout_p: float) -> int:
     return int(round((1.0 - float(dropout_p)) * 2.0**32))
 
 
+def device_seed(dropout_seed, name: str = "dropout_seed"):
+    """The seed when it is a GPU array (checked: a contiguous int64 or uint64 array of shape (2,),
+    (seed, offset), whose 64 bits the kernels read as unsigned on the device, so that the replays
+    of a captured graph see the values written there since), else None."""
+    from . import _arrays
+
+    if not _arrays.is_gpu(dropout_seed):
+        return None
+    if np.dtype(dropout_seed.dtype).name not in ("int64", "uint64"):
+        raise TypeError(f"{name} as a GPU array must be int64 or uint64 (seed, offset); got {dropout_seed.dtype}")
+    if tuple(dropout_seed.shape) != (2,) or not dropout_seed.flags.c_contiguous:
+        raise ValueError(f"{name} as a GPU array must be a contiguous array of shape (2,) (seed, offset); got shape "
+                         f"{tuple(dropout_seed.shape)}" + ("" if dropout_seed.flags.c_contiguous else ", not contiguous"))
+    return dropout_seed
+
+
 def seed_and_offset(dropout_seed, name: str = "dropout_seed"):
-    """(seed, offset) as Python ints from an int, an (int, int) pair or a NumPy integer array of
-    shape (2,) or () (a GPU array for the seed is not taken yet: issue 23 has the kernels read one on
-    the device, for captured graphs that advance it)."""
+    """(seed, offset) as Python ints from an int, an (int, int) pair or an integer array of shape
+    (2,) or () (a GPU array is read to the host here, its 64 bits as unsigned, as the kernels
+    read them)."""
+    if device_seed(dropout_seed, name) is not None:
+        return tuple(int(x) & (2**64 - 1) for x in dropout_seed.get().astype(np.uint64))
     if isinstance(dropout_seed, np.ndarray):
         if dropout_seed.dtype.kind not in "iu":
             raise TypeError(f"{name} as an array must hold integers, (seed, offset) of shape (2,) or a seed of "
@@ -101,9 +119,9 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
 
     Parameters
     ----------
-    dropout_seed : int, (int, int) or NumPy integer array of shape (2,)
+    dropout_seed : int, (int, int), or an integer array of shape (2,)
         The seed, or a (seed, offset) pair, as passed to :func:`cuflash.attention`; each in
-        [0, 2**64).
+        [0, 2**64) (a GPU array is read here, its entries as unsigned 64-bit values).
     shape : tuple of 4 ints
         (batch, nheads, seqlen_q, seqlen_k) of the attention probabilities.
     dropout_p : float

@@ -44,6 +44,8 @@ struct FlashParams {
     // Backward with a bias (flash_bwd.cu, CUFLASH_MODS kernels): dS accumulated into float32 at the
     // dbias strides below (0 on the bias's broadcast axes); null: no bias gradient.
     float* dbias;
+    // Dropout's (seed, offset) as a (2,) int64 GPU array read by the kernels (null: the values below).
+    const unsigned long long* dropout_seed_ptr;
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;

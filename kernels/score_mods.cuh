@@ -31,10 +31,16 @@ struct ScoreMods {
     // cuflash.dropout_mask); the kept ones' 1 / (1 - p) is applied with 1 / l at the end
     // (out_scale), so that P stays in [0, 1] in 16 bits.  One generator call gives the words of
     // keys 4 (j >> 2) .. + 3.
+    // The call's seed and offset: from the kernel parameters, or read on the device from a (2,)
+    // int64 array (dropout_seed_ptr: a captured graph's replays see the values written there since).
+    __device__ __forceinline__ DropoutKey dropout_key() const {
+        const unsigned long long seed = p.dropout_seed_ptr ? __ldg(p.dropout_seed_ptr) : p.dropout_seed;
+        const unsigned long long offset = p.dropout_seed_ptr ? __ldg(p.dropout_seed_ptr + 1) : p.dropout_offset;
+        return DropoutKey{seed, offset, static_cast<unsigned long long>(p.dropout_threshold)};
+    }
     __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
     __device__ __forceinline__ void drop(int i, int j, float& p0, float& p1) const {
-        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
-                             static_cast<unsigned long long>(p.dropout_threshold)};
+        const DropoutKey key = dropout_key();
         const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
         const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
         const bool hi = j & 2;  // (no run-time index into w: it would go to local memory)
@@ -43,8 +49,7 @@ struct ScoreMods {
     }
     // The dropout factor of one probability (i, j) in the backward: 1 / (1 - p) if kept, else 0.
     __device__ __forceinline__ float keep_scale(int i, int j) const {
-        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
-                             static_cast<unsigned long long>(p.dropout_threshold)};
+        const DropoutKey key = dropout_key();
         const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
         const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
         const unsigned word = (j & 2) ? ((j & 1) ? w.w[3] : w.w[2]) : ((j & 1) ? w.w[1] : w.w[0]);  // (no run-time index)

@@ -432,3 +432,40 @@ def test_paged_cache_with_no_pages(rng):
                                               return_lse=True)
     _expect_error("attention_with_kvcache", "block_table[0, 0]")
     assert np.isnan(out.get().astype(np.float32)).all() and np.isnan(lse.get()).all()
+
+
+def test_graph_replay_dropout_with_a_device_seed(rng):
+    """dropout_seed as a CuPy (2,) int64 array is read by the kernels on the device: a call equals
+    the call with the same (seed, offset) ints, bitwise, forward and backward; a captured forward +
+    backward replayed after new values are written into the array equals the eager call with them
+    (issue 23: inference and training steps captured once advance their dropout seed in place)."""
+    cp = _cp()
+    dtype = np.float16
+    q, k, v, dout = (cp.asarray(_rand(rng, s, dtype, 1.0)) for s in ((2, 130, 4, 64), (2, 200, 2, 64), (2, 200, 2, 64),
+                                                                       (2, 130, 4, 64)))
+    seeds = [(11, 4), (12, 4), (2**63 + 3, 2**40 + 1)]
+    seed = cp.asarray(np.array(seeds[0], dtype=np.uint64).view(np.int64))
+
+    def run(dropout_seed):
+        opts = dict(causal=True, dropout_p=0.2, dropout_seed=dropout_seed, bias=bias)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+        return (out, lse) + cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=True, **opts)[:3]
+
+    bias = cp.asarray(rng.standard_normal((1, 4, 130, 200)).astype(np.float32))
+    for got, want in zip(run(seed), run(seeds[0])):
+        assert np.array_equal(got.get().view(np.uint8), want.get().view(np.uint8))
+    current = [0]
+
+    def refill(i):
+        current[0] = i
+        seed[...] = cp.asarray(np.array(seeds[i], dtype=np.uint64).view(np.int64))
+
+    _replay_matches(lambda: run(seed), lambda: run(seeds[current[0]]), refill, lambda c: c, replays=9)
+    with pytest.raises(TypeError, match="GPU array"):
+        cuflash.attention(q.get(), k.get(), v.get(), dropout_p=0.2, dropout_seed=seed)
+    with pytest.raises(ValueError, match="shape"):
+        cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=cp.zeros(3, cp.int64))
+    with pytest.raises(TypeError, match="int64"):
+        cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=cp.zeros(2, cp.int32))
+    keep = cuflash.dropout_mask(seed, (2, 4, 130, 200), 0.2)  # read to the host: the mask of the seed's values
+    assert np.array_equal(keep, cuflash.dropout_mask(seeds[2], (2, 4, 130, 200), 0.2))
