@@ -109,19 +109,24 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         warp_gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
 #pragma unroll
-        for (int nt = 0; nt < kT / 8; ++nt)
+        for (int nt = 0; nt < kT / 8; ++nt) {
+            float z[2] = {1.f, 1.f};  // dropout: keys j, j + 1 of a row from one generator call, at the even e
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                if constexpr (kDropout) {
+                    if (e % 2 == 0) mods.keep_scales(i, j, z[0], z[1]);
+                }
                 float dcap, pr;
                 if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], mods, dcap);
                 else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                 if (masked && !seq.visible(i, j)) pr = 0.f;
-                const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(i, j) : dp[nt][e];
+                const float dpz = kDropout ? dp[nt][e] * z[e % 2] : dp[nt][e];
                 const float ds = pr * (dpz - dsum[e / 2]);  // d(loss)/d(final score)
                 if constexpr (kMods) mods.add_dbias(i, j, ds);
                 s[nt][e] = ds * dcap;  // dS, without the softmax scale
             }
+        }
         u32 ds[kT / 16][4];
         c_to_a<T, kT>(ds, s);
         warp_gemm_rb<T, kT, kD, kStride>(dq, ds, sK, lane);  // dQ += dS K

@@ -189,17 +189,22 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt) {
+                float z[2] = {1.f, 1.f};  // dropout: keys j, j + 1 of a row from one generator call, at the even e
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                    if constexpr (kDropout) {
+                        if (e % 2 == 0) mods.keep_scales(i, j, z[0], z[1]);
+                    }
                     float dcap, pr;
                     if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], mods, dcap);
                     else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                     if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
-                    const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(i, j) : dp[nt][e];
+                    const float dpz = kDropout ? dp[nt][e] * z[e % 2] : dp[nt][e];
                     s[nt][e] = pr * (dpz - dsum[e / 2]) * dcap;  // dS, without the softmax scale
                 }
+            }
         });
         u32 ds[kBN / 16][4];
         c_to_a<T, kBN>(ds, s);

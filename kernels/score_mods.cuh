@@ -47,6 +47,17 @@ struct ScoreMods {
         p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 : 0.f;
         p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 : 0.f;
     }
+    // The dropout factors of keys j, j + 1 (j even) of query row i in the backward, from one
+    // generator call (as drop()): 1 / (1 - p) where kept, else 0.
+    __device__ __forceinline__ void keep_scales(int i, int j, float& z0, float& z1) const {
+        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
+                             static_cast<unsigned long long>(p.dropout_threshold)};
+        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
+        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const bool hi = j & 2;  // (no run-time index into w)
+        z0 = key.keep(hi ? w.w[2] : w.w[0]) ? out_scale() : 0.f;
+        z1 = key.keep(hi ? w.w[3] : w.w[1]) ? out_scale() : 0.f;
+    }
     // The dropout factor of one probability (i, j) in the backward: 1 / (1 - p) if kept, else 0.
     __device__ __forceinline__ float keep_scale(int i, int j) const {
         const DropoutKey key = dropout_key();
