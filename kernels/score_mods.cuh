@@ -50,8 +50,7 @@ struct ScoreMods {
     // The dropout factors of keys j, j + 1 (j even) of query row i in the backward, from one
     // generator call (as drop()): 1 / (1 - p) where kept, else 0.
     __device__ __forceinline__ void keep_scales(int i, int j, float& z0, float& z1) const {
-        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
-                             static_cast<unsigned long long>(p.dropout_threshold)};
+        const DropoutKey key = dropout_key();
         const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
         const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
         const bool hi = j & 2;  // (no run-time index into w)
