@@ -37,7 +37,7 @@ def gpu_available() -> bool:
 def no_gpu_reason() -> str:
     """Why :func:`gpu_available` is False, for error messages: CuPy missing, or no GPU it sees."""
     if cupy_module() is None:
-        return "CuPy is not installed (pip install 'cuflash[cuda13]', or 'cuflash[cuda12]' for a CUDA 12 driver)"
+        return "CuPy is not installed (in a cuflash checkout: pip install -e '.[cuda13]', or '.[cuda12]' for a CUDA 12 driver)"
     return "no GPU visible to CuPy"
 
 

@@ -46,11 +46,11 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         Additive score bias (float16, bfloat16, float32 or float64), added after ALiBi and before
         the masks; e.g. (1, 1, Sq, Sk), (batch, 1, 1, Sk) key padding, (1, nheads, Sq, Sk).  Read
         through its strides, never materialised (a float64 bias on the GPU is read as a float32
-        copy of its own size).  On CuPy arrays: the forward of ``attention`` only, for now.
+        copy of its own size).  The backward needs the forward's bias (and mask, and dropout
+        arguments) again: nothing checks that they are the same.
     mask : bool array broadcastable likewise, optional
         True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
-        give output 0, LSE -inf and zero gradients.  On CuPy arrays: the forward of
-        ``attention`` only, for now.
+        give output 0, LSE -inf and zero gradients.
     dropout_p : float in [0, 1), default 0.0
         Dropout on the attention probabilities after the row statistics, kept values scaled by
         1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.
@@ -334,7 +334,6 @@ def attention_backward(
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
         with the inputs or each other.
-
     dlse : array of lse's shape, optional
         Gradient of a loss through the returned LSE (dS gains P · dlse, since d lse_i / d s_ij
         = P_ij); without it the LSE is not differentiated.  float32 (float64 for float64 inputs),

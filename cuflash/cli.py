@@ -470,7 +470,8 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
                  if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
         if given:
             options = ", ".join(given).replace("--plot-path", "--plot")
-            raise click.UsageError(f"{options}: only for the standard sweep; --suite {suite} runs fixed configurations")
+            raise click.UsageError(f"{options}: not for --suite {suite}, which runs fixed configurations (--backward: "
+                                   "standard and modifiers suites)")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):  # fail now, not after the sweep
         if path is not None:
             _check_writable(path, option)

@@ -230,5 +230,5 @@ def test_bench_without_a_gpu_says_why(monkeypatch, cupy_installed):
     monkeypatch.setattr(_arrays, "gpu_available", lambda: False)
     result = CliRunner().invoke(cli.main, ["bench"])
     assert result.exit_code != 0
-    expected = "no GPU visible to CuPy" if cupy_installed else "CuPy is not installed (pip install 'cuflash[cuda13]'"
+    expected = "no GPU visible to CuPy" if cupy_installed else "CuPy is not installed (in a cuflash checkout: pip install -e '.[cuda13]'"
     assert expected in result.output, result.output

@@ -29,7 +29,7 @@ def _nvrtc_or_skip():
     except Exception as exc:  # no CuPy, or CuPy without the NVRTC library
         if os.environ.get("CI"):
             pytest.fail(f"CI must compile the kernels, but NVRTC is unavailable: {exc}")
-        pytest.skip(f"NVRTC not available ({exc}); install cuflash[cuda12] or cuflash[cuda13]")
+        pytest.skip(f"NVRTC not available ({exc}); pip install -e '.[cuda13]' (or '.[cuda12]')")
 
 
 VARIANTS = _kernels.all_variants()
