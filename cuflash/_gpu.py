@@ -617,7 +617,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
 
 
 def _dbias_accumulator(prm, p, dbias, deterministic):
-    """A float32 zero buffer for flash_bwd.cu to add dS into (None without dbias), and the dbias it
+    """A float32 zero buffer for the backward kernels to add dS into (None without dbias), and the dbias it
     gives.  Default: dbias's shape lifted to four axes, strides 0 on the axes where the bias
     broadcasts (size 1), so that the atomics sum there.  ``deterministic`` with a broadcast axis:
     the full (batch, heads, seqlen_q, seqlen_k) dS (each element added once, to 0: exact), summed

@@ -350,7 +350,7 @@ def attention_backward(
         Only with ``return_dbias``: dS summed over the axes where bias has size 1 (accumulated
         in float32, float64 for float32/float64 inputs on the NumPy path; on the GPU in float32,
         with atomics unless ``deterministic``).  On the GPU, bias, mask and dropout run the
-        sm_80-style backward kernels (kernels/flash_bwd.cu) on every GPU, Hopper included.  They
+        CUFLASH_MODS forms of the backward kernels (Hopper's, and kernels/flash_bwd.cu elsewhere).  They
         form P from the saved LSE, so a row whose every visible score is of magnitude beyond
         ~1e7 (a bias near float32's lowest on all its keys) gets P = 1 per key instead of 1/n
         (its LSE has lost ln n); its gradients are then wrong unless that row's dout and dlse

@@ -1,6 +1,7 @@
 // Score modifiers of one (batch, head) problem: an additive bias, a boolean mask and dropout, read
 // in place through their strides (params.cuh, the CUFLASH_MODS kernels).  Used by the forward's
-// score pipeline (softmax_tile.cuh) and by the backward's P and dS (score_grad.cuh, flash_bwd.cu),
+// score pipeline (softmax_tile.cuh) and by the backward's P and dS (score_grad.cuh, flash_bwd.cu and
+// flash_bwd_sm90.cu),
 // so that both passes see the same scores and the same keep-mask.
 #pragma once
 #include "mma.cuh"

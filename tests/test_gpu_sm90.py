@@ -277,7 +277,7 @@ def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, op
 
 @requires_hopper
 @pytest.mark.parametrize("headdim", [64, 128, 200])
-@pytest.mark.parametrize("case", ["bias+mask", "dropout+bias"])
+@pytest.mark.parametrize("case", ["bias+mask", "dropout+bias", "softcap+bias"])
 def test_both_backward_kernels_with_bias_mask_dropout(rng, backward_kernels, headdim, case):
     """Bias (with its gradient), mask and dropout in the Hopper backward (CUFLASH_MODS of
     flash_bwd_sm90.cu, both dQ schemes; d200: the column-split kernel, whose deterministic form is
@@ -289,6 +289,8 @@ def test_both_backward_kernels_with_bias_mask_dropout(rng, backward_kernels, hea
     ref_opts = dict(opts)
     if "mask" in case:
         opts["mask"] = ref_opts["mask"] = rng.random((1, hq, sq, sk)) < 0.7
+    if "softcap" in case:  # dbias is dS before the softcap derivative, dQ and dK after it
+        opts["softcap"] = ref_opts["softcap"] = 5.0
     run = dict(opts)
     if "dropout" in case:
         run.update(dropout_p=0.15, dropout_seed=(9, 1))
