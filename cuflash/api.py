@@ -61,7 +61,7 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         must go to the backward.  With GPU inputs it may be a contiguous CuPy int64 (or uint64)
         array of shape (2,), read by the kernels on the device (its 64 bits as unsigned; never
         copied to the host), so that a captured CUDA graph replays with the values written there
-        since."""
+        since; the array must then live as long as the graph."""
 
 _METHOD_DOC = """\
     Tiled exact attention with an online softmax (Dao et al., "FlashAttention", NeurIPS 2022, §3.1;
@@ -476,8 +476,9 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     seed = options.get("dropout_seed")  # the keep-mask of this forward, even if the array advances later:
     if isinstance(seed, np.ndarray):
         options["dropout_seed"] = tuple(int(x) for x in seed)
-    elif _arrays.is_gpu(seed):  # a copy in stream order (no host read)
-        options["dropout_seed"] = seed.copy()
+    elif _arrays.is_gpu(seed):  # a copy in stream order (no host read), on the seed's own device
+        with seed.device:
+            options["dropout_seed"] = seed.copy()
     with_bias = options.get("bias") is not None
 
     def vjp(dout, dlse=None):

@@ -69,9 +69,10 @@ def device_seed(dropout_seed, name: str = "dropout_seed"):
         return None
     if np.dtype(dropout_seed.dtype).name not in ("int64", "uint64"):
         raise TypeError(f"{name} as a GPU array must be int64 or uint64 (seed, offset); got {dropout_seed.dtype}")
-    if tuple(dropout_seed.shape) != (2,) or not dropout_seed.flags.c_contiguous:
+    if tuple(dropout_seed.shape) != (2,) or not dropout_seed.flags.c_contiguous or dropout_seed.data.ptr % 8:
         raise ValueError(f"{name} as a GPU array must be a contiguous array of shape (2,) (seed, offset); got shape "
-                         f"{tuple(dropout_seed.shape)}" + ("" if dropout_seed.flags.c_contiguous else ", not contiguous"))
+                         f"{tuple(dropout_seed.shape)}" + ("" if dropout_seed.flags.c_contiguous else ", not contiguous")
+                         + (", not 8-byte aligned" if dropout_seed.data.ptr % 8 else ""))
     return dropout_seed
 
 

@@ -454,6 +454,16 @@ def test_graph_replay_dropout_with_a_device_seed(rng):
     bias = cp.asarray(rng.standard_normal((1, 4, 130, 200)).astype(np.float32))
     for got, want in zip(run(seed), run(seeds[0])):
         assert np.array_equal(got.get().view(np.uint8), want.get().view(np.uint8))
+    plain = cuflash.attention(q, k, v, causal=True, bias=bias)  # (dropout really ran in both)
+    assert not np.array_equal(run(seed)[0].get(), plain.get())
+    for deterministic in (False,):  # the Hopper _dkdv_dq form too: dq by atomics, the rest bitwise
+        opts = dict(causal=True, dropout_p=0.2, dropout_seed=seed, bias=bias)
+        out, lse = cuflash.attention(q, k, v, return_lse=True, **opts)
+        got = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic, **opts)
+        want = cuflash.attention_backward(dout, q, k, v, out, lse, deterministic=deterministic,
+                                          **dict(opts, dropout_seed=seeds[0]))
+        assert all(np.array_equal(g.get().view(np.uint8), w.get().view(np.uint8)) for g, w in zip(got[1:], want[1:]))
+        np.testing.assert_allclose(got[0].get().astype(np.float32), want[0].get().astype(np.float32), atol=2e-3)
     current = [0]
 
     def refill(i):
@@ -467,5 +477,8 @@ def test_graph_replay_dropout_with_a_device_seed(rng):
         cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=cp.zeros(3, cp.int64))
     with pytest.raises(TypeError, match="int64"):
         cuflash.attention(q, k, v, dropout_p=0.2, dropout_seed=cp.zeros(2, cp.int32))
+    with pytest.raises(ValueError, match="aligned"):
+        cuflash.attention(q, k, v, dropout_p=0.2,
+                          dropout_seed=cp.ndarray((2,), dtype=cp.int64, memptr=cp.zeros(24, cp.uint8).data + 4))
     keep = cuflash.dropout_mask(seed, (2, 4, 130, 200), 0.2)  # read to the host: the mask of the seed's values
     assert np.array_equal(keep, cuflash.dropout_mask(seeds[2], (2, 4, 130, 200), 0.2))
