@@ -31,22 +31,28 @@ struct ScoreMods {
     // cuflash.dropout_mask); the kept ones' 1 / (1 - p) is applied with 1 / l at the end
     // (out_scale), so that P stays in [0, 1] in 16 bits.  One generator call gives the words of
     // keys 4 (j >> 2) .. + 3.
+    // The call's seed, offset and keep threshold, and the generator's words of keys 4 (j >> 2) .. + 3
+    // of query row i of this problem (batch entries numbered from dropout_first_batch).
+    __device__ __forceinline__ DropoutKey dropout_key() const {
+        return DropoutKey{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
+                          static_cast<unsigned long long>(p.dropout_threshold)};
+    }
+    __device__ __forceinline__ PhiloxWords dropout_words(const DropoutKey& key, int i, int j) const {
+        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
+        return key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+    }
     __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
     __device__ __forceinline__ void drop(int i, int j, float& p0, float& p1) const {
-        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
-                             static_cast<unsigned long long>(p.dropout_threshold)};
-        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const DropoutKey key = dropout_key();
+        const PhiloxWords w = dropout_words(key, i, j);
         const bool hi = j & 2;  // (no run-time index into w: it would go to local memory)
         p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 : 0.f;
         p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 : 0.f;
     }
     // The dropout factor of one probability (i, j) in the backward: 1 / (1 - p) if kept, else 0.
     __device__ __forceinline__ float keep_scale(int i, int j) const {
-        const DropoutKey key{static_cast<unsigned long long>(p.dropout_seed), static_cast<unsigned long long>(p.dropout_offset),
-                             static_cast<unsigned long long>(p.dropout_threshold)};
-        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const DropoutKey key = dropout_key();
+        const PhiloxWords w = dropout_words(key, i, j);
         const unsigned word = (j & 2) ? ((j & 1) ? w.w[3] : w.w[2]) : ((j & 1) ? w.w[1] : w.w[0]);  // (no run-time index)
         return key.keep(word) ? out_scale() : 0.f;
     }
