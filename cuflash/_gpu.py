@@ -179,8 +179,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         direct = out.shape[-1] == dv8 and _aligned(out)
         ox = out if direct else (cp.zeros if tail_only else cp.empty)(out.shape[:-1] + (dv8,), dtype=out.dtype)
         decode = not packed and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
-        features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None,  # mods: _kernels._MODS_SUFFIX
-                        mods=2 if p.dropout is not None else int(p.bias is not None or p.mask is not None))
+        features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, mods=_mods_level(p))
         variant = _hopper_variant(device, dtype, max(d8, dv8), features) if not decode else None
         if variant is None:
             variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
@@ -224,6 +223,11 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
 
 
 _BIAS_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+
+def _mods_level(p) -> int:
+    """The kernels' CUFLASH_MODS for ``p`` (_kernels._MODS_SUFFIX): 0 none, 1 bias and/or mask, 2 dropout too."""
+    return 2 if p.dropout is not None else int(p.bias is not None or p.mask is not None)
 
 
 def _set_mods(prm, p):
@@ -558,7 +562,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             # (zeros: rows of a packed batch past its last sequence are written by no kernel)
             gx.append(g_out if direct else cp.zeros(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
-        mods = 2 if p.dropout is not None else int(p.bias is not None or p.mask is not None)
+        mods = _mods_level(p)
         variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, mods=mods, smem_limit=_smem_limit(device))
         main = _hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic, mods=mods),
                                _kernels.sm90_bwd_variant) or variant
@@ -637,7 +641,7 @@ def _dbias_accumulator(prm, p, dbias, deterministic):
 def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic, call="attention_backward", dlse=None,
              dbias=None):
     """Padded batch: bshd views; lse (B, H, Sq).  ``deterministic``: no atomics (bitwise repeatable;
-    the bias gradient is summed with atomics all the same).  ``dlse`` (B, H, Sq), ``dbias``: as
+    the bias gradient from a full-size dS, _dbias_accumulator).  ``dlse`` (B, H, Sq), ``dbias``: as
     cuflash._cpu.backward's."""
     _launch_attention_bwd(p, dout, q, k, v, out, lse, (dq, dk, dv), packed=False,
                           lse_strides=(p.nheads_q * p.seqlen_q, p.seqlen_q), deterministic=deterministic, call=call,

@@ -12,12 +12,12 @@ __device__ __forceinline__ float lse_log2(float lse) {
     return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse * kLog2e;
 }
 
-// P for one score, and d(final score)/d(scale·q·k) (the softcap derivative) in dcap.
+// seqinfo.cuh's final_score (scale, softcap, ALiBi; natural units), and d(final score)/d(scale·q·k)
+// (the softcap derivative) in dcap.
 template <bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ float prob(float qk, float scale, float softcap, float slope, int i, int j,
-                                      int offset, float lse2, float& dcap) {
+__device__ __forceinline__ float final_score_dcap(float qk, float scale, float softcap, float slope, int i, int j,
+                                                  int offset, float& dcap) {
     dcap = 1.f;
-    if constexpr (!kSoftcap && !kAlibi) return exp2f(fmaf(qk, scale * kLog2e, -lse2));  // one FFMA per score
     float s = qk * scale;
     if constexpr (kSoftcap) {
         const float t = tanhf(s / softcap);
@@ -25,7 +25,18 @@ __device__ __forceinline__ float prob(float qk, float scale, float softcap, floa
         dcap = 1.f - t * t;
     }
     if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
-    return exp2f(s * kLog2e - lse2);
+    return s;
+}
+
+// P for one score, and the softcap derivative in dcap.
+template <bool kSoftcap, bool kAlibi>
+__device__ __forceinline__ float prob(float qk, float scale, float softcap, float slope, int i, int j,
+                                      int offset, float lse2, float& dcap) {
+    if constexpr (!kSoftcap && !kAlibi) {
+        dcap = 1.f;
+        return exp2f(fmaf(qk, scale * kLog2e, -lse2));  // one FFMA per score
+    }
+    return exp2f(final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) * kLog2e - lse2);
 }
 
 // The row's LSE as prob_mods reads it: natural units (the forward's kNatural rows: a bias near
@@ -39,15 +50,7 @@ __device__ __forceinline__ float lse_natural(float lse) {
 template <bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ float prob_mods(float qk, float scale, float softcap, float slope, int i, int j,
                                            int offset, float lse, const ScoreMods& mods, float& dcap) {
-    dcap = 1.f;
-    float s = qk * scale;
-    if constexpr (kSoftcap) {
-        const float t = tanhf(s / softcap);
-        s = softcap * t;
-        dcap = 1.f - t * t;
-    }
-    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
-    s += mods.bias(i, j);
+    const float s = final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + mods.bias(i, j);
     return mods.hides(i, j) ? 0.f : exp2f((s - lse) * kLog2e);
 }
 

@@ -32,18 +32,23 @@ struct ScoreMods {
     // cuflash.dropout_mask); the kept ones' 1 / (1 - p) is applied with 1 / l at the end
     // (out_scale), so that P stays in [0, 1] in 16 bits.  One generator call gives the words of
     // keys 4 (j >> 2) .. + 3.
-    // The call's seed and offset: from the kernel parameters, or read on the device from a (2,)
-    // int64 array (dropout_seed_ptr: a captured graph's replays see the values written there since).
+    // The call's seed, offset and keep threshold: the seed and offset from the kernel parameters, or
+    // read on the device from a (2,) int64 array (dropout_seed_ptr: a captured graph's replays see
+    // the values written there since); and the generator's words of keys 4 (j >> 2) .. + 3 of query
+    // row i of this problem (batch entries numbered from dropout_first_batch).
     __device__ __forceinline__ DropoutKey dropout_key() const {
         const unsigned long long seed = p.dropout_seed_ptr ? __ldg(p.dropout_seed_ptr) : p.dropout_seed;
         const unsigned long long offset = p.dropout_seed_ptr ? __ldg(p.dropout_seed_ptr + 1) : p.dropout_offset;
         return DropoutKey{seed, offset, static_cast<unsigned long long>(p.dropout_threshold)};
     }
+    __device__ __forceinline__ PhiloxWords dropout_words(const DropoutKey& key, int i, int j) const {
+        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
+        return key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+    }
     __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
     __device__ __forceinline__ void drop(int i, int j, float& p0, float& p1) const {
         const DropoutKey key = dropout_key();
-        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const PhiloxWords w = dropout_words(key, i, j);
         const bool hi = j & 2;  // (no run-time index into w: it would go to local memory)
         p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 : 0.f;
         p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 : 0.f;
@@ -52,8 +57,7 @@ struct ScoreMods {
     // generator call (as drop()): 1 / (1 - p) where kept, else 0.
     __device__ __forceinline__ void keep_scales(int i, int j, float& z0, float& z1) const {
         const DropoutKey key = dropout_key();
-        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const PhiloxWords w = dropout_words(key, i, j);
         const bool hi = j & 2;  // (no run-time index into w)
         z0 = key.keep(hi ? w.w[2] : w.w[0]) ? out_scale() : 0.f;
         z1 = key.keep(hi ? w.w[3] : w.w[1]) ? out_scale() : 0.f;
@@ -61,8 +65,7 @@ struct ScoreMods {
     // The dropout factor of one probability (i, j) in the backward: 1 / (1 - p) if kept, else 0.
     __device__ __forceinline__ float keep_scale(int i, int j) const {
         const DropoutKey key = dropout_key();
-        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        const PhiloxWords w = key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        const PhiloxWords w = dropout_words(key, i, j);
         const unsigned word = (j & 2) ? ((j & 1) ? w.w[3] : w.w[2]) : ((j & 1) ? w.w[1] : w.w[0]);  // (no run-time index)
         return key.keep(word) ? out_scale() : 0.f;
     }
