@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
@@ -109,7 +110,9 @@ def _torch_peers():
 
 
 def _gpu_jax():
-    """(jax, jax.numpy) when JAX is importable and sees a GPU, else None."""
+    """(jax, jax.numpy) when JAX is importable and sees a GPU, else None.  JAX is told not to take
+    75 % of GPU memory up front (XLA's default), which the peers sharing the GPU would miss."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     try:
         import jax
         import jax.numpy as jnp
@@ -559,9 +562,12 @@ def _modifier_inputs(case, batch, nheads, seqlen, causal, rng):
     if case == "bias":
         bias = rng.standard_normal((1, nheads, seqlen, seqlen), dtype=cp.float32).astype(ml_dtypes.bfloat16)
         dense = bias
-        if causal:  # the peers take a bias or is_causal, not both
+        if causal:  # the peers take a bias or is_causal, not both; built head by head (a float32
+            # copy of the whole bias would take 16 GiB at 16k)
             future = cp.triu(cp.ones((seqlen, seqlen), dtype=bool), 1)
-            dense = cp.where(future, cp.asarray(-cp.inf, dtype=cp.float32), bias.astype(cp.float32)).astype(bias.dtype)
+            dense = cp.empty_like(bias)
+            for hh in range(nheads):
+                dense[0, hh] = cp.where(future, cp.float32(-cp.inf), bias[0, hh].astype(cp.float32)).astype(bias.dtype)
         return dict(bias=bias, causal=causal), dict(causal=causal), dict(bias=dense)
     if case == "key-padding":
         valid = cp.asarray(np.random.default_rng(1).integers(seqlen // 2, seqlen + 1, batch), dtype=cp.int32)

@@ -54,7 +54,8 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
             grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, deterministic=deterministic, **opts)
             assert not any(bool(cp.isnan(g.astype(cp.float32)).any()) for g in grads), c
     # Bias, mask and dropout (issue 23): broadcast, strided, reversed views; the Hopper forward
-    # (d64/d128/d256), the sm_80 one (d32) and split-KV decode (9 query rows); flash_bwd.cu's backward.
+    # (d64/d128/d256), the sm_80 one (d32) and split-KV decode (9 query rows); the Hopper backward
+    # (d64/d128/d256) and flash_bwd.cu's (d32).
     for sq, sk, d in ((130, 257, 64), (65, 129, 128), (70, 100, 256), (33, 97, 32), (9, 1000, 128)):
         q, k, v = rand((2, sq, 4, d), dtype), rand((2, sk, 2, d), dtype), rand((2, sk, 2, d), dtype)
         wide = rand((2, 4, sq, 2 * sk), np.float32)
@@ -66,11 +67,13 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
                 if not FORWARD_ONLY:  # flash_bwd.cu's CUFLASH_MODS kernels, dbias by atomics
                     cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, causal=causal,
                                                return_dbias="bias" in mods, **mods)
-        drop = dict(dropout_p=0.3, dropout_seed=(3, 1), bias=rand((1, 4, sq, sk), np.float32))
-        out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, **drop)
-        if not FORWARD_ONLY:
-            cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, causal=True, return_dbias=True,
-                                       dlse=rand(lse.shape, np.float32), **drop)
+        # Dropout with a host seed and with a device seed array; both dQ schemes of the Hopper backward.
+        for seed in ((3, 1), cp.asarray(np.array([3, 1], dtype=np.int64))):
+            drop = dict(dropout_p=0.3, dropout_seed=seed, bias=rand((1, 4, sq, sk), np.float32))
+            out, lse = cuflash.attention(q, k, v, causal=True, return_lse=True, **drop)
+            for deterministic in () if FORWARD_ONLY else (False, True):
+                cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, causal=True, return_dbias=True,
+                                           dlse=rand(lse.shape, np.float32), deterministic=deterministic, **drop)
     cu_q = cp.asarray(np.array([0, 5, 5, 70], dtype=np.int32))
     cu_k = cp.asarray(np.array([0, 9, 20, 150], dtype=np.int32))
     q, k, v = rand((70, 4, 64), dtype), rand((150, 2, 64), dtype), rand((150, 2, 64), dtype)
