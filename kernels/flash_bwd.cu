@@ -103,6 +103,11 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         __syncthreads();  // Q, dO (first time), K and V tiles are in shared memory
 
         float s[kT / 8][4], dp[kT / 8][4];  // this warp's 16 rows x kT keys
+        float bm[kT / 8][4];                 // (kMods) their bias, -inf where the mask hides the key: loads in flight during the products
+        if constexpr (kMods)
+            tile_bias_mask<true>(mods, bm, [&](int nt, int e, int& i, int& j) {
+                i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            });
         zero(s);
         zero(dp);
         warp_gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
@@ -118,7 +123,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                     if (e % 2 == 0) mods.keep_scales(i, j, z[0], z[1]);
                 }
                 float dcap, pr;
-                if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], mods, dcap);
+                if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                 else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                 if (masked && !seq.visible(i, j)) pr = 0.f;
                 const float dpz = kDropout ? dp[nt][e] * z[e % 2] : dp[nt][e];
@@ -200,6 +205,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 __syncthreads();  // K, V (first time), Q, dO, LSE and D of this tile are in shared memory
 
                 float st[kT / 8][4], dpt[kT / 8][4];  // this warp's 16 keys x kT queries
+                float bm[kT / 8][4];                   // (kMods) their bias or -inf, loaded during the products
+                if constexpr (kMods)
+                    tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
+                        j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                    });
                 zero(st);
                 zero(dpt);
                 warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
@@ -212,7 +222,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                         const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
                         const int i = m0 + c;
                         float dcap, pr;
-                        if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], mods, dcap);
+                        if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], bm[nt][e], dcap);
                         else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
                         if (masked && !seq.visible(i, j)) pr = 0.f;
                         const float z = kDropout ? mods.keep_scale(i, j) : 1.f;

@@ -183,6 +183,11 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         for (int ks = 0; ks < kD / 16; ++ks)  // dP = dO Vᵀ
             wgmma_ss<T, kBN>(dp_flat, desc_k_major<kBM>(do_base, wg * 64, ks), desc_k_major<kBN>(v_base + stage * kTileKV, 0, ks), ks > 0);
         wgmma_commit();
+        float bm[kNT][4];  // (kMods) the bias of S, -inf where the mask hides the key: loads in flight during the products
+        if constexpr (kMods)
+            tile_bias_mask<true>(mods, bm, [&](int nt, int e, int& i, int& j) {
+                i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            });
         wgmma_wait<0>();
         wgmma_pin(s_flat);
         wgmma_pin(dp_flat);
@@ -198,7 +203,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
                         if (e % 2 == 0) mods.keep_scales(i, j, z[0], z[1]);
                     }
                     float dcap, pr;
-                    if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], mods, dcap);
+                    if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                     else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                     if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
                     const float dpz = kDropout ? dp[nt][e] * z[e % 2] : dp[nt][e];
@@ -332,6 +337,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         for (int ks = 0; ks < kD / 16; ++ks)  // dPᵀ = V dOᵀ
             wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_base, r_lo - wg_row(tid), ks), desc_k_major<kBM>(do_base + stage * kTileQ, 0, ks), ks > 0);
         wgmma_commit();
+        float bm[kNT][4];  // (kMods) the bias of Sᵀ, -inf where the mask hides the key: loads in flight during the products
+        if constexpr (kMods)
+            tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
+                j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+            });
         wgmma_wait<kPDuringDp ? 1 : 0>();
         wgmma_pin(st_flat);
 
@@ -353,7 +363,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             auto prob_at = [&](int nt, int e, float& dcap) {
                 const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
                 float pr;
-                if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], mods, dcap);
+                if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], bm[nt][e], dcap);
                 else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
                 if constexpr (!decltype(tile)::value) {
                     return pr;

@@ -45,13 +45,26 @@ __device__ __forceinline__ float lse_natural(float lse) {
     return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse;
 }
 
-// P for one score with the bias added after ALiBi and the boolean mask (0 where it hides the key),
-// in natural units against lse_natural; dcap as prob's.  The causal/window masks stay the caller's.
+// P for one score with its bias added after ALiBi, bm from tile_bias_mask (-inf where the boolean
+// mask hides the key: P = 0), in natural units against lse_natural; dcap as prob's.  The
+// causal/window masks stay the caller's.
 template <bool kSoftcap, bool kAlibi>
 __device__ __forceinline__ float prob_mods(float qk, float scale, float softcap, float slope, int i, int j,
-                                           int offset, float lse, const ScoreMods& mods, float& dcap) {
-    const float s = final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + mods.bias(i, j);
-    return mods.hides(i, j) ? 0.f : exp2f((s - lse) * kLog2e);
+                                           int offset, float lse, float bm, float& dcap) {
+    return exp2f((final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + bm - lse) * kLog2e);
+}
+
+// The bias and mask of a tile of scores in the C-fragment layout (ScoreMods::bias_mask, every load
+// issued before any is used): bm[nt][e] for score [nt][e] at query row i, key j = pos(nt, e, i, j).
+// kPairs: elements e, e + 1 (e even) are keys j, j + 1 of one row.
+template <bool kPairs, int kNT, class Pos>
+__device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, float (&bm)[kNT][4], Pos pos) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) bm[nt][e] = 0.f;
+    mods.add_bias_mask<kPairs, kNT * 4>([&](int t, int& i, int& j) { pos(t / 4, t % 4, i, j); },
+                                        [&](int t) -> float& { return bm[t / 4][t % 4]; });
 }
 
 // Runs body(MaskedTile<true>{}) on tiles that need the per-element mask and body(MaskedTile<false>{})

@@ -37,16 +37,16 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int i = qpos[half];
-        if constexpr (kMods) {  // final scores in natural units + bias, then the boolean mask (the causal/window masks below)
+        if constexpr (kMods) {  // final scores in natural units + bias, -inf where the boolean mask hides the key (the causal/window masks below)
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int j = n0 + nt * 8 + (lane % 4) * 2 + e;
-                    const float x = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i, j, seq.offset)
-                                    + mods->bias(i, j);
-                    s[nt][half * 2 + e] = mods->hides(i, j) ? kNegInf : x;
-                }
+                for (int e = 0; e < 2; ++e)
+                    s[nt][half * 2 + e] = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i,
+                                                                        n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
+            // this row's keys n0 + 8 (t / 2) + 2 (lane % 4) + t % 2, their bias and mask loaded at once
+            mods->template add_bias_mask<true, kNT * 2>([&](int t, int& ii, int& jj) { ii = i, jj = n0 + (t / 2) * 8 + (lane % 4) * 2 + t % 2; },
+                                                        [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; });
         } else if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
