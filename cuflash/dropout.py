@@ -9,11 +9,16 @@ For element (b, h, i, j) of a (batch, nheads, seqlen_q, seqlen_k) probability ma
 ``dropout_seed`` of (seed, offset):
 
     key     = (seed mod 2^32, (seed >> 32) + (offset >> 32) mod 2^32)
-    counter = (j >> 2, i, b * nheads + h, offset mod 2^32)
-    keep    = philox4x32_10(counter, key)[j & 3] < round((1 - dropout_p) * 2^32)
+    counter = (j & ~9, i & ~8, b * nheads + h, offset mod 2^32)
+    n       = 4 ((i >> 3) & 1) + 2 ((j >> 3) & 1) + (j & 1)
+    draw    = 16-bit half (n & 1) of word n >> 1 of philox4x32_10(counter, key)
+    keep    = draw < round((1 - dropout_p) * 2^16)
 
 (for a packed batch: b is the sequence, i and j the positions within it).  Kept probabilities
-are scaled by 1 / (1 - dropout_p).  Each call of the generator gives four consecutive keys' words.
+are scaled by 1 / (1 - dropout_p).  One call of the generator draws eight elements: rows i, i + 8
+and keys j, j + 1, j + 8, j + 9, the ones a GPU thread holds of two 8-key fragments of a score
+tile, so that the kernels call it once per eight probabilities (FlashAttention 2 draws 8-bit
+numbers; 16 bits keep dropout_p to 1/65536).
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ def philox4x32_10(counter, key, xp=np):
 
 
 def keep_threshold(dropout_p: float) -> int:
-    """Words below this (out of 2^32) keep their element: round((1 - p) 2^32), in [0, 2^32]."""
-    return int(round((1.0 - float(dropout_p)) * 2.0**32))
+    """16-bit draws below this keep their element: round((1 - p) 2^16), in [0, 2^16]."""
+    return int(round((1.0 - float(dropout_p)) * 2.0**16))
 
 
 def device_seed(dropout_seed, name: str = "dropout_seed"):
@@ -108,11 +113,12 @@ def keep_mask_block(seed: int, offset: int, dropout_p: float, bh, i, j, xp=np):
     """Keep-mask of the elements at (b * nheads + h, i, j), given as broadcastable integer
     arrays: True where the element is kept."""
     key = (seed & _MASK32, ((seed >> 32) + (offset >> 32)) & _MASK32)
-    j = xp.asarray(j, dtype=xp.uint64)
-    words = philox4x32_10((j >> 2, i, bh, offset & _MASK32), key, xp)
-    lane = j & 3
-    word = xp.where(lane == 0, words[0], xp.where(lane == 1, words[1], xp.where(lane == 2, words[2], words[3])))
-    return word.astype(xp.uint64) < keep_threshold(dropout_p)
+    i, j = xp.asarray(i, dtype=xp.uint64), xp.asarray(j, dtype=xp.uint64)
+    words = philox4x32_10((j & ~xp.uint64(9), i & ~xp.uint64(8), bh, offset & _MASK32), key, xp)
+    n = ((i >> 3) & 1) * 4 + ((j >> 3) & 1) * 2 + (j & 1)
+    w = n >> 1
+    word = xp.where(w == 0, words[0], xp.where(w == 1, words[1], xp.where(w == 2, words[2], words[3]))).astype(xp.uint64)
+    return ((word >> (16 * (n & 1))) & 0xFFFF) < keep_threshold(dropout_p)
 
 
 def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
@@ -145,8 +151,8 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
 
     Notes
     -----
-    Philox4x32-10 (Salmon et al. 2011) on the counter (j >> 2, i, b * nheads + h, offset), as
-    the module docstring spells out: the mask depends on nothing but the seed and the position,
+    Philox4x32-10 (Salmon et al. 2011) on the counter (j & ~9, i & ~8, b * nheads + h, offset),
+    16 bits per element, as the module docstring spells out: the mask depends on nothing but the seed and the position,
     so the backward pass regenerates it (FlashAttention, Dao et al. 2022, §3.1).
 
     Examples

@@ -113,20 +113,18 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         warp_gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
         warp_gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
+        unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
 #pragma unroll
         for (int nt = 0; nt < kT / 8; ++nt) {
-            float z[2] = {1.f, 1.f};  // dropout: keys j, j + 1 of a row from one generator call, at the even e
+            if (kDropout && nt % 2 == 0) keep = mods.keep_bits(m0 + warp * 16 + lane / 4, n0 + nt * 8 + (lane % 4) * 2);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                if constexpr (kDropout) {
-                    if (e % 2 == 0) mods.keep_scales(i, j, z[0], z[1]);
-                }
                 float dcap, pr;
                 if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                 else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                 if (masked && !seq.visible(i, j)) pr = 0.f;
-                const float dpz = kDropout ? dp[nt][e] * z[e % 2] : dp[nt][e];
+                const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(keep, i, j) : dp[nt][e];
                 const float ds = pr * (dpz - dsum[e / 2]);  // d(loss)/d(final score)
                 if constexpr (kMods) mods.add_dbias(i, j, ds);
                 s[nt][e] = ds * dcap;  // dS, without the softmax scale
@@ -215,8 +213,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
                 warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
+                unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each
 #pragma unroll
-                for (int nt = 0; nt < kT / 8; ++nt)
+                for (int nt = 0; nt < kT / 8; ++nt) {
+#pragma unroll
+                    for (int q = 0; q < 2 && kDropout && nt % 2 == 0; ++q)
+                        keep[q] = mods.keep_bits(m0 + nt * 8 + (lane % 4) * 2 + q, n0 + warp * 16 + lane / 4);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
@@ -225,10 +227,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                         if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], bm[nt][e], dcap);
                         else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
                         if (masked && !seq.visible(i, j)) pr = 0.f;
-                        const float z = kDropout ? mods.keep_scale(i, j) : 1.f;
+                        const float z = kDropout ? mods.keep_scale(keep[e % 2], i, j) : 1.f;
                         st[nt][e] = pr * z;  // (dropout: the P the forward multiplied V by)
                         dpt[nt][e] = pr * (dpt[nt][e] * z - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
                     }
+                }
                 u32 pa[kT / 16][4], dsa[kT / 16][4];
                 c_to_a<T, kT>(pa, st);
                 c_to_a<T, kT>(dsa, dpt);

@@ -193,20 +193,18 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         wgmma_pin(dp_flat);
 
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
+            unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-                float z[2] = {1.f, 1.f};  // dropout: keys j, j + 1 of a row from one generator call, at the even e
+                if (kDropout && nt % 2 == 0) keep = mods.keep_bits(m0 + r_lo, n0 + nt * 8 + (lane % 4) * 2);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                    if constexpr (kDropout) {
-                        if (e % 2 == 0) mods.keep_scales(i, j, z[0], z[1]);
-                    }
                     float dcap, pr;
                     if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                     else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                     if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
-                    const float dpz = kDropout ? dp[nt][e] * z[e % 2] : dp[nt][e];
+                    const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(keep, i, j) : dp[nt][e];
                     s[nt][e] = pr * (dpz - dsum[e / 2]) * dcap;  // dS, without the softmax scale
                 }
             }
@@ -385,15 +383,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                 wgmma_wait<0>();
             }
             wgmma_pin(dpt_flat);
+            unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+                for (int q = 0; q < 2 && kDropout && nt % 2 == 0; ++q)
+                    keep[q] = mods.keep_bits(m0 + nt * 8 + (lane % 4) * 2 + q, n0 + r_lo);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dcap = 1.f;
                     if constexpr (!kPDuringDp) st[nt][e] = prob_at(nt, e, dcap);
                     if constexpr (kMods) {
                         const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                        const float z = kDropout ? mods.keep_scale(i, j) : 1.f;
+                        const float z = kDropout ? mods.keep_scale(keep[e % 2], i, j) : 1.f;
                         const float ds = st[nt][e] * (dpt[nt][e] * z - dsum_at(nt, e));  // d(loss)/d(final score)
                         if (!kColSplit || wg == 0) mods.add_dbias(i, j, ds);  // (column split: both warpgroups hold it)
                         dpt[nt][e] = ds * dcap;  // dSᵀ, without the softmax scale
@@ -402,6 +404,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                         dpt[nt][e] = st[nt][e] * (dpt[nt][e] - dsum_at(nt, e)) * dcap;  // dSᵀ, without the softmax scale
                     }
                 }
+            }
         });
         u32 pa[kBM / 16][4], dsa[kBM / 16][4];
         c_to_a<T, kBM>(pa, st);

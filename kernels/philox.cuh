@@ -1,11 +1,13 @@
 // Dropout's keep-mask, drawn exactly as cuflash/dropout.py draws it (the NumPy path and
 // cuflash.dropout_mask): Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2,
-// 3", SC 2011) on the counter (j >> 2, i, b * nheads + h, offset mod 2^32) with the key
-// (seed mod 2^32, (seed >> 32) + (offset >> 32) mod 2^32); element (b, h, i, j) is kept when word
-// j & 3 of the output is below round((1 - dropout_p) 2^32).  Each call gives four consecutive keys'
-// words, so the backward regenerates the mask instead of storing it (FlashAttention, Dao et al.
-// 2022, §3.1).  Host and device: tests/test_philox.py builds it with the host compiler and
-// compares it with the NumPy generator.
+// 3", SC 2011) on the counter (j & ~9, i & ~8, b * nheads + h, offset mod 2^32) with the key
+// (seed mod 2^32, (seed >> 32) + (offset >> 32) mod 2^32).  One call draws the eight elements of
+// rows i, i + 8 and keys j, j + 1, j + 8, j + 9 (i with bit 3 clear; j with bits 0 and 3 clear),
+// the ones a thread holds of two 8-key score fragments (mma.cuh's C layout): element (i, j) takes
+// 16-bit half (n & 1) of word n >> 1, n = 4 ((i >> 3) & 1) + 2 ((j >> 3) & 1) + (j & 1), and is
+// kept when it is below round((1 - dropout_p) 2^16).  The backward regenerates the mask instead of
+// storing it (FlashAttention, Dao et al. 2022, §3.1).  Host and device: tests/test_philox.py builds
+// it with the host compiler and compares it with the NumPy generator.
 #pragma once
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -32,18 +34,28 @@ CUFLASH_HOST_DEVICE inline PhiloxWords philox4x32_10(unsigned c0, unsigned c1, u
     return {{c0, c1, c2, c3}};
 }
 
-// The seed and offset of one call (dropout_seed), and the keep threshold round((1 - p) 2^32).
+// The seed and offset of one call (dropout_seed), and the keep threshold round((1 - p) 2^16).
 struct DropoutKey {
     unsigned long long seed, offset, threshold;
 
-    // The words of keys 4 (j >> 2) .. 4 (j >> 2) + 3 of query row i of problem bh = b * nheads + h.
+    // The words of the eight elements drawn with (i, j) (rows i & ~8, | 8; keys j & ~9, | 1, | 8,
+    // | 9) of problem bh = b * nheads + h.
     CUFLASH_HOST_DEVICE PhiloxWords words(unsigned long long bh, unsigned long long i, unsigned long long j) const {
         const unsigned k0 = static_cast<unsigned>(seed), k1 = static_cast<unsigned>((seed >> 32) + (offset >> 32));
-        return philox4x32_10(static_cast<unsigned>(j >> 2), static_cast<unsigned>(i), static_cast<unsigned>(bh),
+        return philox4x32_10(static_cast<unsigned>(j & ~9ull), static_cast<unsigned>(i & ~8ull), static_cast<unsigned>(bh),
                              static_cast<unsigned>(offset), k0, k1);
     }
-    CUFLASH_HOST_DEVICE bool keep(unsigned word) const { return word < threshold; }
+    // Bit n of the result: whether element n of `w` (see above) is kept.
+    CUFLASH_HOST_DEVICE unsigned keep_bits(const PhiloxWords& w) const {
+        unsigned bits = 0;
+        for (int n = 0; n < 8; ++n) bits |= ((w.w[n >> 1] >> (16 * (n & 1))) & 0xffffu) < threshold ? 1u << n : 0u;
+        return bits;
+    }
+    // Element (i, j)'s bit in keep_bits.
+    CUFLASH_HOST_DEVICE static int bit(unsigned long long i, unsigned long long j) {
+        return static_cast<int>(4 * ((i >> 3) & 1) + 2 * ((j >> 3) & 1) + (j & 1));
+    }
     CUFLASH_HOST_DEVICE bool keep(unsigned long long bh, unsigned long long i, unsigned long long j) const {
-        return keep(words(bh, i, j).w[j & 3]);
+        return (keep_bits(words(bh, i, j)) >> bit(i, j)) & 1;
     }
 };

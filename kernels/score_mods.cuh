@@ -48,48 +48,27 @@ struct ScoreMods {
     const FlashParams& p;
     int b, h, sq, sk;
 
-    // Dropout on the probabilities of keys j, j + 1 (j even) of query row i, after the row
-    // statistics (the LSE ignores it): the dropped ones 0 (philox.cuh, the mask of
-    // cuflash.dropout_mask); the kept ones' 1 / (1 - p) is applied with 1 / l at the end
-    // (out_scale), so that P stays in [0, 1] in 16 bits.  One generator call gives the words of
-    // keys 4 (j >> 2) .. + 3.
-    // The call's seed, offset and keep threshold: the seed and offset from the kernel parameters, or
-    // read on the device from a (2,) int64 array (dropout_seed_ptr: a captured graph's replays see
-    // the values written there since); and the generator's words of keys 4 (j >> 2) .. + 3 of query
-    // row i of this problem (batch entries numbered from dropout_first_batch).
+    // Dropout (after the row statistics: the LSE ignores it).  The call's seed, offset and keep
+    // threshold: the seed and offset from the kernel parameters, or read on the device from a (2,)
+    // int64 array (dropout_seed_ptr: a captured graph's replays see the values written there since).
     __device__ __forceinline__ DropoutKey dropout_key() const {
         const unsigned long long seed = p.dropout_seed_ptr ? __ldg(p.dropout_seed_ptr) : p.dropout_seed;
         const unsigned long long offset = p.dropout_seed_ptr ? __ldg(p.dropout_seed_ptr + 1) : p.dropout_offset;
         return DropoutKey{seed, offset, static_cast<unsigned long long>(p.dropout_threshold)};
     }
-    __device__ __forceinline__ PhiloxWords dropout_words(const DropoutKey& key, int i, int j) const {
+    // The keep decisions of the eight elements drawn with (i, j) by one generator call (philox.cuh:
+    // rows i & ~8, | 8, keys j & ~9, | 1, | 8, | 9 of this problem; batch entries numbered from
+    // dropout_first_batch), element (i', j')'s in bit DropoutKey::bit(i', j') (kept()).
+    __device__ __forceinline__ unsigned keep_bits(int i, int j) const {
+        const DropoutKey key = dropout_key();
         const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        return key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j));
+        return key.keep_bits(key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j)));
     }
+    __device__ __forceinline__ static bool kept(unsigned bits, int i, int j) { return (bits >> DropoutKey::bit(i, j)) & 1; }
+    // Kept probabilities are multiplied by 1 / (1 - p): the forward applies it with 1 / l at the end
+    // (so that P stays in [0, 1] in 16 bits), the backward with the keep-mask (keep_scale).
     __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
-    __device__ __forceinline__ void drop(int i, int j, float& p0, float& p1) const {
-        const DropoutKey key = dropout_key();
-        const PhiloxWords w = dropout_words(key, i, j);
-        const bool hi = j & 2;  // (no run-time index into w: it would go to local memory)
-        p0 = key.keep(hi ? w.w[2] : w.w[0]) ? p0 : 0.f;
-        p1 = key.keep(hi ? w.w[3] : w.w[1]) ? p1 : 0.f;
-    }
-    // The dropout factors of keys j, j + 1 (j even) of query row i in the backward, from one
-    // generator call (as drop()): 1 / (1 - p) where kept, else 0.
-    __device__ __forceinline__ void keep_scales(int i, int j, float& z0, float& z1) const {
-        const DropoutKey key = dropout_key();
-        const PhiloxWords w = dropout_words(key, i, j);
-        const bool hi = j & 2;  // (no run-time index into w)
-        z0 = key.keep(hi ? w.w[2] : w.w[0]) ? out_scale() : 0.f;
-        z1 = key.keep(hi ? w.w[3] : w.w[1]) ? out_scale() : 0.f;
-    }
-    // The dropout factor of one probability (i, j) in the backward: 1 / (1 - p) if kept, else 0.
-    __device__ __forceinline__ float keep_scale(int i, int j) const {
-        const DropoutKey key = dropout_key();
-        const PhiloxWords w = dropout_words(key, i, j);
-        const unsigned word = (j & 2) ? ((j & 1) ? w.w[3] : w.w[2]) : ((j & 1) ? w.w[1] : w.w[0]);  // (no run-time index)
-        return key.keep(word) ? out_scale() : 0.f;
-    }
+    __device__ __forceinline__ float keep_scale(unsigned bits, int i, int j) const { return kept(bits, i, j) ? out_scale() : 0.f; }
     // The bias gradient: dS at (i, j) added to the float32 accumulator of dbias (p.dbias; strides 0
     // on the bias's broadcast axes, which sum there: atomics, not bitwise repeatable; with
     // deterministic=True the host gives a full-size buffer, each element added once, to 0).

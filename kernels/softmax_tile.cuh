@@ -12,6 +12,17 @@ struct ScoreArgs {
     float scale, scale_log2, softcap, slope;  // softmax_scale, times log2(e), softcap, ALiBi slope of the head
 };
 
+// P (fp32, in the C-fragment layout of S) packed to 16 bits as the A operand of O += P V: the C
+// fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15, rows lane/4 (+8 for
+// e = 2, 3), keys +0..7 (nt even) or +8..15 (nt odd).
+template <class T, int kNT>
+__device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[kNT / 2][4]) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p[nt][half * 2], p[nt][half * 2 + 1]);
+}
+
 // s: the (16 x 8 kNT) scores of rows lane/4 (e = 0, 1) and lane/4 + 8 (e = 2, 3), keys n0 + 8 nt +
 // 2 (lane % 4) + e % 2; qpos: the query positions of those two rows.  masked: the tile touches a
 // band edge or the key tail.  Writes pk (A fragments of P) and alpha (the O rescale per row).
@@ -98,8 +109,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                 p1 = exp2f(s[nt][half * 2 + 1] - m_use);
             }
             part_sum[nt % 2] += p0 + p1;
-            if constexpr (kDropout) mods->drop(i, n0 + nt * 8 + (lane % 4) * 2, p0, p1);
-            if constexpr (kKeepFp32) {
+            if constexpr (kKeepFp32 || kDropout) {  // (dropout: packed below, once it has run)
                 s[nt][half * 2] = p0, s[nt][half * 2 + 1] = p1;
             } else {
                 pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
@@ -107,15 +117,18 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
         }
         row[half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
     }
+    if constexpr (kDropout) {  // after the row sums (the LSE ignores dropout): one generator call per 8 probabilities
+#pragma unroll
+        for (int q = 0; q < kNT / 2; ++q) {
+            const int j = n0 + q * 16 + (lane % 4) * 2;  // keys j, j + 1 (tile 2q), j + 8, j + 9 (tile 2q + 1)
+            const unsigned keep = mods->keep_bits(qpos[0], j);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                float& x = s[2 * q + e / 4][e % 4];
+                x = ScoreMods::kept(keep, qpos[(e % 4) / 2], j + 8 * (e / 4) + e % 2) ? x : 0.f;
+            }
+        }
+        if constexpr (!kKeepFp32) pack_probs<T, kNT>(s, pk);
+    }
 }
 
-// P (fp32, in the C-fragment layout of S) packed to 16 bits as the A operand of O += P V: the C
-// fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15, rows lane/4 (+8 for
-// e = 2, 3), keys +0..7 (nt even) or +8..15 (nt odd).
-template <class T, int kNT>
-__device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[kNT / 2][4]) {
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p[nt][half * 2], p[nt][half * 2 + 1]);
-}

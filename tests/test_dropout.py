@@ -47,7 +47,7 @@ def test_drop_rate_within_binomial_bounds(p):
 
 
 def test_threshold_and_bad_arguments():
-    assert keep_threshold(0.0) == 2**32 and keep_threshold(0.5) == 2**31
+    assert keep_threshold(0.0) == 2**16 and keep_threshold(0.5) == 2**15 and keep_threshold(1 - 2**-17) in (0, 1)
     for bad, exc in ((-0.1, ValueError), (1.0, ValueError), ("0.1", TypeError), (True, TypeError)):
         with pytest.raises(exc, match="dropout_p"):
             cuflash.dropout_mask(1, (1, 1, 2, 2), bad)

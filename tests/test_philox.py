@@ -51,16 +51,17 @@ def test_words_and_keep_mask_equal_the_numpy_generator(program):
     for (seed, offset, p, bh, i, j), line in zip(cases, got):
         *words, keep = (int(x) for x in line.split())
         key = (seed & 0xFFFFFFFF, ((seed >> 32) + (offset >> 32)) & 0xFFFFFFFF)
-        want = D.philox4x32_10((j >> 2, i, bh, offset & 0xFFFFFFFF), key)
+        want = D.philox4x32_10((j & ~9, i & ~8, bh, offset & 0xFFFFFFFF), key)
         assert words == [int(w) for w in want], (seed, offset, bh, i, j)
         mask = D.keep_mask_block(seed, offset, p, np.uint64(bh), np.uint64(i), np.uint64(j))
         assert bool(keep) == bool(mask), (seed, offset, p, bh, i, j)
     assert len(got) >= len(cases)
 
 
-def test_a_word_equal_to_the_threshold_is_dropped(program):
-    """keep = word < threshold (dropout.py): the boundary, where < and <= differ."""
-    word = int(D.philox4x32_10((5 >> 2, 9, 3, 0), (77, 0))[5 & 3])
-    lines = f"77 0 {word} 3 9 5\n77 0 {word + 1} 3 9 5\n"
+def test_a_draw_equal_to_the_threshold_is_dropped(program):
+    """keep = draw < threshold (dropout.py): the boundary, where < and <= differ.  Element (9, 5):
+    n = 4 + 0 + 1 = 5, the upper half of word 2 of the counter (4, 1)."""
+    draw = int(D.philox4x32_10((5 & ~9, 9 & ~8, 3, 0), (77, 0))[2]) >> 16
+    lines = f"77 0 {draw} 3 9 5\n77 0 {draw + 1} 3 9 5\n"
     got = subprocess.run([str(program)], input=lines, capture_output=True, text=True, check=True).stdout.split()
     assert (int(got[4]), int(got[9])) == (0, 1)
