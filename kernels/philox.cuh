@@ -23,7 +23,7 @@ struct PhiloxWords {
 CUFLASH_HOST_DEVICE inline PhiloxWords philox4x32_10(unsigned c0, unsigned c1, unsigned c2, unsigned c3, unsigned k0,
                                                      unsigned k1) {
     const unsigned kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u, kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
-#pragma unroll 1  // (rolled: unrolled, the calls of a tile's elements overlapped and the kernels spilled)
+#pragma unroll
     for (int r = 0; r < 10; ++r) {
         if (r) k0 += kW0, k1 += kW1;
         const unsigned long long p0 = static_cast<unsigned long long>(c0) * kM0;  // one wide multiply each

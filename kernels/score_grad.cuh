@@ -54,17 +54,26 @@ __device__ __forceinline__ float prob_mods(float qk, float scale, float softcap,
     return exp2f((final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + bm - lse) * kLog2e);
 }
 
-// The bias and mask of a tile of scores in the C-fragment layout (ScoreMods::bias_mask, every load
-// issued before any is used): bm[nt][e] for score [nt][e] at query row i, key j = pos(nt, e, i, j).
-// kPairs: elements e, e + 1 (e even) are keys j, j + 1 of one row.
-template <bool kPairs, int kNT, class Pos>
+// The bias and mask of a tile of scores in the C-fragment layout (ScoreMods, every load issued
+// before any is used): bm[nt][e] for score [nt][e] at query row i, key j = pos(nt, e, i, j), as
+// ScoreMods's bias (or -inf where the mask hides the key).  kRows: the layout of S (rows i, i + 8
+// = pos(0, 0) + 0, 8 for e / 2 = 0, 1; keys j0 + 8 nt + e % 2), read row by row; else any (Sᵀ).
+template <bool kRows, int kNT, class Pos>
 __device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, float (&bm)[kNT][4], Pos pos) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) bm[nt][e] = 0.f;
-    mods.add_bias_mask<kPairs, kNT * 4>([&](int t, int& i, int& j) { pos(t / 4, t % 4, i, j); },
-                                        [&](int t) -> float& { return bm[t / 4][t % 4]; });
+    if constexpr (kRows) {
+        int i, j0;
+        pos(0, 0, i, j0);
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+            mods.add_bias_mask_row<kNT * 2>(i + 8 * half, j0, [&](int t) -> float& { return bm[t / 2][2 * half + t % 2]; });
+    } else {
+        mods.add_bias_mask<kNT * 4>([&](int t, int& i, int& j) { pos(t / 4, t % 4, i, j); },
+                                    [&](int t) -> float& { return bm[t / 4][t % 4]; });
+    }
 }
 
 // Runs body(MaskedTile<true>{}) on tiles that need the per-element mask and body(MaskedTile<false>{})

@@ -76,68 +76,101 @@ struct ScoreMods {
         if (!p.dbias || i >= sq || j >= sk || ds == 0.f) return;  // (hidden and dropped entries add nothing)
         atomicAdd(p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride + j * p.dbias_col_stride, ds);
     }
-    // Adds the bias to kN scores at once and sets those the mask hides to -inf (with a mask, also
-    // those outside the problem): score t is x(t) (a float&), at query row i and key j = pos(t, i, j).
-    // Every load is issued before any is used, so that one memory latency covers the fragment
-    // (element-by-element reads, each waited for in turn, made the bias forward ~7x slower than
-    // without it: docs/perf-notes.md, m3).  kPairs: scores 2u and 2u + 1 are keys j, j + 1 (j even)
-    // of one row, read as one load of two elements where the strides and alignment allow it.
-    template <bool kPairs, int kN, class Pos, class X>
+    // The bias and mask of kN scores at once: the bias added to x(t) (a float&), x(t) = -inf where
+    // the mask hides the key.  Every load is issued before any is used, so that one memory latency
+    // covers the fragment (element-by-element reads, each waited for in turn, made the bias forward
+    // ~7x slower than without it: docs/perf-notes.md, m3).  Positions past the problem (rows past
+    // sq, keys past sk) read an element of the problem instead: their values are not defined, and
+    // the callers hide those scores themselves (keys: SeqInfo::visible; rows: never stored, or
+    // P = 0 by their LSE).
+    // Row form: query row i, keys j0 + 8 (t / 2) + t % 2 (j0 even: one row of a C fragment,
+    // mma.cuh).  With unit key stride, even strides and alignment, two elements per load at
+    // constant offsets from one row pointer (no per-score address arithmetic).
+    template <int kN, class X>
+    __device__ __forceinline__ void add_bias_mask_row(int i, int j0, X x) const {
+        if (p.bias) {
+            if (p.bias_dtype == 0) row_gather<float, kN>(i, j0, x);
+            else if (p.bias_dtype == 1) row_gather<half_t, kN>(i, j0, x);
+            else row_gather<bf16_t, kN>(i, j0, x);
+        }
+        if (p.mask) row_gather<bool, kN>(i, j0, x);
+    }
+    // Any positions: score t at query row i, key j = pos(t, i, j) (the transposed tiles of the
+    // dK/dV kernels).
+    template <int kN, class Pos, class X>
     __device__ __forceinline__ void add_bias_mask(Pos pos, X x) const {
         if (p.bias) {
-            if (p.bias_dtype == 0) gather<kPairs, float, kN>(pos, x);
-            else if (p.bias_dtype == 1) gather<kPairs, half_t, kN>(pos, x);
-            else gather<kPairs, bf16_t, kN>(pos, x);
+            if (p.bias_dtype == 0) gather<float, kN>(pos, x);
+            else if (p.bias_dtype == 1) gather<half_t, kN>(pos, x);
+            else gather<bf16_t, kN>(pos, x);
         }
-        if (p.mask) gather<kPairs, bool, kN>(pos, x);
+        if (p.mask) gather<bool, kN>(pos, x);
     }
-    // (add_bias_mask's loads: E = float, half_t, bf16_t for the bias, bool for the mask.)  Positions
-    // outside the problem read element (0, 0) of the problem instead, and count as bias 0 / hidden.
-    template <bool kPairs, class E, int kN, class Pos, class X>
-    __device__ __forceinline__ void gather(Pos pos, X x) const {
+
+    // (The loads: E = float, half_t, bf16_t for the bias, bool for the mask.)
+    template <class E> struct Strides {
+        const typename ModElem<E>::Raw* base;  // element (b, h, 0, 0)
+        long long rs, cs;
+        bool pairs;  // two elements per load: unit key stride, even offsets, an even key count, aligned
+    };
+    template <class E>
+    __device__ __forceinline__ Strides<E> strides() const {
         using Raw = typename ModElem<E>::Raw;
-        using Pair = typename ModElem<E>::Pair;
         constexpr bool kMask = ModElem<E>::kMask;
         const long long bs = kMask ? p.mask_batch_stride : p.bias_batch_stride, hs = kMask ? p.mask_head_stride : p.bias_head_stride;
         const long long rs = kMask ? p.mask_row_stride : p.bias_row_stride, cs = kMask ? p.mask_col_stride : p.bias_col_stride;
         const Raw* array = static_cast<const Raw*>(kMask ? static_cast<const void*>(p.mask) : p.bias);
-        const Raw* base = array + b * bs + h * hs;
-        auto use = [&](int t, Raw raw) {
-            int i, j;
-            pos(t, i, j);
-            const bool in = i < sq && j < sk;
-            if constexpr (kMask) x(t) = in && raw ? x(t) : -__int_as_float(0x7f800000);
-            else x(t) += in ? ModElem<E>::value(raw) : 0.f;
-        };
-        // Two elements per load: unit key stride, an even key count (a pair never passes the last
-        // key) and every pair's address a multiple of two elements.
-        const bool pairs = kPairs && cs == 1 && sk % 2 == 0 && ((b * bs + h * hs) | rs) % 2 == 0 &&
-                           reinterpret_cast<unsigned long long>(array) % sizeof(Pair) == 0;
-        if (pairs) {
+        const long long at = b * bs + h * hs;
+        const bool pairs = cs == 1 && sk % 2 == 0 && (at | rs) % 2 == 0 &&
+                           reinterpret_cast<unsigned long long>(array) % sizeof(typename ModElem<E>::Pair) == 0;
+        return {array + at, rs, cs, pairs};
+    }
+    template <class E>
+    __device__ __forceinline__ static void use(float& x, typename ModElem<E>::Raw raw) {
+        if constexpr (ModElem<E>::kMask) x = raw ? x : -__int_as_float(0x7f800000);
+        else x += ModElem<E>::value(raw);
+    }
+    template <class E, int kN, class X>
+    __device__ __forceinline__ void row_gather(int i, int j0, X x) const {
+        using Raw = typename ModElem<E>::Raw;
+        using Pair = typename ModElem<E>::Pair;
+        const Strides<E> st = strides<E>();
+        const Raw* row = st.base + static_cast<long long>(min(i, sq - 1)) * st.rs;
+        if (st.pairs && j0 + 8 * (kN / 2 - 1) + 1 < sk) {  // every key inside: constant offsets
+            const Pair* two = reinterpret_cast<const Pair*>(row + j0);
             Pair raw[kN / 2];
 #pragma unroll
-            for (int t = 0; t < kN; t += 2) {
-                int i, j;
-                pos(t, i, j);
-                raw[t / 2] = __ldg(reinterpret_cast<const Pair*>(base + (i < sq && j < sk ? i * rs + j : 0)));
-            }
+            for (int u = 0; u < kN / 2; ++u) raw[u] = __ldg(two + 4 * u);
 #pragma unroll
-            for (int t = 0; t < kN; t += 2) {
+            for (int u = 0; u < kN / 2; ++u) {
                 Raw lo, hi;
-                ModElem<E>::split(raw[t / 2], lo, hi);
-                use(t, lo);
-                use(t + 1, hi);
+                ModElem<E>::split(raw[u], lo, hi);
+                use<E>(x(2 * u), lo);
+                use<E>(x(2 * u + 1), hi);
             }
         } else {
             Raw raw[kN];
 #pragma unroll
             for (int t = 0; t < kN; ++t) {
-                int i, j;
-                pos(t, i, j);
-                raw[t] = __ldg(base + (i < sq && j < sk ? i * rs + j * cs : 0));
+                const int j = j0 + 8 * (t / 2) + t % 2;
+                raw[t] = __ldg(row + static_cast<long long>(j < sk ? j : 0) * st.cs);
             }
 #pragma unroll
-            for (int t = 0; t < kN; ++t) use(t, raw[t]);
+            for (int t = 0; t < kN; ++t) use<E>(x(t), raw[t]);
         }
+    }
+    template <class E, int kN, class Pos, class X>
+    __device__ __forceinline__ void gather(Pos pos, X x) const {
+        using Raw = typename ModElem<E>::Raw;
+        const Strides<E> st = strides<E>();
+        Raw raw[kN];
+#pragma unroll
+        for (int t = 0; t < kN; ++t) {
+            int i, j;
+            pos(t, i, j);
+            raw[t] = __ldg(st.base + static_cast<long long>(min(i, sq - 1)) * st.rs + static_cast<long long>(j < sk ? j : 0) * st.cs);
+        }
+#pragma unroll
+        for (int t = 0; t < kN; ++t) use<E>(x(t), raw[t]);
     }
 };

@@ -56,8 +56,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                     s[nt][half * 2 + e] = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i,
                                                                         n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
             // this row's keys n0 + 8 (t / 2) + 2 (lane % 4) + t % 2, their bias and mask loaded at once
-            mods->template add_bias_mask<true, kNT * 2>([&](int t, int& ii, int& jj) { ii = i, jj = n0 + (t / 2) * 8 + (lane % 4) * 2 + t % 2; },
-                                                        [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; });
+            mods->template add_bias_mask_row<kNT * 2>(i, n0 + (lane % 4) * 2, [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; });
         } else if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)

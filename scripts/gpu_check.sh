@@ -99,13 +99,14 @@ for stage in $stages; do
         >"$OUT/ring.log" 2>&1
       rc=$?; summary+=("ring rc=$rc ($(elapsed))")
       cat "$OUT/ring.md" 2>/dev/null || tail -n 20 "$OUT/ring.log" ;;
-    ncu)  # Nsight Compute on single forward/backward calls (scripts/ncu_case.py): NCU_CASES "D:SEQLEN[:causal][:varlen][:backward] ..."
+    ncu)  # Nsight Compute on single forward/backward calls (scripts/ncu_case.py): NCU_CASES "D:SEQLEN[:causal][:varlen][:backward][:mask|:bias|:dropout] ..."
       : >"$OUT/ncu.txt"
       for case in ${NCU_CASES:-128:16384 128:16384:causal 64:16384 64:512:causal:varlen}; do
         IFS=: read -r d s flags <<<"$case"
         args="--headdim $d --seqlen $s"
         [[ $flags == *causal* ]] && args+=" --causal"
         [[ $flags == *varlen* ]] && args+=" --varlen"
+        for m in mask bias dropout; do [[ $flags == *$m* ]] && args+=" --mods $m"; done
         kernel=cuflash_fwd_sm90
         [[ $flags == *backward* ]] && args+=" --backward" && kernel='cuflash_bwd_sm90.*dkdv'
         echo "#### $case" >>"$OUT/ncu.txt"

@@ -1,12 +1,14 @@
 """One attention call of the standard sweep's shape, for Nsight Compute to profile.
 
     ncu --clock-control none -k regex:cuflash_fwd_sm90 --launch-skip 2 --launch-count 1 --set full \\
-        python scripts/ncu_case.py --headdim 128 --seqlen 16384 [--causal] [--varlen] [--backward]
+        python scripts/ncu_case.py --headdim 128 --seqlen 16384 [--causal] [--varlen] [--backward] [--mods mask]
 
 bf16, batch * seqlen = 16k tokens, nheads * headdim = 2048 (the shape of scripts/bench.py and
 scripts/ab_compare.py).  The call runs three times (the first compiles and plans, the second is
 warm: profile the third with --launch-skip 2), then once more after a synchronisation.
---varlen packs the batch as equal sequences of --seqlen with cu_seqlens.  gpu_check.sh's `ncu`
+--varlen packs the batch as equal sequences of --seqlen with cu_seqlens.  --mods adds a modifier as
+`bench --suite modifiers` does: `mask` a (B, 1, 1, S) key-padding mask (valid lengths in [S/2, S]),
+`bias` a (1, H, S, S) bf16 bias, `dropout` dropout 0.1.  gpu_check.sh's `ncu`
 stage runs it for a few cases and keeps ncu's text report (stall reasons, issue-slot use, pipe
 utilisation) in ncu_*.txt.
 """
@@ -27,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--varlen", action="store_true")
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--mods", choices=("mask", "bias", "dropout"))
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -49,8 +52,15 @@ def main(argv=None):
         bwd = lambda out, lse: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, **opts)  # noqa: E731
     else:
         q, k, v, dout = (rand((batch, s, heads, d)) for _ in range(4))
-        fwd = lambda: cuflash.attention(q, k, v, causal=args.causal, return_lse=True)  # noqa: E731
-        bwd = lambda out, lse: cuflash.attention_backward(dout, q, k, v, out, lse, causal=args.causal)  # noqa: E731
+        mods = {}
+        if args.mods:
+            from cuflash.bench import _modifier_inputs
+
+            case = {"mask": "key-padding", "bias": "bias", "dropout": "dropout"}[args.mods]
+            mods, _, _ = _modifier_inputs(case, batch, heads, s, args.causal, rng)
+            mods.pop("causal")
+        fwd = lambda: cuflash.attention(q, k, v, causal=args.causal, return_lse=True, **mods)  # noqa: E731
+        bwd = lambda out, lse: cuflash.attention_backward(dout, q, k, v, out, lse, causal=args.causal, **mods)  # noqa: E731
     for _ in range(3):
         out, lse = fwd()
         if args.backward:
