@@ -53,7 +53,9 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         give output 0, LSE -inf and zero gradients.
     dropout_p : float in [0, 1), default 0.0
         Dropout on the attention probabilities after the row statistics, kept values scaled by
-        1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.
+        1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.  An
+        element is kept when its 16-bit draw is below round((1 - dropout_p) 2^16), so the keep
+        rate is 1 - dropout_p to within 2^-17 (FlashAttention 2 draws 8 bits).
     dropout_seed : int, (int, int) or integer array of shape (2,), optional
         Seed, or (seed, offset), of the keep-mask, a pure function of the seed and of the
         element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10;
