@@ -86,7 +86,7 @@ struct FlashParams {
     long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
     long long bias_dtype;
     // Dropout (CUFLASH_MODS = 2 kernels): the keep-mask of philox.cuh from (seed, offset) with keep
-    // threshold round((1 - p) 2^32), batch entries numbered from dropout_first_batch; the output
+    // threshold round((1 - p) 2^16) for its 16-bit draws, batch entries numbered from dropout_first_batch; the output
     // times dropout_scale = 1 / (1 - p) with its 1 / l.
     long long dropout_seed, dropout_offset, dropout_threshold, dropout_first_batch;
     long long dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;

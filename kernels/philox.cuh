@@ -48,6 +48,7 @@ struct DropoutKey {
     // Bit n of the result: whether element n of `w` (see above) is kept.
     CUFLASH_HOST_DEVICE unsigned keep_bits(const PhiloxWords& w) const {
         unsigned bits = 0;
+#pragma unroll
         for (int n = 0; n < 8; ++n) bits |= ((w.w[n >> 1] >> (16 * (n & 1))) & 0xffffu) < threshold ? 1u << n : 0u;
         return bits;
     }

@@ -55,8 +55,8 @@ __device__ __forceinline__ float prob_mods(float qk, float scale, float softcap,
 }
 
 // The bias and mask of a tile of scores in the C-fragment layout (ScoreMods, every load issued
-// before any is used): bm[nt][e] for score [nt][e] at query row i, key j = pos(nt, e, i, j), as
-// ScoreMods's bias (or -inf where the mask hides the key).  kRows: the layout of S (rows i, i + 8
+// before any is used): bm[nt][e] for score [nt][e] at query row i, key j = pos(nt, e, i, j), the
+// bias there (0 without one; -inf where the mask hides the key).  kRows: the layout of S (rows i, i + 8
 // = pos(0, 0) + 0, 8 for e / 2 = 0, 1; keys j0 + 8 nt + e % 2), read row by row; else any (Sᵀ).
 template <bool kRows, int kNT, class Pos>
 __device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, float (&bm)[kNT][4], Pos pos) {

@@ -31,16 +31,15 @@ template <> struct ModElem<bool> {
     using Raw = unsigned char;
     using Pair = unsigned short;
     static constexpr bool kMask = true;
-    __device__ static float value(unsigned char) { return 0.f; }
     __device__ static void split(unsigned short two, unsigned char& a, unsigned char& b) {
         a = static_cast<unsigned char>(two & 0xffu), b = static_cast<unsigned char>(two >> 8);
     }
 };
 
 // The additive bias and boolean mask of one (batch, head) problem (params.cuh: CUFLASH_MODS
-// kernels), read in place through their strides a fragment at a time (bias_mask; broadcast axes
-// have stride 0: the same bytes, from L1/L2).  Entries outside the problem (rows past sq, keys past
-// sk) are never read: bias 0 and hidden there.  Step 4 of the score pipeline of docs/conventions (after ALiBi,
+// kernels), read in place through their strides a fragment at a time (add_bias_mask_row,
+// add_bias_mask; broadcast axes have stride 0: the same bytes, from L1/L2).  Positions outside the
+// problem (rows past sq, keys past sk) read an element inside it; the callers hide those scores.  Step 4 of the score pipeline of docs/conventions (after ALiBi,
 // before the causal/window masks); a mask entry of 0 hides the key like those masks.
 struct ScoreMods {
     // Reads its pointers and strides from the kernel's parameters (a __grid_constant__ struct:
@@ -88,6 +87,7 @@ struct ScoreMods {
     // constant offsets from one row pointer (no per-score address arithmetic).
     template <int kN, class X>
     __device__ __forceinline__ void add_bias_mask_row(int i, int j0, X x) const {
+        static_assert(kN % 2 == 0, "a row fragment holds key pairs");
         if (p.bias) {
             if (p.bias_dtype == 0) row_gather<float, kN>(i, j0, x);
             else if (p.bias_dtype == 1) row_gather<half_t, kN>(i, j0, x);
@@ -111,7 +111,7 @@ struct ScoreMods {
     template <class E> struct Strides {
         const typename ModElem<E>::Raw* base;  // element (b, h, 0, 0)
         long long rs, cs;
-        bool pairs;  // two elements per load: unit key stride, even offsets, an even key count, aligned
+        bool pairs;  // two elements per load: unit key stride, even offsets, aligned
     };
     template <class E>
     __device__ __forceinline__ Strides<E> strides() const {
@@ -121,7 +121,7 @@ struct ScoreMods {
         const long long rs = kMask ? p.mask_row_stride : p.bias_row_stride, cs = kMask ? p.mask_col_stride : p.bias_col_stride;
         const Raw* array = static_cast<const Raw*>(kMask ? static_cast<const void*>(p.mask) : p.bias);
         const long long at = b * bs + h * hs;
-        const bool pairs = cs == 1 && sk % 2 == 0 && (at | rs) % 2 == 0 &&
+        const bool pairs = cs == 1 && (at | rs) % 2 == 0 &&
                            reinterpret_cast<unsigned long long>(array) % sizeof(typename ModElem<E>::Pair) == 0;
         return {array + at, rs, cs, pairs};
     }
