@@ -56,7 +56,7 @@ for stage in $stages; do
       # One BLAS thread per worker: the float64 references' matmuls in 16 workers x 16 OpenBLAS threads
       # would oversubscribe the 16 cores (TEST_BLAS_THREADS overrides).
       OMP_NUM_THREADS=${TEST_BLAS_THREADS:-1} OPENBLAS_NUM_THREADS=${TEST_BLAS_THREADS:-1} \
-        timeout -s INT -k 30 ${TEST_TIMEOUT:-330} $PY -m pytest -q -m gpu -p no:cacheprovider --maxfail=40 --timeout=300 -rfE --durations=25 \
+        timeout -s INT -k 30 ${TEST_TIMEOUT:-330} $PY -m pytest -q -m gpu -p no:cacheprovider --maxfail=40 --timeout=300 -rfEs --durations=25 \
         ${workers:+-n $workers} ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
       rc=$?; summary+=("tests rc=$rc ($(elapsed)): $(tail -n 1 "$OUT/tests.log")")
       tail -n 30 "$OUT/tests.log" ;;
