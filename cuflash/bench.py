@@ -555,12 +555,12 @@ def varlen_markdown(rows, env):
 MODIFIER_CASES = ("bias", "key-padding", "dropout")
 
 
-def _modifier_inputs(case, batch, nheads, seqlen, causal, rng):
+def _modifier_inputs(case, batch, nheads, seqlen, causal, rng, dtype=ml_dtypes.bfloat16):
     """cuflash's options for ``case``, the baseline's (the same call without the modifier; for key
     padding, seqlens_k of the same valid lengths), and the peers' (additive bias, boolean mask,
     dense where they need causal folded in) as CuPy arrays."""
     if case == "bias":
-        bias = rng.standard_normal((1, nheads, seqlen, seqlen), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+        bias = rng.standard_normal((1, nheads, seqlen, seqlen), dtype=cp.float32).astype(dtype)
         dense = bias
         if causal:  # the peers take a bias or is_causal, not both; built head by head (a float32
             # copy of the whole bias would take 16 GiB at 16k)
@@ -629,25 +629,27 @@ def _modifier_peers(backward):
     return peers
 
 
-def modifiers_suite(seqlens=(4096, 16384), headdim=128, tokens=16384, hidden=2048, backward=False, peers=None,
-                    progress=_plain_progress):
-    """Issue 23's speed rows: bf16, head dim 128, batch·seqlen = ``tokens``: a random (1, H, S, S)
-    bias, a (B, 1, 1, S) key-padding mask with valid lengths uniform in [S/2, S], and dropout 0.1,
-    causal and not, forward or backward.  Each row: cuflash with the modifier, cuflash without it
-    (key padding: seqlens_k of the same lengths) and the peers that take it, in TF/s of the full
-    S x S problem (so that the times compare)."""
+def modifiers_suite(seqlens=(4096, 16384), headdims=(128,), dtypes=("bf16",), tokens=16384, hidden=2048, backward=False,
+                    peers=None, progress=_plain_progress):
+    """Issue 23's speed rows: bf16, head dim 128 (or each of ``headdims`` x ``dtypes``),
+    batch·seqlen = ``tokens``, nheads·headdim = ``hidden``: a random (1, H, S, S) bias of the
+    inputs' dtype, a (B, 1, 1, S) key-padding mask with valid lengths uniform in [S/2, S], and
+    dropout 0.1, causal and not, forward or backward.  Each row: cuflash with the modifier,
+    cuflash without it (key padding: seqlens_k of the same lengths) and the peers that take it,
+    in TF/s of the full S x S problem (so that the times compare)."""
     peers = _modifier_peers(backward) if peers is None else peers
     rows = []
-    configs = [(case, s, causal) for case in MODIFIER_CASES for s in seqlens for causal in (False, True)]
+    configs = [(dtype_name, d, case, s, causal) for dtype_name in dtypes for d in headdims for case in MODIFIER_CASES
+               for s in seqlens for causal in (False, True)]
     with progress(configs, "cuflash bench --suite modifiers") as configs:
-        for case, s, causal in configs:
+        for dtype_name, headdim, case, s, causal in configs:
             batch, heads = max(1, tokens // s), hidden // headdim
             rng = cp.random.default_rng(0)
-            q, k, v, dout = (rng.standard_normal((batch, s, heads, headdim), dtype=cp.float32).astype(ml_dtypes.bfloat16)
+            q, k, v, dout = (rng.standard_normal((batch, s, heads, headdim), dtype=cp.float32).astype(DTYPES[dtype_name])
                              for _ in range(4))
-            opts, base, peer_opts = _modifier_inputs(case, batch, heads, s, causal, rng)
+            opts, base, peer_opts = _modifier_inputs(case, batch, heads, s, causal, rng, DTYPES[dtype_name])
             flops = attention_flops(batch, heads, s, s, headdim, causal, backward=backward)
-            row = dict(case=case, seqlen=s, causal=causal, batch=batch, nheads=heads)
+            row = dict(dtype=dtype_name, headdim=headdim, case=case, seqlen=s, causal=causal, batch=batch, nheads=heads)
             for name, run_opts in (("cuflash", opts), ("cuflash-plain", base)):
                 out, lse = cuflash.attention(q, k, v, return_lse=True, **run_opts)
                 if backward:
@@ -667,17 +669,18 @@ def modifiers_suite(seqlens=(4096, 16384), headdim=128, tokens=16384, hidden=204
 
 
 def modifiers_markdown(rows, env, backward=False):
-    fixed = ("case", "seqlen", "causal", "batch", "nheads", "cuflash", "cuflash-plain")
+    fixed = ("dtype", "headdim", "case", "seqlen", "causal", "batch", "nheads", "cuflash", "cuflash-plain")
     names = _systems(rows, fixed)
     title = "backward" if backward else "forward"
-    lines = [f"Bias, key-padding mask, dropout ({title}), bf16, head dim 128, 16k tokens, TF/s of the full problem "
+    lines = [f"Bias, key-padding mask, dropout ({title}), 16k tokens, TF/s of the full problem "
              f"(GPU {env['gpu']}, {env['date']})", "",
-             "| case | seqlen | causal | cuflash | cuflash without it | " + " | ".join(names)
-             + " | cuflash / without | cuflash / best peer |", "|---|---|---|---|---|" + "---|" * (len(names) + 2)]
+             "| dtype | hdim | case | seqlen | causal | cuflash | cuflash without it | " + " | ".join(names)
+             + " | cuflash / without | cuflash / best peer |", "|---|---|---|---|---|---|---|" + "---|" * (len(names) + 2)]
     for r in rows:
         best = max((r[n] for n in names if r.get(n)), default=None)
         vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
-        lines.append(f"| {r['case']} | {r['seqlen']} | {r['causal']} | {r['cuflash']:.0f} | {r['cuflash-plain']:.0f} | "
+        lines.append(f"| {r.get('dtype', 'bf16')} | {r.get('headdim', 128)} | {r['case']} | {r['seqlen']} | {r['causal']} | "
+                     f"{r['cuflash']:.0f} | {r['cuflash-plain']:.0f} | "
                      + " | ".join(vals) + f" | {r['cuflash'] / r['cuflash-plain']:.2f} | "
                      + (f"{r['cuflash'] / best:.2f}" if best else "–") + " |")
     return "\n".join(lines)
@@ -730,8 +733,9 @@ def main(argv=None, progress=_plain_progress):
     """The command line of scripts/bench.py; ``progress(items, label)`` wraps each sweep (the CLI
     passes click's progress bar, which replaces the JSON line printed per row)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", default="bf16,fp16")
-    ap.add_argument("--headdims", default="64,128,256")
+    ap.add_argument("--dtypes", help="comma-separated, of bf16, fp16, fp32, fp64 (standard suite default bf16,fp16; "
+                                      "modifiers suite bf16)")
+    ap.add_argument("--headdims", help="comma-separated (standard suite default 64,128,256; modifiers suite 128)")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="false,true")
     ap.add_argument("--no-peers", action="store_true")
@@ -760,7 +764,11 @@ def main(argv=None, progress=_plain_progress):
     if args.suite in ("decode", "varlen", "modifiers"):
         env = environment()
         if args.suite == "modifiers":
-            rows = modifiers_suite(backward=args.backward, peers={} if args.no_peers else None, progress=progress)
+            if not set((args.dtypes or "bf16").split(",")) <= {"bf16", "fp16"}:
+                ap.error(f"--dtypes {args.dtypes}: the modifiers suite runs bf16 and fp16 (no float32/float64 GPU kernels yet)")
+            rows = modifiers_suite(headdims=tuple(map(int, (args.headdims or "128").split(","))),
+                                   dtypes=tuple((args.dtypes or "bf16").split(",")), backward=args.backward,
+                                   peers={} if args.no_peers else None, progress=progress)
             md = modifiers_markdown(rows, env, backward=args.backward)
         elif args.suite == "decode":
             rows = decode_suite(peers={} if args.no_peers else None, page_size=args.page_size, progress=progress)
@@ -794,6 +802,7 @@ def main(argv=None, progress=_plain_progress):
         base_peers = {n: f for n, f in base_peers.items() if n in wanted}
         jax_peers = {n: f for n, f in jax_peers.items() if n in wanted}
     rows = []
+    args.dtypes, args.headdims = args.dtypes or "bf16,fp16", args.headdims or "64,128,256"
     configs = [(dtype_name, headdim, causal, seqlen) for dtype_name in args.dtypes.split(",")
                for headdim in map(int, args.headdims.split(","))
                for causal in (c == "true" for c in args.causal.split(","))

@@ -452,7 +452,8 @@ def _check_sweep(dtypes, headdims, seqlens):
                    "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate (cuflash has no "
                    "float32/float64 GPU kernels yet: its own rows say so).")
 @click.option("--headdims", default="64,128,256", show_default=True,
-              help="Comma list of head dims to sweep (standard suite), each 1 to 256.")
+              help="Comma list of head dims to sweep (standard suite; the modifiers suite runs 128 unless "
+                   "given), each 1 to 256.")
 @click.option("--seqlens", default="512,1024,2048,4096,8192,16384", show_default=True,
               help="Comma list of sequence lengths to sweep (standard suite); batch = 16384 / seqlen.")
 @click.option("--no-peers", is_flag=True, help="Skip plain CuPy, torch and JAX.")
@@ -465,13 +466,16 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     dtypes = _check_sweep(dtypes, headdims, seqlens)
     if suite != "standard":
         ctx = click.get_current_context()
-        fixed = ("dtypes", "headdims", "seqlens", "plot_path") + (("backward",) if suite != "modifiers" else ())
+        fixed = ("seqlens", "plot_path") + (("backward", "dtypes", "headdims") if suite != "modifiers" else ())
         given = [f"--{name.replace('_', '-')}" for name in fixed
                  if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
         if given:
             options = ", ".join(given).replace("--plot-path", "--plot")
-            raise click.UsageError(f"{options}: not for --suite {suite}, which runs fixed configurations (--backward: "
-                                   "standard and modifiers suites)")
+            raise click.UsageError(f"{options}: not for --suite {suite}, which runs fixed configurations (--backward, "
+                                   "--dtypes, --headdims: standard and modifiers suites)")
+        if suite == "modifiers" and not set(dtypes.split(",")) <= {"bf16", "fp16"}:
+            raise click.UsageError(f"--dtypes {dtypes}: the modifiers suite runs bf16 and fp16 (cuflash's GPU "
+                                   "kernels take no float32/float64 yet)")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):  # fail now, not after the sweep
         if path is not None:
             _check_writable(path, option)
@@ -481,7 +485,11 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
         raise click.ClickException("--plot needs matplotlib: pip install 'cuflash[plot]'")
     from . import bench as bench_module
 
-    argv = ["--suite", suite, "--dtypes", dtypes, "--headdims", headdims, "--seqlens", seqlens]
+    argv = ["--suite", suite, "--seqlens", seqlens]
+    ctx = click.get_current_context()
+    for name, value in (("dtypes", dtypes), ("headdims", headdims)):  # (modifiers: bf16, head dim 128 unless given)
+        if suite == "standard" or ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT:
+            argv += [f"--{name}", value]
     argv += ["--backward"] * backward + ["--no-peers"] * no_peers
     argv += ["--json", json_path] if json_path else []
     argv += ["--plot", plot_path] if plot_path else []

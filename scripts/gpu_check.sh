@@ -6,7 +6,7 @@
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
-# BENCH_ARGS (extra options of the standard sweep), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
+# BENCH_ARGS (extra options of the standard sweep), MODIFIERS_ARGS (of the modifiers suite, e.g. "--headdims 64,256 --dtypes bf16,fp16"), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
 # compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only), AB_BASE (the
 # checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous
 # commit carried in an ignored folder; AB_SIDES "BASE NEW NEW2 ..." compares several checkouts with
@@ -91,8 +91,8 @@ for stage in $stages; do
     decode) bench_stage decode ${DECODE_TIMEOUT:-150} --suite decode ;;
     varlen) bench_stage varlen ${VARLEN_TIMEOUT:-90} --suite varlen ;;
     modifiers)  # issue 23: bias, key-padding mask, dropout against cuflash without them and the peers
-      bench_stage modifiers ${MODIFIERS_TIMEOUT:-150} --suite modifiers
-      bench_stage modifiers_bwd ${MODIFIERS_TIMEOUT:-150} --suite modifiers --backward ;;
+      bench_stage modifiers ${MODIFIERS_TIMEOUT:-150} --suite modifiers ${MODIFIERS_ARGS:-}
+      bench_stage modifiers_bwd ${MODIFIERS_TIMEOUT:-150} --suite modifiers --backward ${MODIFIERS_ARGS:-} ;;
     paper) bench_stage paper ${PAPER_TIMEOUT:-60} --suite paper ;;
     ring)  # issue 25 on a machine with 2+ GPUs (nvidia-h200-x2/x4): exactness, weak/strong scaling, transfers
       NCCL_NVLS_ENABLE=0 timeout ${RING_TIMEOUT:-420} $PY scripts/ring_scaling.py ${RING_ARGS:-} --markdown "$OUT/ring.md" \

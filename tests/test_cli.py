@@ -176,6 +176,28 @@ def test_bench_refuses_sweep_options_on_fixed_suites():
     assert result.exit_code == 2 and "--headdims" in result.output and "--suite decode" in result.output
     result = CliRunner().invoke(cli.main, ["bench", "--suite", "paper", "--backward"])
     assert result.exit_code == 2 and "--backward" in result.output
+    result = CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers", "--seqlens", "4096"])
+    assert result.exit_code == 2 and "--seqlens" in result.output
+    # The modifiers suite sweeps head dims and the 16-bit dtypes; float32/float64 have no GPU kernels yet.
+    result = CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers", "--dtypes", "fp32"])
+    assert result.exit_code == 2 and "bf16 and fp16" in result.output
+
+
+def test_bench_modifiers_passes_head_dims_and_dtypes_only_when_given(monkeypatch):
+    """`cuflash bench --suite modifiers` runs issue 23's bf16 / head dim 128 rows unless --headdims or
+    --dtypes are given; the standard suite always gets its sweep."""
+    seen = []
+    monkeypatch.setattr(_arrays, "gpu_available", lambda: True)
+    fake = type(sys)("cuflash.bench")
+    fake.main = lambda argv, progress=None: seen.append(argv)
+    monkeypatch.setitem(sys.modules, "cuflash.bench", fake)
+    monkeypatch.setattr(cuflash, "bench", fake, raising=False)
+    assert CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers"]).exit_code == 0
+    assert "--headdims" not in seen[-1] and "--dtypes" not in seen[-1]
+    assert CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers", "--headdims", "64,256", "--dtypes", "fp16"]).exit_code == 0
+    assert seen[-1][seen[-1].index("--headdims") + 1] == "64,256" and seen[-1][seen[-1].index("--dtypes") + 1] == "fp16"
+    assert CliRunner().invoke(cli.main, ["bench"]).exit_code == 0
+    assert seen[-1][seen[-1].index("--headdims") + 1] == "64,128,256"
 
 
 def test_info_names_the_kernel_family_per_gpu():
