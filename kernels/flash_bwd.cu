@@ -84,7 +84,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     for (int half = 0; half < 2; ++half) {
         const int r = warp * 16 + lane / 4 + 8 * half;
         lse2[half] = r >= rows_valid ? __int_as_float(0x7f800000)
-                     : kMods ? lse_natural(p.lse[stat + r]) : lse_log2(p.lse[stat + r]);
+                     : lse_for_prob<kMods>(p.lse[stat + r]);
         dsum[half] = r < rows_valid ? p.dsum[stat + r] : 0.f;
     }
 
@@ -196,7 +196,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 cp_async_commit();
                 for (int r = tid; r < kT; r += kThreads) {
                     sLse2[r] = r >= rows_valid ? __int_as_float(0x7f800000)
-                               : kMods ? lse_natural(p.lse[stat + m0 + r]) : lse_log2(p.lse[stat + m0 + r]);
+                               : lse_for_prob<kMods>(p.lse[stat + m0 + r]);
                     sDsum[r] = r < rows_valid ? p.dsum[stat + m0 + r] : 0.f;
                 }
                 cp_async_wait<0>();

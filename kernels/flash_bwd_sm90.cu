@@ -144,7 +144,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     for (int half = 0; half < 2; ++half) {
         const int r = r_lo + 8 * half;
         lse2[half] = r >= rows_valid ? __int_as_float(0x7f800000)
-                     : kMods ? lse_natural(p.lse[stat + r]) : lse_log2(p.lse[stat + r]);
+                     : lse_for_prob<kMods>(p.lse[stat + r]);
         dsum[half] = r < rows_valid ? p.dsum[stat + r] : 0.f;
     }
 
@@ -301,7 +301,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         const long long stat = seq.lse_row(p, b, h, m0);
         for (int r = tid; r < kBM; r += kThreads) {  // read after the barrier that publishes the stage
             sLse2[stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000)
-                                     : kMods ? lse_natural(p.lse[stat + r]) : lse_log2(p.lse[stat + r]);
+                                     : lse_for_prob<kMods>(p.lse[stat + r]);
             sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
         }
     };

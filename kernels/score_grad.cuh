@@ -45,6 +45,12 @@ __device__ __forceinline__ float lse_natural(float lse) {
     return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse;
 }
 
+// A row's LSE as the backward's P reads it: lse_natural for the kMods kernels, lse_log2 otherwise.
+template <bool kMods>
+__device__ __forceinline__ float lse_for_prob(float lse) {
+    return kMods ? lse_natural(lse) : lse_log2(lse);
+}
+
 // P for one score with its bias added after ALiBi, bm from tile_bias_mask (-inf where the boolean
 // mask hides the key: P = 0), in natural units against lse_natural; dcap as prob's.  The
 // causal/window masks stay the caller's.
