@@ -464,13 +464,16 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     from . import _arrays
 
     dtypes = _check_sweep(dtypes, headdims, seqlens)
+    ctx = click.get_current_context()
+
+    def given(name):
+        return ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
+
     if suite != "standard":
-        ctx = click.get_current_context()
         fixed = ("seqlens", "plot_path") + (("backward", "dtypes", "headdims") if suite != "modifiers" else ())
-        given = [f"--{name.replace('_', '-')}" for name in fixed
-                 if ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT]
-        if given:
-            options = ", ".join(given).replace("--plot-path", "--plot")
+        refused = [f"--{name.replace('_', '-')}" for name in fixed if given(name)]
+        if refused:
+            options = ", ".join(refused).replace("--plot-path", "--plot")
             raise click.UsageError(f"{options}: not for --suite {suite}, which runs fixed configurations (--backward, "
                                    "--dtypes, --headdims: standard and modifiers suites)")
         if suite == "modifiers" and not set(dtypes.split(",")) <= {"bf16", "fp16"}:
@@ -486,9 +489,8 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     from . import bench as bench_module
 
     argv = ["--suite", suite, "--seqlens", seqlens]
-    ctx = click.get_current_context()
     for name, value in (("dtypes", dtypes), ("headdims", headdims)):  # (modifiers: bf16, head dim 128 unless given)
-        if suite == "standard" or ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT:
+        if suite == "standard" or given(name):
             argv += [f"--{name}", value]
     argv += ["--backward"] * backward + ["--no-peers"] * no_peers
     argv += ["--json", json_path] if json_path else []
