@@ -259,7 +259,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const int num_splits = kSplitKV ? static_cast<int>(p.num_splits) : 1;
     const int split = blockIdx.x % num_splits, m_blocks = gridDim.x / num_splits;
     SeqInfo seq(p, b);
-    if constexpr (kSplitKV) seq.check_pages(p, b, split, num_splits);
+    if constexpr (kSplitKV) {
+        seq.check_pages(p, b, split, num_splits);
+        seq.make_warp_uniform();
+    }
     const int m0 = (m_blocks - 1 - static_cast<int>(blockIdx.x) / num_splits) * kBM;  // longest rows (causal) first
     const int rows = seq.sq * g;
     if (m0 >= rows) return;  // varlen: this sequence is shorter
@@ -267,9 +270,12 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     auto token = [&](int r) { return kSplitKV ? (m0 + r) / g : m0 + r; };
 
     const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    // K/V of this sequence and head, rebuilt per tile from seqinfo.cuh's shared batch row.
-    auto gK = [&] { return static_cast<const u16*>(p.k) + seq.kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride; };
-    auto gV = [&] { return static_cast<const u16*>(p.v) + seq.kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride; };
+    // K/V of this sequence and head, rebuilt per tile from seqinfo.cuh's shared batch row, or
+    // (split-KV) from uniform registers (SeqInfo::make_warp_uniform).
+    const int kv_b = kSplitKV ? warp_uniform(static_cast<int>(seq.kv_row())) : 0;
+    auto kv_row = [&]() -> long long { return kSplitKV ? kv_b : seq.kv_row(); };
+    auto gK = [&] { return static_cast<const u16*>(p.k) + kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride; };
+    auto gV = [&] { return static_cast<const u16*>(p.v) + kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride; };
     u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
     float* gLse = p.lse + seq.lse_row(p, b, h, m0);
     const int rows_valid = min(kBM, rows - m0);

@@ -26,6 +26,10 @@ struct SeqShared {
     int sq, sk, bad, kv_b;
 };
 
+// x, known to the compiler as equal in every lane of the warp (all 32 lanes call it, with the same
+// value): redux.sync leaves its result in a uniform register, outside the per-thread register file.
+__device__ __forceinline__ int warp_uniform(int x) { return __reduce_max_sync(0xffffffffu, x); }
+
 struct SeqInfo {
     int sq, sk;           // this sequence's query and key lengths
     long long q_start;    // first packed row of this sequence in q/out/lse (0 for padded batches)
@@ -153,6 +157,17 @@ struct SeqInfo {
         s_seq_bad[threadIdx.x / 32] = 1;  // by every thread before it reads the flag: no barrier needed
         sk = 0;
         set_diagonal(p);
+    }
+
+    // The lengths and offsets as warp-uniform values (warp_uniform): for a kernel at its register cap
+    // whose K/V addresses, formed from them, then take uniform registers (the split-KV kernel: d128
+    // spilled, and a shared load began every tile's copies, 4 % slower on single-sequence decode).
+    // Every thread of the warp calls it at the same point.
+    __device__ __forceinline__ void make_warp_uniform() {
+        sq = warp_uniform(sq);
+        sk = warp_uniform(sk);
+        q_start = warp_uniform(static_cast<int>(q_start));  // (32-bit values: the constructor)
+        k_start = warp_uniform(static_cast<int>(k_start));
     }
 
     // Batch row of k/v: cache_batch_idx[b] (checked), or b.
