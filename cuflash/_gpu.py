@@ -212,6 +212,9 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             else:
                 grid = (m_blocks, *_grid_yz(p.batch * p.nheads_q))
                 launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
+        if not tail_only:
+            defines = dict(variant.defines)
+            mask_map = _mask_tile_map(prm, p, defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"], device, launches)  # noqa: F841
         if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
             tail = _kernels.get_function(_kernels.varlen_tail_variant(), device)
             launches.insert(0, (tail, (2 * _sm_resources(device)[0],), (256,), 0))
@@ -292,6 +295,31 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
     if family is _kernels.sm90_fwd_variant:
         return family(dtype, headdim, **features, overlap=_kernels.sm90_overlap())
     return family(dtype, headdim, **features)
+
+
+def _mask_tile_map(prm, p, block_m: int, block_n: int, device: int, launches: list):
+    """The mask's tile map for the attention kernel of ``launches`` (block_m x block_n tiles;
+    kernels/mask_tiles.cu): its launch is put first, the map's fields set in ``prm``.  Returns the
+    arrays it writes (alive until the launches are queued), or None without a mask (or with more
+    query tiles than a grid's y extent: no map, every tile then reads the mask)."""
+    if not prm.mask or p.seqlen_q == 0 or p.seqlen_k == 0:
+        return None
+    cp = _cp()
+    heads = p.nheads_q if prm.mask_head_stride else 1
+    planes = (p.batch if prm.mask_batch_stride else 1) * heads
+    rows = -(-p.seqlen_q // block_m) if prm.mask_row_stride else 1
+    cols = -(-p.seqlen_k // block_n)
+    if rows > _GRID_YZ_MAX:
+        return None
+    states = cp.empty(planes * rows * cols, dtype=cp.uint8)
+    ranges = cp.zeros(2 * planes * (rows + cols), dtype=cp.int32)  # (count - first, last + 1); 0 0: none
+    prm.mask_tiles, prm.mask_tile_row_ranges = states.data.ptr, ranges.data.ptr
+    prm.mask_tile_col_ranges = ranges.data.ptr + 8 * planes * rows
+    prm.mask_tile_m, prm.mask_tile_n, prm.mask_tiles_rows, prm.mask_tiles_cols, prm.mask_tiles_heads = (
+        block_m, block_n, rows, cols, heads)
+    fn = _kernels.get_function(_kernels.mask_tiles_variant(), device)
+    launches.insert(0, (fn, (cols * planes, rows), (128,), 0))
+    return states, ranges
 
 
 @functools.lru_cache(maxsize=None)

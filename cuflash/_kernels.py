@@ -313,6 +313,13 @@ def varlen_tail_variant() -> Variant:
 
 
 @functools.lru_cache(maxsize=None)
+def mask_tiles_variant() -> Variant:
+    """The tile map of a boolean mask (kernels/mask_tiles.cu), launched before the attention
+    kernel that takes the mask, for that kernel's tile sizes (run-time values)."""
+    return Variant("mask_tiles.cu", "cuflash_mask_tiles", (), 128)
+
+
+@functools.lru_cache(maxsize=None)
 def kv_append_variant() -> Variant:
     """The checked KV-cache append (any element size of 2, 4 or 8 bytes)."""
     return Variant("kv_append.cu", "cuflash_kv_append", (), 256)
@@ -355,7 +362,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
-    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), read_bandwidth_variant(),
+    out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]
     return out
 

@@ -12,7 +12,7 @@ _POINTERS = (
     "cache_batch_idx", "seq_bad", "error_word", "offsets_first_bad",
     "dout", "dq", "dk", "dv", "dsum", "dq_accum",
     "block_table", "out_accum", "lse_accum", "split_counters", "k_new", "v_new",
-    "bias", "mask", "dbias", "dropout_seed_ptr",
+    "bias", "mask", "dbias", "dropout_seed_ptr", "mask_tiles", "mask_tile_row_ranges", "mask_tile_col_ranges",
 )
 _INTEGERS = (
     "q_batch_stride", "q_row_stride", "q_head_stride",
@@ -35,6 +35,7 @@ _INTEGERS = (
     "block_table_batch_stride", "page_size", "num_splits", "pack_gqa", "tile_heads",
     "bias_batch_stride", "bias_head_stride", "bias_row_stride", "bias_col_stride",
     "mask_batch_stride", "mask_head_stride", "mask_row_stride", "mask_col_stride", "bias_dtype",
+    "mask_tile_m", "mask_tile_n", "mask_tiles_rows", "mask_tiles_cols", "mask_tiles_heads",
     "dropout_seed", "dropout_offset", "dropout_threshold", "dropout_first_batch",
     "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride", "dbias_col_stride",
 )

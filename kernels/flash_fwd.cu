@@ -285,14 +285,19 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         return kSplitKV ? (token(r) - m0) * row_stride + ((m0 + r) % g) * head_stride : r * row_stride;
     };
 
+    const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels; no GQA packing with them)
     int n_lo, n_hi;
     seq.key_range(token(0), token(kBM - 1) + 1, n_lo, n_hi);
     int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    if constexpr (kMods) mods.narrow_key_tiles(m0 / kBM, nb_lo, nb_hi);  // (the mask's tile map: not all False)
     if (kSplitKV && nb_lo < nb_hi) {  // this block's share of the key blocks (possibly none)
         const int per_split = (nb_hi - nb_lo + num_splits - 1) / num_splits;
         nb_lo += split * per_split;
         nb_hi = min(nb_hi, nb_lo + per_split);
     }
+    // The key tile after nb, walking down from nb_hi - 1 (kMods: past tiles whose mask is all False).
+    auto next_tile = [&](int nb) { return kMods ? mods.prev_key_tile(m0 / kBM, nb, nb_lo) : nb - 1; };
+    if constexpr (kMods) nb_hi = next_tile(nb_hi) + 1;
 
     // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or (paged) rows whose (page, slot)
     // page_rows() looked up once per tile into shared memory, for the K and the V copies alike.
@@ -332,7 +337,6 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 
     const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
                                   static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
-    const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels; no GQA packing with them)
 
     float o[kMT][kOT][4];  // O accumulator, C-fragment layout, fp32
 #pragma unroll
@@ -361,13 +365,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         const u16* sKw = sK + key_warp * kBNW * kStride;      // this warp's keys, of K and V
         const u16* sVw = sV + key_warp * kBNW * kStride;
 
-        for (int nb = nb_hi - 1; nb >= nb_lo; --nb) {
+        for (int nb = nb_hi - 1, nb_next; nb >= nb_lo; nb = nb_next) {
             const int n0 = nb * kBN;
+            nb_next = next_tile(nb);
             cp_async_wait<0>();
             __syncthreads();  // K_nb (and Q) have landed; every warp finished reading V of the last tile
             load_v(nb);
             cp_async_commit();
-            if (paged && nb > nb_lo) page_rows(nb - 1);  // published by the barrier before load_k(nb - 1)
+            if (paged && nb_next >= nb_lo) page_rows(nb_next);  // published by the barrier before load_k(nb_next)
             if constexpr (kQInRegs) {
                 if (nb == nb_hi - 1) {
 #pragma unroll
@@ -410,8 +415,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 }
             }
             __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
-            if (nb > nb_lo) {
-                load_k(nb - 1);
+            if (nb_next >= nb_lo) {
+                load_k(nb_next);
                 cp_async_commit();
             }
 
@@ -419,12 +424,13 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             u32 pk[kMT][kBNW / 16][4];
             float alpha[kMT][2];  // O rescale factor per row; 1 where the row max did not move
             const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
+            const bool read_mask = !kMods || mods.tile_state(m0 / kBM, nb) != 1;  // (all True: no mask reads)
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
                 const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
                 const int qpos[2] = {token(r), token(r + 8)};
                 softmax_tile<T, kNT, kSoftcap, kAlibi, false, false, kMods, kDropout>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
-                                                                     seq, score_args, lane, &mods);
+                                                                     seq, score_args, lane, &mods, read_mask);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
             // the max rarely moves, and multiplying by exactly 1 changes nothing (FlashAttention-4).
@@ -440,7 +446,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                         for (int e = 0; e < 4; ++e) o[mt][ot][e] *= alpha[mt][e / 2];
             }
 
-            if (nb > nb_lo) cp_async_wait<1>(); else cp_async_wait<0>();
+            if (nb_next >= nb_lo) cp_async_wait<1>(); else cp_async_wait<0>();
             __syncthreads();  // V_nb has landed for every thread's copies
 
             // O += P V, with P's registers as the A operand.

@@ -141,7 +141,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 
     if (warp < 4) {  // ---- producer: warp 0 (sm90_fwd_load.cuh); the other three leave ----
         regs_release<ws::kProducerRegs<kConsumers>>();
-        if (warp == 0) load_tiles<kBM, kBN, kD, kStages>(p, maps, bars, sQ, sK, sV, lane);
+        if (warp == 0) load_tiles<kBM, kBN, kD, kStages, kMods>(p, maps, bars, sQ, sK, sV, lane);
         return;
     }
 
@@ -168,7 +168,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         if (lane == 0) t = bars.tile;  // (lane 0 alone reads it: the thread that frees it, below)
         t = __shfl_sync(0xffffffffu, t, 0);
         if (t == kNoTile) break;
-        FwdWork<kBM, kBN> w(p, tiles(t), SeqInfo(p, bars.seq));  // (read by every lane: __syncwarp before the release)
+        FwdWork<kBM, kBN, kMods> w(p, tiles(t), SeqInfo(p, bars.seq));  // (read by every lane: __syncwarp before the release)
         w.warp_uniform();
         const SeqInfo& seq = w.seq;
         const int b = w.tile.b, h = w.tile.h, m0 = w.tile.m0, nb_lo = w.nb_lo, nb_hi = w.nb_hi;
@@ -233,6 +233,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 }
             };
             auto masked = [&](int n0) { return !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN); };
+            // Whether tile nb reads the mask (kMods: not where it is all True) and the next tile of the walk.
+            auto read_mask = [&](int nb) { return !kMods || mods.tile_state(m0 / kBM, nb) != 1; };
+            auto next_tile = [&](int nb) { return w.next_key_tile(p, nb); };
 
             // One product alone in a turn, waited for at once, its stage then released: S = Q K^T of
             // the K tile in stage `at`, or O += P V of the V tile there (keys [n0, n0 + kBN)).
@@ -257,11 +260,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 
             if constexpr (!kOverlap) {
                 // Per tile: [turn] S [end] -> softmax -> [turn] P V [end], each product waited for at once.
-                for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {
+                for (int nb = nb_hi - 1; nb >= nb_lo; nb = next_tile(nb), ring.advance()) {
                     const int n0 = nb * kBN;
                     s_alone(ring);
                     softmax_tile<T, kNT, kSoftcap, kAlibi, false, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
-                                                                   &mods);
+                                                                   &mods, read_mask(nb));
                     rescale_o();
                     pv_alone(ring, n0);
                 }
@@ -274,9 +277,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 int n0 = (nb_hi - 1) * kBN;
                 s_alone(ring);
                 softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
-                                                                   &mods);
+                                                                   &mods, read_mask(nb_hi - 1));
                 pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
-                for (int nb = nb_hi - 2; nb >= nb_lo; --nb) {
+                for (int nb = next_tile(nb_hi - 1); nb >= nb_lo; nb = next_tile(nb)) {
                     const int prev_stage = ring.stage, prev_n0 = n0;
                     ring.advance();
                     n0 = nb * kBN;
@@ -290,7 +293,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     wgmma_pin(s_flat);
                     if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
                     softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
-                                                                   &mods);
+                                                                   &mods, read_mask(nb));
                     keep_before_wait(row[0].l + row[1].l, p.batch < 0);  // (the row sums need every exponential)
                     wgmma_wait<0>();  // P V is done: pk and O are free
                     wgmma_pin(o_flat);

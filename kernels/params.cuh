@@ -46,6 +46,13 @@ struct FlashParams {
     float* dbias;
     // Dropout's (seed, offset) as a (2,) int64 GPU array read by the kernels (null: the values below).
     const unsigned long long* dropout_seed_ptr;
+    // The mask's tile map for the next kernel's tiles of mask_tile_m x mask_tile_n scores
+    // (mask_tiles.cu writes it first; null: none): per tile of each distinct (batch, head) plane of
+    // the mask, 0 every entry False, 1 every entry True, 2 both; per row of tiles the key tiles and
+    // per column the query tiles not all False, as int pairs (count - first, last + 1), 0 0 if none.
+    unsigned char* mask_tiles;
+    int* mask_tile_row_ranges;
+    int* mask_tile_col_ranges;
 
     // Strides in elements.  Packed (varlen) tensors have batch stride 0.
     long long q_batch_stride, q_row_stride, q_head_stride;
@@ -85,6 +92,9 @@ struct FlashParams {
     long long bias_batch_stride, bias_head_stride, bias_row_stride, bias_col_stride;
     long long mask_batch_stride, mask_head_stride, mask_row_stride, mask_col_stride;
     long long bias_dtype;
+    // The tile map's shape: tile sizes, tiles per plane (rows: 1 where the mask's rows broadcast),
+    // head planes per batch plane (nheads_q, or 1 where the mask's heads broadcast).
+    long long mask_tile_m, mask_tile_n, mask_tiles_rows, mask_tiles_cols, mask_tiles_heads;
     // Dropout (CUFLASH_MODS = 2 kernels): the keep-mask of philox.cuh from (seed, offset) with keep
     // threshold round((1 - p) 2^16) for its 16-bit draws, batch entries numbered from dropout_first_batch; the output
     // times dropout_scale = 1 / (1 - p) with its 1 / l.

@@ -75,6 +75,52 @@ struct ScoreMods {
         if (!p.dbias || i >= sq || j >= sk || ds == 0.f) return;  // (hidden and dropped entries add nothing)
         atomicAdd(p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride + j * p.dbias_col_stride, ds);
     }
+    // The mask's tile map (mask_tiles.cu; made for the calling kernel's tiles): a tile whose mask
+    // is all False is skipped, one that is all True reads no mask (read_mask false below).  Without
+    // a map every tile counts as mixed and nothing is narrowed.
+    __device__ __forceinline__ long long tile_plane() const {
+        return (p.mask_batch_stride ? b : 0) * p.mask_tiles_heads + (p.mask_head_stride ? h : 0);
+    }
+    __device__ __forceinline__ const unsigned char* tile_states(int mt) const {  // query tile mt's row of states
+        return p.mask_tiles + (tile_plane() * p.mask_tiles_rows + (p.mask_row_stride ? mt : 0)) * p.mask_tiles_cols;
+    }
+    // 0: every entry of query tile mt x key tile nt False, 1: every entry True, 2: both.
+    __device__ __forceinline__ int tile_state(int mt, int nt) const { return p.mask_tiles ? __ldg(tile_states(mt) + nt) : 2; }
+    // Key tiles [lo, hi) of query tile mt narrowed to the span whose mask is not all False (empty: lo >= hi).
+    __device__ __forceinline__ void narrow_key_tiles(int mt, int& lo, int& hi) const {
+        if (!p.mask_tiles) return;
+        const int2 r = __ldg(reinterpret_cast<const int2*>(p.mask_tile_row_ranges) + tile_plane() * p.mask_tiles_rows +
+                             (p.mask_row_stride ? mt : 0));
+        lo = max(lo, static_cast<int>(p.mask_tiles_cols) - r.x);
+        hi = min(hi, r.y);
+    }
+    // Query tiles [lo, hi) of key tile nt likewise.
+    __device__ __forceinline__ void narrow_query_tiles(int nt, int& lo, int& hi) const {
+        if (!p.mask_tiles) return;
+        const int2 c = __ldg(reinterpret_cast<const int2*>(p.mask_tile_col_ranges) + tile_plane() * p.mask_tiles_cols + nt);
+        if (c.y == 0) {
+            hi = lo;
+        } else if (p.mask_row_stride) {  // (rows broadcast: every query tile sees what row 0 sees)
+            lo = max(lo, static_cast<int>(p.mask_tiles_rows) - c.x);
+            hi = min(hi, c.y);
+        }
+    }
+    // The key tile below nb, down to lo, whose mask is not all False in query tile mt (lo - 1: none).
+    __device__ __forceinline__ int prev_key_tile(int mt, int nb, int lo) const {
+        if (!p.mask_tiles) return nb - 1;
+        const unsigned char* states = tile_states(mt);
+        do --nb;
+        while (nb >= lo && __ldg(states + nb) == 0);
+        return nb;
+    }
+    // The query tile above mb, up to hi - 1, whose mask is not all False in key tile nt (hi: none).
+    __device__ __forceinline__ int next_query_tile(int nt, int mb, int hi) const {
+        if (!p.mask_tiles) return mb + 1;
+        do ++mb;
+        while (mb < hi && tile_state(mb, nt) == 0);
+        return mb;
+    }
+
     // The bias and mask of kN scores at once: the bias added to x(t) (a float&), x(t) = -inf where
     // the mask hides the key.  Every load is issued before any is used, so that one memory latency
     // covers the fragment (element-by-element reads, each waited for in turn, made the bias forward
@@ -86,25 +132,25 @@ struct ScoreMods {
     // mma.cuh).  With unit key stride, even strides and alignment, two elements per load at
     // constant offsets from one row pointer (no per-score address arithmetic).
     template <int kN, class X>
-    __device__ __forceinline__ void add_bias_mask_row(int i, int j0, X x) const {
+    __device__ __forceinline__ void add_bias_mask_row(int i, int j0, X x, bool read_mask = true) const {
         static_assert(kN % 2 == 0, "a row fragment holds key pairs");
         if (p.bias) {
             if (p.bias_dtype == 0) row_gather<float, kN>(i, j0, x);
             else if (p.bias_dtype == 1) row_gather<half_t, kN>(i, j0, x);
             else row_gather<bf16_t, kN>(i, j0, x);
         }
-        if (p.mask) row_gather<bool, kN>(i, j0, x);
+        if (p.mask && read_mask) row_gather<bool, kN>(i, j0, x);
     }
     // Any positions: score t at query row i, key j = pos(t, i, j) (the transposed tiles of the
-    // dK/dV kernels).
+    // dK/dV kernels).  read_mask false: the tile's mask is all True (tile_state 1).
     template <int kN, class Pos, class X>
-    __device__ __forceinline__ void add_bias_mask(Pos pos, X x) const {
+    __device__ __forceinline__ void add_bias_mask(Pos pos, X x, bool read_mask = true) const {
         if (p.bias) {
             if (p.bias_dtype == 0) gather<float, kN>(pos, x);
             else if (p.bias_dtype == 1) gather<half_t, kN>(pos, x);
             else gather<bf16_t, kN>(pos, x);
         }
-        if (p.mask) gather<bool, kN>(pos, x);
+        if (p.mask && read_mask) gather<bool, kN>(pos, x);
     }
 
     // (The loads: E = float, half_t, bf16_t for the bias, bool for the mask.)

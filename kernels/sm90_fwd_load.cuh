@@ -17,6 +17,7 @@
 // key tile down.  A tile without keys gets a plain arrival on q_full instead of Q.  Shah et al.,
 // "FlashAttention-3", 2024, §3.1.
 #pragma once
+#include "score_mods.cuh"
 #include "seqinfo.cuh"
 #include "sm90_pipeline.cuh"
 #include "sm90_scheduler.cuh"
@@ -28,8 +29,10 @@ struct FwdMaps {
 };
 
 // What both roles derive from a tile: its sequence, its K/V head and its key tiles [nb_lo,
-// nb_hi).  A tile that starts past its sequence's rows (varlen) is skipped by both.
-template <int kBM, int kBN>
+// nb_hi), with kMods narrowed to the span where the mask is not all False and nb_hi - 1 a tile
+// that is not (ScoreMods' tile map; both roles walk the tiles with next_key_tile, which passes
+// over the all-False ones).  A tile that starts past its sequence's rows (varlen) is skipped by both.
+template <int kBM, int kBN, bool kMods = false>
 struct FwdWork {
     FwdTile tile;
     SeqInfo seq;
@@ -40,6 +43,18 @@ struct FwdWork {
         int n_lo, n_hi;
         seq.key_range(t.m0, t.m0 + kBM, n_lo, n_hi);
         nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+        if constexpr (kMods) {
+            const ScoreMods mods{p, t.b, t.h, seq.sq, seq.sk};
+            mods.narrow_key_tiles(t.m0 / kBM, nb_lo, nb_hi);
+            nb_hi = mods.prev_key_tile(t.m0 / kBM, nb_hi, nb_lo) + 1;
+        }
+    }
+    // The key tile after nb in the walk from nb_hi - 1 down (nb_lo - 1: none), the same in every
+    // lane (broadcast from lane 0, as warp_uniform).  Every lane of the warp calls it.
+    __device__ __forceinline__ int next_key_tile(const FlashParams& p, int nb) const {
+        if constexpr (!kMods) return nb - 1;
+        const int next = ScoreMods{p, tile.b, tile.h, seq.sq, seq.sk}.prev_key_tile(tile.m0 / kBM, nb, nb_lo);
+        return __shfl_sync(0xffffffffu, next, 0);
     }
     // The bounds the control flow depends on, broadcast from lane 0 (every lane holds the same
     // values): with them known to be warp-uniform, the compiler keeps the consumers' key loop
@@ -68,7 +83,7 @@ struct FwdBarriers {
     unsigned tile;
 };
 
-template <int kBM, int kBN, int kD, int kStages>
+template <int kBM, int kBN, int kD, int kStages, bool kMods>
 __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& maps, FwdBarriers<kStages>& bars,
                                            unsigned char* sQ, unsigned char* sK, unsigned char* sV, int lane) {
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
@@ -81,7 +96,7 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
     // The next tile after t, taken by lane 0 and known to the whole warp.
     auto next_tile = [&](unsigned t) { return __shfl_sync(0xffffffffu, lane == 0 ? tiles.next(t) : 0u, 0); };
     for (unsigned t = blockIdx.x; t < tiles.tiles(); t = next_tile(t)) {
-        const FwdWork<kBM, kBN> w(p, tiles(t));
+        const FwdWork<kBM, kBN, kMods> w(p, tiles(t));
         if (w.skipped()) continue;
         const int kv_batch = packed ? 0 : static_cast<int>(w.seq.kv_row());
         // K or V tile nb into the ring's stage.
@@ -112,7 +127,7 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
             }
         }
         __syncwarp();
-        for (int nb = w.nb_hi - 1; nb >= w.nb_lo; --nb, ring.advance()) {
+        for (int nb = w.nb_hi - 1; nb >= w.nb_lo; nb = w.next_key_tile(p, nb), ring.advance()) {
             if (nb != w.nb_hi - 1) load_k(nb);
             load_v(nb);
         }

@@ -33,13 +33,14 @@ __device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[k
 // of visible()'s branches (~14 instructions a score on masked tiles); where the caller's registers
 // allow it (at d192/d256 the Hopper consumers then spill).
 // kMods: bias and mask from `mods` (ScoreMods) on every tile (kDropout: and dropout), with scores, the running max and
-// the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite).
+// the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite);
+// read_mask false: the tile's mask is all True (ScoreMods::tile_state), no mask is read.
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
           bool kMods = false, bool kDropout = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
                                              float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
                                              const SeqInfo& seq, const ScoreArgs& a, int lane,
-                                             const ScoreMods* mods = nullptr) {
+                                             const ScoreMods* mods = nullptr, bool read_mask = true) {
     // Without softcap, ALiBi and bias the max is taken over raw q.k and the scale folded into the
     // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
     // negative scale and zeroes q for a zero scale, both exact).
@@ -56,7 +57,8 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                     s[nt][half * 2 + e] = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i,
                                                                         n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
             // this row's keys n0 + 8 (t / 2) + 2 (lane % 4) + t % 2, their bias and mask loaded at once
-            mods->template add_bias_mask_row<kNT * 2>(i, n0 + (lane % 4) * 2, [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; });
+            mods->template add_bias_mask_row<kNT * 2>(i, n0 + (lane % 4) * 2, [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; },
+                                                      read_mask);
         } else if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)

@@ -61,7 +61,10 @@ for dtype in (np.float16, ml_dtypes.bfloat16):
         wide = rand((2, 4, sq, 2 * sk), np.float32)
         for mods in (dict(bias=rand((1, 1, sq, sk), np.float32)), dict(bias=wide[..., ::-2]),
                      dict(bias=rand((2, 1, 1, sk), np.float16), mask=cp.asarray(rng.random((sq, sk)) < 0.8)),
-                     dict(mask=cp.broadcast_to(cp.asarray(rng.random((1, 4, 1, sk)) < 0.5), (2, 4, sq, sk)))):
+                     dict(mask=cp.broadcast_to(cp.asarray(rng.random((1, 4, 1, sk)) < 0.5), (2, 4, sq, sk))),
+                     # tile-scale masks (mask_tiles.cu): key padding, and documents (all-False tiles in a row)
+                     dict(mask=cp.asarray((np.arange(sk) < np.array([sk, sk // 3])[:, None])[:, None, None, :])),
+                     dict(mask=cp.asarray((np.arange(sq)[:, None] * 3 // sq == np.arange(sk)[None, :] * 3 // sk)[None, None]))):
             for causal in (False, True):
                 out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True, **mods)
                 if not FORWARD_ONLY:  # flash_bwd.cu's CUFLASH_MODS kernels, dbias by atomics
