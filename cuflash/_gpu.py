@@ -635,6 +635,12 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             if dlse is not None:  # dS = P (dP - D + dlse): the LSE's gradient joins D
                 dsum -= cp.where(cp.isneginf(lse), 0, dlse)  # (rows with no key stay 0, whatever dlse says)
 
+        if launches:  # the mask's tile map for the dK/dV kernel's tiles (query tiles x key_tile keys)
+            map_launch = []
+            inner = dict(main.defines).get("CUFLASH_INNER", tile)
+            mask_map = _mask_tile_map(prm, p, inner, key_tile, device, map_launch)  # noqa: F841 (alive until queued)
+            for fn, grid, block, shared_mem in map_launch:
+                fn(grid, block, (_pointer(prm),), shared_mem=shared_mem)
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
             fn(grid, (main.threads,), (_pointer(prm),), shared_mem=shared_mem)

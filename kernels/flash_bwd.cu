@@ -92,10 +92,17 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     zero(dq);
     int n_lo, n_hi;
     seq.key_range(m0, m0 + kT, n_lo, n_hi);
+    if constexpr (kMods) {  // the key tiles whose mask is not all False (ScoreMods' tile map)
+        int lo = n_lo / kT, hi = (n_hi + kT - 1) / kT;
+        mods.narrow_key_tiles<kT, kT>(blockIdx.x, lo, hi);
+        n_lo = max(n_lo, lo * kT), n_hi = min(n_hi, hi * kT);
+    }
     load_tile<kT, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
     load_tile<kT, kD, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
     cp_async_commit();
     for (int n0 = n_lo / kT * kT; n0 < n_hi; n0 += kT) {
+        const int mask_state = kMods ? mods.tile_state<kT, kT>(blockIdx.x, n0 / kT) : 2;
+        if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile: it adds nothing
         load_tile<kT, kD, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
         load_tile<kT, kD, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
         cp_async_commit();
@@ -107,7 +114,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         if constexpr (kMods)
             tile_bias_mask<true>(mods, bm, [&](int nt, int e, int& i, int& j) {
                 i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-            });
+            }, mask_state != 1);
         zero(s);
         zero(dp);
         warp_gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
@@ -188,7 +195,11 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
             const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
             const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
             const long long stat = seq.lse_row(p, b, h, 0);
-            for (int m0 = i_lo / kT * kT; m0 < i_hi; m0 += kT) {
+            int mb_lo = i_lo / kT, mb_hi = (i_hi + kT - 1) / kT;
+            if constexpr (kMods) mods.narrow_query_tiles<kT, kT>(blockIdx.x, mb_lo, mb_hi);  // (the tile map)
+            for (int m0 = mb_lo * kT; m0 < min(i_hi, mb_hi * kT); m0 += kT) {
+                const int mask_state = kMods ? mods.tile_state<kT, kT>(m0 / kT, blockIdx.x) : 2;
+                if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile
                 const int rows_valid = min(kT, seq.sq - m0);
                 __syncthreads();  // every warp is done with the previous query tile
                 load_tile<kT, kD, kThreads>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
@@ -207,7 +218,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 if constexpr (kMods)
                     tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
                         j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                    });
+                    }, mask_state != 1);
                 zero(st);
                 zero(dpt);
                 warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ

@@ -152,7 +152,11 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     zero(dq);
     int n_lo, n_hi;
     seq.key_range(m0, m0 + kBM, n_lo, n_hi);
-    const int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
+    // kMods: the key tiles whose mask is not all False (ScoreMods' tile map, where it was made for these tiles)
+    if constexpr (kMods) mods.narrow_key_tiles<kBM, kBN>(blockIdx.x, nb_lo, nb_hi);
+    auto next_tile = [&](int nb) { return kMods ? mods.step_key_tile<kBM, kBN, 1>(blockIdx.x, nb, nb_hi - 1) : nb + 1; };
+    const int nb_first = next_tile(nb_lo - 1);
     auto load_kv = [&](int nb, int stage) {
         const int n0 = nb * kBN;
         load_tile_swizzled<kBN, kD, kThreads>(sK + stage * kTileKV, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
@@ -161,16 +165,17 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     };
     load_tile_swizzled<kBM, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
     load_tile_swizzled<kBM, kD, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
-    if (nb_lo < nb_hi) load_kv(nb_lo, 0);
+    if (nb_first < nb_hi) load_kv(nb_first, 0);
     else cp_async_commit();
     const u32 q_base = smem_addr(sQ), do_base = smem_addr(sdO), k_base = smem_addr(sK), v_base = smem_addr(sV);
 
-    for (int nb = nb_lo, stage = 0; nb < nb_hi; ++nb, stage ^= 1) {
+    for (int nb = nb_first, stage = 0, nb_next; nb < nb_hi; nb = nb_next, stage ^= 1) {
         const int n0 = nb * kBN;
+        nb_next = next_tile(nb);
         cp_async_wait<0>();
         fence_async_smem();
         __syncthreads();  // this K/V tile (and Q, dO) landed; every warp is done with the other stage
-        if (nb + 1 < nb_hi) load_kv(nb + 1, stage ^ 1);
+        if (nb_next < nb_hi) load_kv(nb_next, stage ^ 1);
 
         float s[kNT][4], dp[kNT][4];  // rows r_lo, r_lo + 8 x kBN keys
         float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
@@ -187,7 +192,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         if constexpr (kMods)
             tile_bias_mask<true>(mods, bm, [&](int nt, int e, int& i, int& j) {
                 i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-            });
+            }, mods.tile_state<kBM, kBN>(blockIdx.x, nb) != 1);
         wgmma_wait<0>();
         wgmma_pin(s_flat);
         wgmma_pin(dp_flat);
@@ -278,7 +283,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     zero(dv);
     int i_lo = 0, i_hi = 0;
     if (n0 < seq.sk) seq.query_range(n0, n0 + kBN, i_lo, i_hi);
-    const int mb_lo = i_lo / kBM, tiles = i_lo < i_hi ? (i_hi + kBM - 1) / kBM - mb_lo : 0;
+    int mb_lo = i_lo / kBM, mb_hi = i_lo < i_hi ? (i_hi + kBM - 1) / kBM : mb_lo;
+    if constexpr (kMods) {  // the query tiles whose mask is not all False for some head of the group (tile map)
+        int lo = mb_hi, hi = mb_lo;
+        for (int g = 0; g < group; ++g) {
+            int l = mb_lo, u = mb_hi;
+            ScoreMods{p, b, hk * group + g, seq.sq, seq.sk}.narrow_query_tiles<kBM, kBN>(blockIdx.x, l, u);
+            if (l < u) lo = min(lo, l), hi = max(hi, u);
+        }
+        mb_lo = lo < hi ? lo : mb_lo;
+        mb_hi = lo < hi ? hi : mb_lo;
+    }
+    const int tiles = mb_hi - mb_lo;
     const int steps = group * tiles;
     // Step t of the loop: query head hk * group + u / tiles, query tile mb_lo + u % tiles, where
     // u = t, or with atomic dQ u = (t + blockIdx.x) % steps, so that the key blocks of one head do
@@ -320,6 +336,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
         if (t + 1 < steps) load_q(next, stage ^ 1);
+        const int mask_state = kMods ? mods.tile_state<kBM, kBN>(m0 / kBM, blockIdx.x) : 2;
+        if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile: it adds nothing
 
         float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x kBM queries
         float (&st_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(st);
@@ -339,7 +357,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         if constexpr (kMods)
             tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
                 j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
-            });
+            }, mask_state != 1);
         wgmma_wait<kPDuringDp ? 1 : 0>();
         wgmma_pin(st_flat);
 

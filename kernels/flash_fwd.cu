@@ -289,14 +289,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     int n_lo, n_hi;
     seq.key_range(token(0), token(kBM - 1) + 1, n_lo, n_hi);
     int nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
-    if constexpr (kMods) mods.narrow_key_tiles(m0 / kBM, nb_lo, nb_hi);  // (the mask's tile map: not all False)
+    if constexpr (kMods) mods.narrow_key_tiles<kBM, kBN>(m0 / kBM, nb_lo, nb_hi);  // (the mask's tile map: not all False)
     if (kSplitKV && nb_lo < nb_hi) {  // this block's share of the key blocks (possibly none)
         const int per_split = (nb_hi - nb_lo + num_splits - 1) / num_splits;
         nb_lo += split * per_split;
         nb_hi = min(nb_hi, nb_lo + per_split);
     }
     // The key tile after nb, walking down from nb_hi - 1 (kMods: past tiles whose mask is all False).
-    auto next_tile = [&](int nb) { return kMods ? mods.prev_key_tile(m0 / kBM, nb, nb_lo) : nb - 1; };
+    auto next_tile = [&](int nb) { return kMods ? mods.step_key_tile<kBM, kBN, -1>(m0 / kBM, nb, nb_lo) : nb - 1; };
     if constexpr (kMods) nb_hi = next_tile(nb_hi) + 1;
 
     // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or (paged) rows whose (page, slot)
@@ -424,7 +424,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             u32 pk[kMT][kBNW / 16][4];
             float alpha[kMT][2];  // O rescale factor per row; 1 where the row max did not move
             const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
-            const bool read_mask = !kMods || mods.tile_state(m0 / kBM, nb) != 1;  // (all True: no mask reads)
+            const bool read_mask = !kMods || mods.tile_state<kBM, kBN>(m0 / kBM, nb) != 1;  // (all True: no mask reads)
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
                 const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4

@@ -234,7 +234,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             };
             auto masked = [&](int n0) { return !seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN); };
             // Whether tile nb reads the mask (kMods: not where it is all True) and the next tile of the walk.
-            auto read_mask = [&](int nb) { return !kMods || mods.tile_state(m0 / kBM, nb) != 1; };
+            auto read_mask = [&](int nb) { return !kMods || mods.tile_state<kBM, kBN>(m0 / kBM, nb) != 1; };
             auto next_tile = [&](int nb) { return w.next_key_tile(p, nb); };
 
             // One product alone in a turn, waited for at once, its stage then released: S = Q K^T of

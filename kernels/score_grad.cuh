@@ -64,8 +64,9 @@ __device__ __forceinline__ float prob_mods(float qk, float scale, float softcap,
 // before any is used): bm[nt][e] for score [nt][e] at query row i, key j = pos(nt, e, i, j), the
 // bias there (0 without one; -inf where the mask hides the key).  kRows: the layout of S (rows i, i + 8
 // = pos(0, 0) + 0, 8 for e / 2 = 0, 1; keys j0 + 8 nt + e % 2), read row by row; else any (Sᵀ).
+// read_mask false: the tile's mask is all True (ScoreMods::tile_state), only the bias is read.
 template <bool kRows, int kNT, class Pos>
-__device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, float (&bm)[kNT][4], Pos pos) {
+__device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, float (&bm)[kNT][4], Pos pos, bool read_mask = true) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
@@ -75,10 +76,10 @@ __device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, float (&bm
         pos(0, 0, i, j0);
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            mods.add_bias_mask_row<kNT * 2>(i + 8 * half, j0, [&](int t) -> float& { return bm[t / 2][2 * half + t % 2]; });
+            mods.add_bias_mask_row<kNT * 2>(i + 8 * half, j0, [&](int t) -> float& { return bm[t / 2][2 * half + t % 2]; }, read_mask);
     } else {
         mods.add_bias_mask<kNT * 4>([&](int t, int& i, int& j) { pos(t / 4, t % 4, i, j); },
-                                    [&](int t) -> float& { return bm[t / 4][t % 4]; });
+                                    [&](int t) -> float& { return bm[t / 4][t % 4]; }, read_mask);
     }
 }
 

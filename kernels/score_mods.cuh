@@ -75,28 +75,36 @@ struct ScoreMods {
         if (!p.dbias || i >= sq || j >= sk || ds == 0.f) return;  // (hidden and dropped entries add nothing)
         atomicAdd(p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride + j * p.dbias_col_stride, ds);
     }
-    // The mask's tile map (mask_tiles.cu; made for the calling kernel's tiles): a tile whose mask
-    // is all False is skipped, one that is all True reads no mask (read_mask false below).  Without
-    // a map every tile counts as mixed and nothing is narrowed.
+    // The mask's tile map (mask_tiles.cu), made for a kernel of kBM x kBN tiles (query rows x
+    // keys): a tile whose mask is all False is skipped, one that is all True reads no mask
+    // (read_mask false below).  A kernel whose tiles are not the map's (the backward's dQ kernel
+    // beside a map for the dK/dV kernel) and a call without a map see every tile as mixed, and
+    // nothing narrowed.
+    template <int kBM, int kBN>
+    __device__ __forceinline__ bool has_tile_map() const {
+        return p.mask_tiles && p.mask_tile_m == kBM && p.mask_tile_n == kBN;
+    }
     __device__ __forceinline__ long long tile_plane() const {
         return (p.mask_batch_stride ? b : 0) * p.mask_tiles_heads + (p.mask_head_stride ? h : 0);
     }
-    __device__ __forceinline__ const unsigned char* tile_states(int mt) const {  // query tile mt's row of states
-        return p.mask_tiles + (tile_plane() * p.mask_tiles_rows + (p.mask_row_stride ? mt : 0)) * p.mask_tiles_cols;
-    }
+    __device__ __forceinline__ long long tile_row(int mt) const { return tile_plane() * p.mask_tiles_rows + (p.mask_row_stride ? mt : 0); }
     // 0: every entry of query tile mt x key tile nt False, 1: every entry True, 2: both.
-    __device__ __forceinline__ int tile_state(int mt, int nt) const { return p.mask_tiles ? __ldg(tile_states(mt) + nt) : 2; }
+    template <int kBM, int kBN>
+    __device__ __forceinline__ int tile_state(int mt, int nt) const {
+        return has_tile_map<kBM, kBN>() ? __ldg(p.mask_tiles + tile_row(mt) * p.mask_tiles_cols + nt) : 2;
+    }
     // Key tiles [lo, hi) of query tile mt narrowed to the span whose mask is not all False (empty: lo >= hi).
+    template <int kBM, int kBN>
     __device__ __forceinline__ void narrow_key_tiles(int mt, int& lo, int& hi) const {
-        if (!p.mask_tiles) return;
-        const int2 r = __ldg(reinterpret_cast<const int2*>(p.mask_tile_row_ranges) + tile_plane() * p.mask_tiles_rows +
-                             (p.mask_row_stride ? mt : 0));
+        if (!has_tile_map<kBM, kBN>()) return;
+        const int2 r = __ldg(reinterpret_cast<const int2*>(p.mask_tile_row_ranges) + tile_row(mt));
         lo = max(lo, static_cast<int>(p.mask_tiles_cols) - r.x);
         hi = min(hi, r.y);
     }
     // Query tiles [lo, hi) of key tile nt likewise.
+    template <int kBM, int kBN>
     __device__ __forceinline__ void narrow_query_tiles(int nt, int& lo, int& hi) const {
-        if (!p.mask_tiles) return;
+        if (!has_tile_map<kBM, kBN>()) return;
         const int2 c = __ldg(reinterpret_cast<const int2*>(p.mask_tile_col_ranges) + tile_plane() * p.mask_tiles_cols + nt);
         if (c.y == 0) {
             hi = lo;
@@ -105,20 +113,15 @@ struct ScoreMods {
             hi = min(hi, c.y);
         }
     }
-    // The key tile below nb, down to lo, whose mask is not all False in query tile mt (lo - 1: none).
-    __device__ __forceinline__ int prev_key_tile(int mt, int nb, int lo) const {
-        if (!p.mask_tiles) return nb - 1;
-        const unsigned char* states = tile_states(mt);
-        do --nb;
-        while (nb >= lo && __ldg(states + nb) == 0);
+    // The key tile next to nb in the direction kStep (-1 or +1), up to and including `last`, whose
+    // mask is not all False in query tile mt; past `last` (last - 1 or last + 1): none.
+    template <int kBM, int kBN, int kStep>
+    __device__ __forceinline__ int step_key_tile(int mt, int nb, int last) const {
+        if (!has_tile_map<kBM, kBN>()) return nb + kStep;
+        const unsigned char* states = p.mask_tiles + tile_row(mt) * p.mask_tiles_cols;
+        do nb += kStep;
+        while ((kStep < 0 ? nb >= last : nb <= last) && __ldg(states + nb) == 0);
         return nb;
-    }
-    // The query tile above mb, up to hi - 1, whose mask is not all False in key tile nt (hi: none).
-    __device__ __forceinline__ int next_query_tile(int nt, int mb, int hi) const {
-        if (!p.mask_tiles) return mb + 1;
-        do ++mb;
-        while (mb < hi && tile_state(mb, nt) == 0);
-        return mb;
     }
 
     // The bias and mask of kN scores at once: the bias added to x(t) (a float&), x(t) = -inf where

@@ -45,15 +45,15 @@ struct FwdWork {
         nb_lo = n_lo / kBN, nb_hi = (n_hi + kBN - 1) / kBN;
         if constexpr (kMods) {
             const ScoreMods mods{p, t.b, t.h, seq.sq, seq.sk};
-            mods.narrow_key_tiles(t.m0 / kBM, nb_lo, nb_hi);
-            nb_hi = mods.prev_key_tile(t.m0 / kBM, nb_hi, nb_lo) + 1;
+            mods.narrow_key_tiles<kBM, kBN>(t.m0 / kBM, nb_lo, nb_hi);
+            nb_hi = mods.step_key_tile<kBM, kBN, -1>(t.m0 / kBM, nb_hi, nb_lo) + 1;
         }
     }
     // The key tile after nb in the walk from nb_hi - 1 down (nb_lo - 1: none), the same in every
     // lane (broadcast from lane 0, as warp_uniform).  Every lane of the warp calls it.
     __device__ __forceinline__ int next_key_tile(const FlashParams& p, int nb) const {
         if constexpr (!kMods) return nb - 1;
-        const int next = ScoreMods{p, tile.b, tile.h, seq.sq, seq.sk}.prev_key_tile(tile.m0 / kBM, nb, nb_lo);
+        const int next = ScoreMods{p, tile.b, tile.h, seq.sq, seq.sk}.step_key_tile<kBM, kBN, -1>(tile.m0 / kBM, nb, nb_lo);
         return __shfl_sync(0xffffffffu, next, 0);
     }
     // The bounds the control flow depends on, broadcast from lane 0 (every lane holds the same
