@@ -75,10 +75,6 @@ struct ScoreMods {
         if (!p.dbias || i >= sq || j >= sk || ds == 0.f) return;  // (hidden and dropped entries add nothing)
         atomicAdd(p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride + j * p.dbias_col_stride, ds);
     }
-    // No additive bias: the scores are q.k times the scale, finite, and the forward may take
-    // softmax_tile's raw form (the mask and dropout act on P's positions, not on the values).
-    __device__ __forceinline__ bool raw_scores() const { return !p.bias; }
-
     // The mask's tile map (mask_tiles.cu), made for a kernel of kBM x kBN tiles (query rows x
     // keys): a tile whose mask is all False is skipped, one that is all True reads no mask
     // (read_mask false below).  A kernel whose tiles are not the map's (the backward's dQ kernel

@@ -8,12 +8,6 @@
 #include "score_mods.cuh"
 #include "seqinfo.cuh"
 
-// The exponentials' form, as a type (softmax_tile's raw branch compiles both loops).
-template <bool kRaw>
-struct RawScores {
-    static constexpr bool value = kRaw;
-};
-
 struct ScoreArgs {
     float scale, scale_log2, softcap, slope;  // softmax_scale, times log2(e), softcap, ALiBi slope of the head
 };
@@ -51,23 +45,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
     // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
     // negative scale and zeroes q for a zero scale, both exact).
     constexpr bool kPlain = !kSoftcap && !kAlibi && !kMods;
-    // kMods without a bias (a mask, dropout): raw q.k as kPlain's, the running max in natural units
-    // (scale times that of q.k), P = 2^(q.k scale log2 e - m log2 e) in one FFMA: finite scores, so
-    // m log2 e cannot overflow.  A uniform branch per tile around each loop, no select per score.
-    const bool raw = !kSoftcap && !kAlibi && kMods && mods->raw_scores();
     const float kNegInf = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int i = qpos[half];
         if constexpr (kMods) {  // final scores in natural units + bias, -inf where the boolean mask hides the key (the causal/window masks below)
-            if (!raw) {
 #pragma unroll
-                for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                    for (int e = 0; e < 2; ++e)
-                        s[nt][half * 2 + e] = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i,
-                                                                            n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
-            }
+                for (int e = 0; e < 2; ++e)
+                    s[nt][half * 2 + e] = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i,
+                                                                        n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
             // this row's keys n0 + 8 (t / 2) + 2 (lane % 4) + t % 2, their bias and mask loaded at once
             mods->template add_bias_mask_row<kNT * 2>(i, n0 + (lane % 4) * 2, [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; },
                                                       read_mask);
@@ -105,35 +93,29 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
             for (int e = 0; e < 2; ++e) part_max[e] = fmaxf(part_max[e], s[nt][half * 2 + e]);  // two chains
         float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
         if constexpr (kPlain) tile_max *= a.scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
-        if (raw) tile_max *= a.scale;                    // raw q.k -> natural units
         float m_use;
         alpha[half] = row[half].template update_max<kMods>(tile_max, m_use);
         float part_sum[2] = {0.f, 0.f};
-        auto exponentials = [&](auto form) {
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt) {
-                float p0, p1;
-                if constexpr (kPlain || decltype(form)::value) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
-                    const float m_sub = kPlain ? m_use : m_use * kLog2eF;
-                    p0 = exp2f(fmaf(s[nt][half * 2], a.scale_log2, -m_sub));
-                    p1 = exp2f(fmaf(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
-                } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
-                    p0 = exp2f((s[nt][half * 2] - m_use) * kLog2eF);
-                    p1 = exp2f((s[nt][half * 2 + 1] - m_use) * kLog2eF);
-                } else {
-                    p0 = exp2f(s[nt][half * 2] - m_use);
-                    p1 = exp2f(s[nt][half * 2 + 1] - m_use);
-                }
-                part_sum[nt % 2] += p0 + p1;
-                if constexpr (kKeepFp32 || kDropout) {  // (dropout: packed below, once it has run)
-                    s[nt][half * 2] = p0, s[nt][half * 2 + 1] = p1;
-                } else {
-                    pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
-                }
+        for (int nt = 0; nt < kNT; ++nt) {
+            float p0, p1;
+            if constexpr (kPlain) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
+                p0 = exp2f(fmaf(s[nt][half * 2], a.scale_log2, -m_use));
+                p1 = exp2f(fmaf(s[nt][half * 2 + 1], a.scale_log2, -m_use));
+            } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
+                p0 = exp2f((s[nt][half * 2] - m_use) * kLog2eF);
+                p1 = exp2f((s[nt][half * 2 + 1] - m_use) * kLog2eF);
+            } else {
+                p0 = exp2f(s[nt][half * 2] - m_use);
+                p1 = exp2f(s[nt][half * 2 + 1] - m_use);
             }
-        };
-        if (raw) exponentials(RawScores<true>{});
-        else exponentials(RawScores<false>{});
+            part_sum[nt % 2] += p0 + p1;
+            if constexpr (kKeepFp32 || kDropout) {  // (dropout: packed below, once it has run)
+                s[nt][half * 2] = p0, s[nt][half * 2 + 1] = p1;
+            } else {
+                pk[nt / 2][half + 2 * (nt % 2)] = pack2<T>(p0, p1);
+            }
+        }
         row[half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
     }
     if constexpr (kDropout) {  // after the row sums (the LSE ignores dropout): one generator call per 8 probabilities
