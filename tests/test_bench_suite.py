@@ -97,10 +97,13 @@ def test_modifiers_table_gives_the_cost_of_each_modifier_and_the_best_peer():
     rows = [dict(case="bias", seqlen=4096, causal=False, batch=4, nheads=16, cuflash=300.0, **{"cuflash-plain": 500.0},
                  **{"torch-cudnn": 400.0, "jax-cudnn": 200.0}),
             dict(dtype="fp16", headdim=64, case="dropout", seqlen=16384, causal=True, batch=1, nheads=16, cuflash=450.0,
-                 **{"cuflash-plain": 500.0})]
+                 **{"cuflash-plain": 500.0}),
+            dict(dtype="bf16", headdim=64, case="bias", seqlen=16384, causal=False, batch=1, nheads=32, cuflash=None,
+                 cuflash_error="OutOfMemoryError: ...", **{"cuflash-plain": None})]
     md = bench.modifiers_markdown(rows, {"gpu": "X", "date": "2026-12-02"}, backward=True).splitlines()
     assert md[0].startswith("Bias, key-padding mask, dropout (backward)")
     assert md[2] == ("| dtype | hdim | case | seqlen | causal | cuflash | cuflash without it | torch-cudnn | jax-cudnn | "
                      "cuflash / without | cuflash / best peer |")
     assert md[4] == "| bf16 | 128 | bias | 4096 | False | 300 | 500 | 400 | 200 | 0.60 | 0.75 |"
     assert md[5] == "| fp16 | 64 | dropout | 16384 | True | 450 | 500 | – | – | 0.90 | – |"
+    assert md[6] == "| bf16 | 64 | bias | 16384 | False | – | – | – | – | – | – |"  # inputs that did not fit
