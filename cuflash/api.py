@@ -50,7 +50,10 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         arguments) again: nothing checks that they are the same.
     mask : bool array broadcastable likewise, optional
         True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
-        give output 0, LSE -inf and zero gradients.
+        give output 0, LSE -inf and zero gradients.  On the GPU a small kernel first maps the
+        mask per tile of the attention kernel: tiles where it is all False are skipped, tiles
+        where it is all True read no mask (a key-padding mask then runs near the speed of
+        ``seqlens_k``).
     dropout_p : float in [0, 1), default 0.0
         Dropout on the attention probabilities after the row statistics, kept values scaled by
         1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.  An
