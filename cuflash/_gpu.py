@@ -301,7 +301,7 @@ def _mask_tile_map(prm, p, block_m: int, block_n: int, device: int, launches: li
     """The mask's tile map for the attention kernel of ``launches`` (block_m x block_n tiles;
     kernels/mask_tiles.cu): its launch is put first, the map's fields set in ``prm``.  Returns the
     arrays it writes (alive until the launches are queued), or None without a mask (or with more
-    query tiles than a grid's y extent: no map, every tile then reads the mask)."""
+    tiles than a grid's extents hold: no map, every tile then reads the mask)."""
     if not prm.mask or p.seqlen_q == 0 or p.seqlen_k == 0:
         return None
     cp = _cp()
@@ -309,7 +309,7 @@ def _mask_tile_map(prm, p, block_m: int, block_n: int, device: int, launches: li
     planes = (p.batch if prm.mask_batch_stride else 1) * heads
     rows = -(-p.seqlen_q // block_m) if prm.mask_row_stride else 1
     cols = -(-p.seqlen_k // block_n)
-    if rows > _GRID_YZ_MAX:
+    if rows > _GRID_YZ_MAX or cols * planes >= 2**31:  # (grid extents; without a map the kernels read every tile's mask)
         return None
     states = cp.empty(planes * rows * cols, dtype=cp.uint8)
     ranges = cp.zeros(2 * planes * (rows + cols), dtype=cp.int32)  # (count - first, last + 1); 0 0: none

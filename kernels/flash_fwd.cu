@@ -295,9 +295,12 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         nb_lo += split * per_split;
         nb_hi = min(nb_hi, nb_lo + per_split);
     }
-    // The key tile after nb, walking down from nb_hi - 1 (kMods: past tiles whose mask is all False).
-    auto next_tile = [&](int nb) { return kMods ? mods.step_key_tile<kBM, kBN, -1>(m0 / kBM, nb, nb_lo) : nb - 1; };
-    if constexpr (kMods) nb_hi = next_tile(nb_hi) + 1;
+    // The key tile after nb, walking down from nb_hi - 1 (kMods: past tiles whose mask is all False;
+    // not with a paged cache, whose page slots are double-buffered by the parity of consecutive
+    // tiles: no call gives both today, kvcache takes no mask).
+    const bool skip_tiles = kMods && !(kSplitKV && p.block_table);
+    auto next_tile = [&](int nb) { return skip_tiles ? mods.step_key_tile<kBM, kBN, -1>(m0 / kBM, nb, nb_lo) : nb - 1; };
+    if (skip_tiles) nb_hi = next_tile(nb_hi) + 1;
 
     // K/V tile of keys [n0, n0 + kBN): evenly strided rows, or (paged) rows whose (page, slot)
     // page_rows() looked up once per tile into shared memory, for the K and the V copies alike.
@@ -365,14 +368,16 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         const u16* sKw = sK + key_warp * kBNW * kStride;      // this warp's keys, of K and V
         const u16* sVw = sV + key_warp * kBNW * kStride;
 
-        for (int nb = nb_hi - 1, nb_next; nb >= nb_lo; nb = nb_next) {
+        // (The loop steps by --nb, with kMods' skip added at the end of the body, and next_tile(nb)
+        // is recomputed where it is used: `nb = next_tile(nb)` as the step, even where it is
+        // nb - 1, made the plain split-KV d128 kernel, at its register cap, spill 28 bytes.)
+        for (int nb = nb_hi - 1; nb >= nb_lo; --nb) {
             const int n0 = nb * kBN;
-            nb_next = next_tile(nb);
             cp_async_wait<0>();
             __syncthreads();  // K_nb (and Q) have landed; every warp finished reading V of the last tile
             load_v(nb);
             cp_async_commit();
-            if (paged && nb_next >= nb_lo) page_rows(nb_next);  // published by the barrier before load_k(nb_next)
+            if (paged && next_tile(nb) >= nb_lo) page_rows(next_tile(nb));  // published by the barrier before load_k(next_tile(nb))
             if constexpr (kQInRegs) {
                 if (nb == nb_hi - 1) {
 #pragma unroll
@@ -415,8 +420,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 }
             }
             __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
-            if (nb_next >= nb_lo) {
-                load_k(nb_next);
+            if (next_tile(nb) >= nb_lo) {
+                load_k(next_tile(nb));
                 cp_async_commit();
             }
 
@@ -446,7 +451,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                         for (int e = 0; e < 4; ++e) o[mt][ot][e] *= alpha[mt][e / 2];
             }
 
-            if (nb_next >= nb_lo) cp_async_wait<1>(); else cp_async_wait<0>();
+            if (next_tile(nb) >= nb_lo) cp_async_wait<1>(); else cp_async_wait<0>();
             __syncthreads();  // V_nb has landed for every thread's copies
 
             // O += P V, with P's registers as the A operand.
@@ -463,6 +468,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     }
                 }
             }
+            if (skip_tiles) nb = next_tile(nb) + 1;  // (the step's --nb then lands on it)
         }
     }
 

@@ -260,13 +260,14 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
 
             if constexpr (!kOverlap) {
                 // Per tile: [turn] S [end] -> softmax -> [turn] P V [end], each product waited for at once.
-                for (int nb = nb_hi - 1; nb >= nb_lo; nb = next_tile(nb), ring.advance()) {
+                for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {  // (kMods: past all-False tiles, below)
                     const int n0 = nb * kBN;
                     s_alone(ring);
                     softmax_tile<T, kNT, kSoftcap, kAlibi, false, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
                                                                    &mods, read_mask(nb));
                     rescale_o();
                     pv_alone(ring, n0);
+                    if constexpr (kMods) nb = next_tile(nb) + 1;
                 }
             } else {
                 // FA3 §3.2: S of tile n is issued together with P V of tile n + 1 (the one before it in
@@ -279,7 +280,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
                                                                    &mods, read_mask(nb_hi - 1));
                 pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
-                for (int nb = next_tile(nb_hi - 1); nb >= nb_lo; nb = next_tile(nb)) {
+                for (int nb = kMods ? next_tile(nb_hi - 1) : nb_hi - 2; nb >= nb_lo; --nb) {  // (kMods: past all-False tiles, at the end)
                     const int prev_stage = ring.stage, prev_n0 = n0;
                     ring.advance();
                     n0 = nb * kBN;
@@ -300,6 +301,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);
                     rescale_o();
                     pack_probs<T, kNT>(s, pk);
+                    if constexpr (kMods) nb = next_tile(nb) + 1;
                 }
                 if (early_release) release_q();  // every S of the tile is done
                 pv_alone(ring, n0);

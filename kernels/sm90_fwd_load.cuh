@@ -50,11 +50,17 @@ struct FwdWork {
         }
     }
     // The key tile after nb in the walk from nb_hi - 1 down (nb_lo - 1: none), the same in every
-    // lane (broadcast from lane 0, as warp_uniform).  Every lane of the warp calls it.
+    // lane (broadcast from lane 0, as warp_uniform).  Every lane of the warp calls it.  (The walks
+    // step by --nb and add this at the end of their bodies for kMods, and the consumers' second tile
+    // is nb_hi - 2 without kMods: next_key_tile in the step or in that start, even where it is nb - 1,
+    // made the plain d192/d256 kernels spill 16-140 bytes, nvcc 13.0.)
     __device__ __forceinline__ int next_key_tile(const FlashParams& p, int nb) const {
-        if constexpr (!kMods) return nb - 1;
-        const int next = ScoreMods{p, tile.b, tile.h, seq.sq, seq.sk}.step_key_tile<kBM, kBN, -1>(tile.m0 / kBM, nb, nb_lo);
-        return __shfl_sync(0xffffffffu, next, 0);
+        if constexpr (kMods) {
+            const int next = ScoreMods{p, tile.b, tile.h, seq.sq, seq.sk}.step_key_tile<kBM, kBN, -1>(tile.m0 / kBM, nb, nb_lo);
+            return __shfl_sync(0xffffffffu, next, 0);
+        } else {
+            return nb - 1;
+        }
     }
     // The bounds the control flow depends on, broadcast from lane 0 (every lane holds the same
     // values): with them known to be warp-uniform, the compiler keeps the consumers' key loop
@@ -127,9 +133,10 @@ __device__ __forceinline__ void load_tiles(const FlashParams& p, const FwdMaps& 
             }
         }
         __syncwarp();
-        for (int nb = w.nb_hi - 1; nb >= w.nb_lo; nb = w.next_key_tile(p, nb), ring.advance()) {
+        for (int nb = w.nb_hi - 1; nb >= w.nb_lo; --nb, ring.advance()) {  // (kMods: past all-False tiles)
             if (nb != w.nb_hi - 1) load_k(nb);
             load_v(nb);
+            if constexpr (kMods) nb = w.next_key_tile(p, nb) + 1;
         }
     }
     mbar_wait(&q_empty, q_phase);  // the consumers read the last tile's number: tell them there is no other
