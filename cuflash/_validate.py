@@ -88,7 +88,8 @@ def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v"), unbatched
         )
     if len({dtype_name(x) for x in (q, k, v)}) != 1:
         raise TypeError(
-            f"{', '.join(names)} must share one dtype; got " + ", ".join(f"{n} {dtype_name(x)}" for n, x in arrays)
+            f"{', '.join(names)} must share one dtype, one of {', '.join(FLOAT_DTYPES)}; got "
+            + ", ".join(f"{n} {dtype_name(x)}" for n, x in arrays)
         )
     dt = dtype_name(q)
     if dt not in FLOAT_DTYPES:
@@ -236,7 +237,9 @@ def finish_problem(
     if nheads_k == 0 and nheads_q != 0:
         raise ValueError(f"{k_name} has 0 heads; q's {nheads_q} heads must be a multiple of it")
     if nheads_k and nheads_q % nheads_k != 0:
-        raise ValueError(f"{k_name} has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it")
+        raise ValueError(f"{k_name} has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it (axis 2 of "
+                         "(batch, seqlen, nheads, headdim); arrays in (batch, nheads, seqlen, headdim) order, as "
+                         "torch's, need layout='bhsd')")
     if headdim_qk == 0 or headdim_v == 0:
         raise ValueError(f"head dims must be >= 1; got q/k {headdim_qk}, v {headdim_v}")
     left, right, top_left = normalize_mask_options(causal, window_size)
@@ -285,7 +288,8 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
                             f"{kind.name}" + (" (a boolean mask goes to mask=)" if kind == np.bool_ else ""))
         if name == "mask" and kind != np.bool_:
             raise TypeError(f"mask must be a bool array (True = attend); got dtype {kind.name}"
-                            + (" (an additive float mask goes to bias=)" if is_float_dtype(kind) else ""))
+                            + (" (an additive float mask goes to bias=)" if is_float_dtype(kind)
+                               else " (a 0/1 mask: pass mask.astype(bool))" if kind.kind in "iu" else ""))
         try:
             if x.ndim > 4 or np.broadcast_shapes(tuple(x.shape), full) != full:
                 raise ValueError

@@ -178,7 +178,8 @@ def info():
         cupy_state = cupy_state if cupy_state.startswith("fails to import") else "not installed"
         rows.append(("cupy", f"{cupy_state}: NumPy arrays run on the CPU (for the GPU install the extra "
                              "that matches the driver: `nvidia-smi` shows CUDA Version 13.x -> "
-                             "pip install -e '.[cuda13]', 12.x -> '.[cuda12]'; see the README)"))
+                             "pip install -e '.[cuda13]' in the checkout, or '<path to it>[cuda13]' from elsewhere; 12.x -> "
+                             "cuda12; see the README)"))
         gpus = [f"no GPU found (CuPy {cupy_state})"]
     else:
         rows.append(("cupy", cp.__version__))

@@ -142,6 +142,7 @@ def test_vjp_returns_dbias_and_takes_dlse(rng):
     (dict(bias=np.zeros((SQ, SK), np.int32)), TypeError, "bias must be a float array"),
     (dict(bias=[[0.0]]), TypeError, "bias must be an array"),
     (dict(mask=np.zeros((SQ, SK), np.float32)), TypeError, "mask must be a bool array.*bias="),
+    (dict(mask=np.ones((SQ, SK), np.int8)), TypeError, "mask must be a bool array.*astype\\(bool\\)"),
     (dict(mask=np.ones((SQ, SK + 1), bool)), ValueError, "mask of shape"),
     (dict(dropout_p=1.0, dropout_seed=1), ValueError, "dropout_p must lie in"),
     (dict(dropout_p=-0.1, dropout_seed=1), ValueError, "dropout_p must lie in"),
