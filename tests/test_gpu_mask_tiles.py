@@ -108,3 +108,32 @@ def test_sm80_kernels_with_the_tile_map(rng, monkeypatch):
         R.assert_exact(_arrays.to_numpy(got).astype(np.float64), ref, naive, f"out {form}")
         R.assert_exact(_arrays.to_numpy(lse).astype(np.float64), ref_lse, naive_lse, f"lse {form}")
         _check_backward(rng, q, k, v, got, lse, mask, True)
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_all_false_tiles_are_never_read(rng, headdim):
+    """The skip itself, seen from outside: K and V rows that only all-False tiles cover (keys from
+    512 on, hidden from batch entry 1 by its key padding; 512 is a multiple of every tile width of
+    these head dims' kernels) are NaN there.  A kernel that read them would give NaN (0 x NaN in
+    P V, NaN in dS K); skipped, the results equal the reference's on finite values (masked keys
+    contribute nothing), and those keys' dK, dV are 0."""
+    cp = _arrays.cupy_module()
+    q, k, v = make_qkv(rng, ml_dtypes.bfloat16, B, S, S, H, HK, headdim)
+    mask = (np.arange(S) < np.array([S, 500])[:, None])[:, None, None, :]
+    k_nan, v_nan = k.copy(), v.copy()
+    k_nan[1, 512:], v_nan[1, 512:] = np.nan, np.nan
+    k_ref, v_ref = k.copy(), v.copy()
+    k_ref[1, 512:], v_ref[1, 512:] = 0, 0
+    qd, kd, vd, md = cp.asarray(q), cp.asarray(k_nan), cp.asarray(v_nan), cp.asarray(mask)
+    out, lse = cuflash.attention(qd, kd, vd, mask=md, return_lse=True)
+    ref, ref_lse = R.attention_ref(q, k_ref, v_ref, mask=mask)
+    naive, naive_lse = R.naive_attention(q, k_ref, v_ref, mask=mask, return_lse=True)
+    R.assert_exact(_arrays.to_numpy(out).astype(np.float64), ref, naive, "out")
+    R.assert_exact(_arrays.to_numpy(lse).astype(np.float64), ref_lse, naive_lse, "lse")
+    dout = rng.standard_normal(out.shape).astype(q.dtype)
+    grads = cuflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, mask=md)
+    refs = R.attention_backward_ref(dout, q, k_ref, v_ref, mask=mask)
+    naives = R.naive_attention_backward(dout, q, k_ref, v_ref, mask=mask)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        R.assert_exact(_arrays.to_numpy(g).astype(np.float64), r, n, name)
+    assert not _arrays.to_numpy(grads[1])[1, 512:].any() and not _arrays.to_numpy(grads[2])[1, 512:].any()
