@@ -224,12 +224,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
                 warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
-                unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each
+                unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
 #pragma unroll
                 for (int nt = 0; nt < kT / 8; ++nt) {
-#pragma unroll
-                    for (int q = 0; q < 2 && kDropout && nt % 2 == 0; ++q)
-                        keep[q] = mods.keep_bits(m0 + nt * 8 + (lane % 4) * 2 + q, n0 + warp * 16 + lane / 4);
+                    if (kDropout && nt % 2 == 0) mods.keep_bits_pair(m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, keep);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;

@@ -401,12 +401,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                 wgmma_wait<0>();
             }
             wgmma_pin(dpt_flat);
-            unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each
+            unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-                for (int q = 0; q < 2 && kDropout && nt % 2 == 0; ++q)
-                    keep[q] = mods.keep_bits(m0 + nt * 8 + (lane % 4) * 2 + q, n0 + r_lo);
+                if (kDropout && nt % 2 == 0) mods.keep_bits_pair(m0 + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, keep);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dcap = 1.f;

@@ -64,6 +64,16 @@ struct ScoreMods {
         return key.keep_bits(key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j)));
     }
     __device__ __forceinline__ static bool kept(unsigned bits, int i, int j) { return (bits >> DropoutKey::bit(i, j)) & 1; }
+    // The transposed tiles of the dK/dV kernels: lanes lane and lane ^ 4 hold keys j and j ^ 1 (j & 1 =
+    // bit 2 of lane) of the same queries i, i + 1 (i even), so the two generator calls those queries
+    // need are the same for both lanes: each draws one and they swap (half the Philox work of two
+    // calls per lane).  keep[q]: the bits of the call of query i + q.  Every lane of the warp calls it.
+    __device__ __forceinline__ void keep_bits_pair(int i, int j, int lane, unsigned (&keep)[2]) const {
+        const int odd = (lane >> 2) & 1;
+        const unsigned mine = keep_bits(i + odd, j), other = __shfl_xor_sync(0xffffffffu, mine, 4);
+        keep[0] = odd ? other : mine;
+        keep[1] = odd ? mine : other;
+    }
     // Kept probabilities are multiplied by 1 / (1 - p): the forward applies it with 1 / l at the end
     // (so that P stays in [0, 1] in 16 bits), the backward with the keep-mask (keep_scale).
     __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
