@@ -131,24 +131,35 @@ def decode_tile(headdim: int) -> TileConfig:
 _MODS_SUFFIX = {0: "", 1: "_mods", 2: "_modsdrop"}
 
 
+def _raw_applies(raw: bool, mods: int, softcap: bool, alibi: bool) -> bool:
+    """CUFLASH_MODS_RAW: a forward with modifiers but no bias keeps raw q.k scores (the plain
+    kernels' one FFMA per exponential; softmax_tile.cuh), where softcap and ALiBi do not change them
+    (perf-notes m4: a run-time branch between the two forms cost 9-16 %, so it is a variant)."""
+    return bool(raw and mods and not softcap and not alibi)
+
+
 @functools.lru_cache(maxsize=None)
 def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False, mods: int = 0,
-                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+                raw: bool = False, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
 
     ``splitkv`` selects the decode variant (split key range merged by the last block of each
     row group, paged K/V, GQA packing); ``mods`` 1 the additive bias and boolean mask of the score
-    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout.
+    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout; ``raw`` (with ``mods``, no softcap
+    or ALiBi: calls without a bias) keeps the scores as raw q.k, as the plain kernels do.
     """
     d = headdim_bucket(headdim)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
-    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
+    raw = _raw_applies(raw, mods, softcap, alibi)
+    name += ("_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
+             + "_raw" * raw)
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
+        ("CUFLASH_MODS_RAW", int(raw)),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -178,7 +189,7 @@ SM90_FWD_MIN_HEADDIM = 33
 
 @functools.lru_cache(maxsize=None)
 def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True,
-                     mods: int = 0) -> Variant | None:
+                     mods: int = 0, raw: bool = False) -> Variant | None:
     """The warp-specialised wgmma forward (TMA producer warp, consumer warpgroups taking turns;
     with ``overlap`` the next tile's S is issued with the current P V) for ``headdim``: the
     smallest entry of SM90_FWD_TILES that holds it (the copy engine fills the columns past the
@@ -194,13 +205,14 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, ov
     smem = (block_m + 2 * stages * block_n) * d * 2 + 1024
     separate_o = smem + block_m * d * 2 + STATIC_SMEM_RESERVE <= DEFAULT_SMEM_LIMIT
     smem += block_m * d * 2 * separate_o
+    raw = _raw_applies(raw, mods, softcap, alibi)
     name = (f"cuflash_fwd_sm90_{_SHORT[dtype]}_d{d}_bm{block_m}_bn{block_n}_st{stages}" + "_softcap" * softcap
-            + "_alibi" * alibi + "_nooverlap" * (not overlap) + _MODS_SUFFIX[mods])
+            + "_alibi" * alibi + "_nooverlap" * (not overlap) + _MODS_SUFFIX[mods] + "_raw" * raw)
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_N", block_n),
         ("CUFLASH_STAGES", stages), ("CUFLASH_CONSUMERS", consumers), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_BLOCK_M", block_m), ("CUFLASH_OVERLAP", int(overlap)),
-        ("CUFLASH_SEPARATE_O", int(separate_o)), ("CUFLASH_MODS", mods),
+        ("CUFLASH_SEPARATE_O", int(separate_o)), ("CUFLASH_MODS", mods), ("CUFLASH_MODS_RAW", int(raw)),
     )
     return Variant("flash_fwd_sm90.cu", name, defines, 128 * (1 + consumers), smem, arch="90a")
 
@@ -348,11 +360,13 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for softcap in (False, True):
                 for alibi in (False, True):
                     for mods in (0, 1, 2):  # (bias/mask/dropout: the overlapped Hopper kernel only)
-                        out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit))
-                        out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, mods=mods,
-                                               smem_limit=smem_limit))
-                        if mods and d in SM90_FWD_TILES:
-                            out.append(sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods))
+                        for raw in (False, True) if _raw_applies(True, mods, softcap, alibi) else (False,):
+                            out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, raw=raw,
+                                                   smem_limit=smem_limit))
+                            out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, mods=mods,
+                                                   raw=raw, smem_limit=smem_limit))
+                            if mods and d in SM90_FWD_TILES:
+                                out.append(sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, raw=raw))
                     out += [bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)
                             for mods in (0, 1, 2)]
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)

@@ -69,6 +69,9 @@
 #ifndef CUFLASH_MODS
 #define CUFLASH_MODS 0  // 1: additive bias and boolean mask (softmax_tile.cuh, ScoreMods); 2: and dropout
 #endif
+#ifndef CUFLASH_MODS_RAW
+#define CUFLASH_MODS_RAW 0  // 1 (with CUFLASH_MODS, no softcap or ALiBi): the call has no bias, scores stay raw q.k (softmax_tile.cuh)
+#endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
@@ -105,7 +108,7 @@ __device__ __forceinline__ void arrive_nth(int i, int threads) {
 }  // namespace ws
 
 template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, bool kAlibi, bool kOverlap, bool kSeparateO,
-          bool kMods, bool kDropout>
+          bool kMods, bool kDropout, bool kRaw>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
     constexpr int kBM = 64 * kConsumers, kNT = kBN / 8, kOT = kD / 8;
     constexpr bool kRangeMask = kD <= 128;  // (softmax_tile.cuh: at d192/d256 the range form spills)
@@ -263,7 +266,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 for (int nb = nb_hi - 1; nb >= nb_lo; --nb, ring.advance()) {  // (kMods: past all-False tiles, below)
                     const int n0 = nb * kBN;
                     s_alone(ring);
-                    softmax_tile<T, kNT, kSoftcap, kAlibi, false, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
+                    softmax_tile<T, kNT, kSoftcap, kAlibi, false, kRangeMask, kMods, kDropout, kRaw>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
                                                                    &mods, read_mask(nb));
                     rescale_o();
                     pv_alone(ring, n0);
@@ -277,7 +280,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                 // P V skipped by a branch, made ptxas serialise every wgmma of the kernel, C7514.)
                 int n0 = (nb_hi - 1) * kBN;
                 s_alone(ring);
-                softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
+                softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout, kRaw>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
                                                                    &mods, read_mask(nb_hi - 1));
                 pack_probs<T, kNT>(s, pk);  // (O is still 0: no rescale)
                 for (int nb = kMods ? next_tile(nb_hi - 1) : nb_hi - 2; nb >= nb_lo; --nb) {  // (kMods: past all-False tiles, at the end)
@@ -293,7 +296,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     wgmma_wait<1>();  // S is done (P V may still run)
                     wgmma_pin(s_flat);
                     if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
-                    softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
+                    softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout, kRaw>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
                                                                    &mods, read_mask(nb));
                     keep_before_wait(row[0].l + row[1].l, p.batch < 0);  // (the row sums need every exponential)
                     wgmma_wait<0>();  // P V is done: pk and O are free
@@ -322,5 +325,5 @@ extern "C" __global__ void __launch_bounds__(128 * (1 + CUFLASH_CONSUMERS), 1)
 CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p, const __grid_constant__ FwdMaps maps) {
     flash_fwd_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_N, CUFLASH_STAGES, CUFLASH_CONSUMERS,
                    CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_OVERLAP != 0, CUFLASH_SEPARATE_O != 0,
-                   CUFLASH_MODS != 0, CUFLASH_MODS == 2>(p, maps);
+                   CUFLASH_MODS != 0, CUFLASH_MODS == 2, CUFLASH_MODS_RAW != 0>(p, maps);
 }

@@ -35,8 +35,9 @@ __device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[k
 // kMods: bias and mask from `mods` (ScoreMods) on every tile (kDropout: and dropout), with scores, the running max and
 // the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite);
 // read_mask false: the tile's mask is all True (ScoreMods::tile_state), no mask is read.
+// kRaw: the call has no bias (the host's _raw variants), see kRawScores below.
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
-          bool kMods = false, bool kDropout = false>
+          bool kMods = false, bool kDropout = false, bool kRaw = false>
 __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
                                              float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
                                              const SeqInfo& seq, const ScoreArgs& a, int lane,
@@ -45,17 +46,23 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
     // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
     // negative scale and zeroes q for a zero scale, both exact).
     constexpr bool kPlain = !kSoftcap && !kAlibi && !kMods;
+    // kRaw (kMods kernels for calls without a bias: a mask, dropout): raw q.k as kPlain's, the
+    // running max in natural units (the scale times q.k's), P = 2^(q.k scale log2 e - m log2 e) in
+    // one FFMA; the scores are finite, so m log2 e cannot overflow.
+    constexpr bool kRawScores = kMods && kRaw && !kSoftcap && !kAlibi;
     const float kNegInf = -__int_as_float(0x7f800000);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int i = qpos[half];
         if constexpr (kMods) {  // final scores in natural units + bias, -inf where the boolean mask hides the key (the causal/window masks below)
+            if constexpr (!kRawScores) {
 #pragma unroll
-            for (int nt = 0; nt < kNT; ++nt)
+                for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                    s[nt][half * 2 + e] = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i,
-                                                                        n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
+                    for (int e = 0; e < 2; ++e)
+                        s[nt][half * 2 + e] = final_score<kSoftcap, kAlibi>(s[nt][half * 2 + e], a.scale, a.softcap, a.slope, i,
+                                                                            n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
+            }
             // this row's keys n0 + 8 (t / 2) + 2 (lane % 4) + t % 2, their bias and mask loaded at once
             mods->template add_bias_mask_row<kNT * 2>(i, n0 + (lane % 4) * 2, [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; },
                                                       read_mask);
@@ -93,15 +100,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
             for (int e = 0; e < 2; ++e) part_max[e] = fmaxf(part_max[e], s[nt][half * 2 + e]);  // two chains
         float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
         if constexpr (kPlain) tile_max *= a.scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
+        if constexpr (kRawScores) tile_max *= a.scale;   // raw q.k -> natural units
         float m_use;
         alpha[half] = row[half].template update_max<kMods>(tile_max, m_use);
         float part_sum[2] = {0.f, 0.f};
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
             float p0, p1;
-            if constexpr (kPlain) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
-                p0 = exp2f(fmaf(s[nt][half * 2], a.scale_log2, -m_use));
-                p1 = exp2f(fmaf(s[nt][half * 2 + 1], a.scale_log2, -m_use));
+            if constexpr (kPlain || kRawScores) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
+                const float m_sub = kPlain ? m_use : m_use * kLog2eF;
+                p0 = exp2f(fmaf(s[nt][half * 2], a.scale_log2, -m_sub));
+                p1 = exp2f(fmaf(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
             } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
                 p0 = exp2f((s[nt][half * 2] - m_use) * kLog2eF);
                 p1 = exp2f((s[nt][half * 2 + 1] - m_use) * kLog2eF);

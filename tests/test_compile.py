@@ -127,8 +127,9 @@ def test_hopper_variants_cover_the_panel_buckets():
     names = [v.name for v in VARIANTS if v.arch == "90a" and "_sm90_" in v.name]  # attention kernels
     # dtypes x (forward 64/128/192/256 with and without the overlap, and with bias/mask and with
     # bias/mask/dropout (overlapped only), backward 64/128 in both dQ schemes and 256 in the atomic
-    # one, each plain, with bias/mask and with bias/mask/dropout) x (softcap, alibi)
-    assert len(names) == 2 * (4 * 4 + (2 * 2 + 1) * 3) * 4
+    # one, each plain, with bias/mask and with bias/mask/dropout) x (softcap, alibi), and the forwards
+    # with bias/mask or bias/mask/dropout in their raw-score form (no softcap, no ALiBi)
+    assert len(names) == 2 * (4 * 4 + (2 * 2 + 1) * 3) * 4 + 2 * 4 * 2
     v = _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False)
     assert v.name.startswith("cuflash_bwd_sm90_bf16_d256_") and dict(v.defines)["CUFLASH_COL_SPLIT"] == 1
     assert _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False, deterministic=True) is None
