@@ -55,9 +55,6 @@
 #ifndef CUFLASH_MODS
 #define CUFLASH_MODS 0  // 1: additive bias and boolean mask (softmax_tile.cuh, ScoreMods); 2: and dropout
 #endif
-#ifndef CUFLASH_MODS_RAW
-#define CUFLASH_MODS_RAW 0  // 1 (with CUFLASH_MODS, no softcap or ALiBi): the call has no bias, scores stay raw q.k (softmax_tile.cuh)
-#endif
 #ifndef CUFLASH_SOFTCAP
 #define CUFLASH_SOFTCAP 0
 #endif
@@ -230,7 +227,7 @@ __device__ __forceinline__ void combine_row(const FlashParams& p, long long row,
 }
 
 template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV, int kRowPad,
-          bool kMods, bool kDropout, bool kRaw>
+          bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
@@ -437,7 +434,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             for (int mt = 0; mt < kMT; ++mt) {
                 const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
                 const int qpos[2] = {token(r), token(r + 8)};
-                softmax_tile<T, kNT, kSoftcap, kAlibi, false, false, kMods, kDropout, kRaw>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
+                softmax_tile<T, kNT, kSoftcap, kAlibi, false, false, kMods, kDropout>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
                                                                      seq, score_args, lane, &mods, read_mask);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
@@ -552,5 +549,5 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32, CUFLASH_MIN_BLO
 CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
     flash_fwd<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_BLOCK_M, CUFLASH_BLOCK_N, CUFLASH_WARPS,
               CUFLASH_Q_IN_REGS != 0, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_SPLITKV != 0,
-              CUFLASH_ROW_PAD, CUFLASH_MODS != 0, CUFLASH_MODS == 2, CUFLASH_MODS_RAW != 0>(p);
+              CUFLASH_ROW_PAD, CUFLASH_MODS != 0, CUFLASH_MODS == 2>(p);
 }
