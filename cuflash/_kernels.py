@@ -140,15 +140,14 @@ def _raw_applies(raw: bool, mods: int, softcap: bool, alibi: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False, mods: int = 0,
-                raw: bool = False, smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:  # (raw: ignored, see below)
+                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
 
     ``splitkv`` selects the decode variant (split key range merged by the last block of each
     row group, paged K/V, GQA packing); ``mods`` 1 the additive bias and boolean mask of the score
-    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout.  ``raw`` is accepted for the
-    dispatcher's sake and ignored: only the Hopper forward has _raw variants (sm90_fwd_variant), so
-    that CI's compile check of every variant stays within its time (each sm_80-family variant
-    builds for two architectures).
+    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout.  (No raw-score form: only the
+    Hopper forward has _raw variants, sm90_fwd_variant, so that CI's compile check of every variant
+    stays within its time; each sm_80-family variant builds for two architectures.)
     """
     d = headdim_bucket(headdim)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
@@ -362,9 +361,9 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                         out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit))
                         out.append(fwd_variant(dtype, d, softcap=softcap, alibi=alibi, splitkv=True, mods=mods,
                                                smem_limit=smem_limit))
-                        for raw in (False, True) if _raw_applies(True, mods, softcap, alibi) else (False,):
-                            if mods and d in SM90_FWD_TILES:
-                                out.append(sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, raw=raw))
+                        if mods and d in SM90_FWD_TILES:  # (and the raw-score form where it applies)
+                            out += [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, raw=raw)
+                                    for raw in ((False, True) if _raw_applies(True, mods, softcap, alibi) else (False,))]
                     out += [bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)
                             for mods in (0, 1, 2)]
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
