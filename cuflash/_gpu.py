@@ -215,7 +215,10 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
                 launches, accum = [(fn, grid, (variant.threads,), variant.smem_bytes)], None
         if not tail_only:
             defines = dict(variant.defines)
-            mask_map = _mask_tile_map(prm, p, defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"], device, launches)  # noqa: F841
+            map_launch, mask_map = _mask_tile_map(prm, p, defines["CUFLASH_BLOCK_M"], defines["CUFLASH_BLOCK_N"],  # noqa: F841
+                                                  device)
+            if map_launch:  # (mask_map: alive until the launches are queued)
+                launches.insert(0, map_launch)
         if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
             tail = _kernels.get_function(_kernels.varlen_tail_variant(), device)
             launches.insert(0, (tail, (2 * _sm_resources(device)[0],), (256,), 0))
@@ -298,20 +301,20 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
     return family(dtype, headdim, **features)
 
 
-def _mask_tile_map(prm, p, block_m: int, block_n: int, device: int, launches: list):
-    """The mask's tile map for the attention kernel of ``launches`` (block_m x block_n tiles;
-    kernels/mask_tiles.cu): its launch is put first, the map's fields set in ``prm``.  Returns the
-    arrays it writes (alive until the launches are queued), or None without a mask (or with more
-    tiles than a grid's extents hold: no map, every tile then reads the mask)."""
+def _mask_tile_map(prm, p, block_m: int, block_n: int, device: int):
+    """The mask's tile map for an attention kernel of block_m x block_n tiles
+    (kernels/mask_tiles.cu), its fields set in ``prm``: (its launch, to run before the kernel's;
+    the arrays it writes, alive until both are queued), or (None, None) without a mask (or with
+    more tiles than a grid's extents hold: no map, every tile then reads the mask)."""
     if not prm.mask or p.seqlen_q == 0 or p.seqlen_k == 0:
-        return None
+        return None, None
     cp = _cp()
     heads = p.nheads_q if prm.mask_head_stride else 1
     planes = (p.batch if prm.mask_batch_stride else 1) * heads
     rows = -(-p.seqlen_q // block_m) if prm.mask_row_stride else 1
     cols = -(-p.seqlen_k // block_n)
     if rows > _GRID_YZ_MAX or cols * planes >= 2**31:  # (grid extents; without a map the kernels read every tile's mask)
-        return None
+        return None, None
     states = cp.empty(planes * rows * cols, dtype=cp.uint8)
     ranges = cp.zeros(2 * planes * (rows + cols), dtype=cp.int32)  # (count - first, last + 1); 0 0: none
     prm.mask_tiles, prm.mask_tile_row_ranges = states.data.ptr, ranges.data.ptr
@@ -319,8 +322,7 @@ def _mask_tile_map(prm, p, block_m: int, block_n: int, device: int, launches: li
     prm.mask_tile_m, prm.mask_tile_n, prm.mask_tiles_rows, prm.mask_tiles_cols, prm.mask_tiles_heads = (
         block_m, block_n, rows, cols, heads)
     fn = _kernels.get_function(_kernels.mask_tiles_variant(), device)
-    launches.insert(0, (fn, (cols * planes, rows), (128,), 0))
-    return states, ranges
+    return (fn, (cols * planes, rows), (128,), 0), (states, ranges)
 
 
 @functools.lru_cache(maxsize=None)
@@ -637,10 +639,10 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
                 dsum -= cp.where(cp.isneginf(lse), 0, dlse)  # (rows with no key stay 0, whatever dlse says)
 
         if launches:  # the mask's tile map for the dK/dV kernel's tiles (query tiles x key_tile keys)
-            map_launch = []
             inner = dict(main.defines).get("CUFLASH_INNER", tile)
-            mask_map = _mask_tile_map(prm, p, inner, key_tile, device, map_launch)  # noqa: F841 (alive until queued)
-            for fn, grid, block, shared_mem in map_launch:
+            map_launch, mask_map = _mask_tile_map(prm, p, inner, key_tile, device)  # noqa: F841 (alive until queued)
+            if map_launch:
+                fn, grid, block, shared_mem = map_launch
                 fn(grid, block, (_pointer(prm),), shared_mem=shared_mem)
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
