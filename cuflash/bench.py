@@ -575,7 +575,10 @@ def _modifier_inputs(case, batch, nheads, seqlen, causal, rng, dtype=ml_dtypes.b
         valid = cp.asarray(np.random.default_rng(1).integers(seqlen // 2, seqlen + 1, batch), dtype=cp.int32)
         mask = cp.arange(seqlen)[None, None, None, :] < valid[:, None, None, None]  # (B, 1, 1, S)
         dense = mask if not causal else mask & ~cp.triu(cp.ones((seqlen, seqlen), dtype=bool), 1)
-        return dict(mask=mask, causal=causal), dict(seqlens_k=valid, causal=causal), dict(mask=dense)
+        # (the baseline's causal mask is aligned top-left as the masked call's is: seqlens_k with the
+        # default bottom-right alignment would move the diagonal by S - valid and skip that work)
+        return (dict(mask=mask, causal=causal), dict(seqlens_k=valid, causal="top_left" if causal else False),
+                dict(mask=dense))
     return (dict(dropout_p=0.1, dropout_seed=(1, 0), causal=causal), dict(causal=causal), None)
 
 

@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,11 +54,28 @@ COMPILED = VARIANTS if os.environ.get("CUFLASH_COMPILE_ALL", "") not in ("", "0"
 BUILDS = [(v, arch) for v in COMPILED for arch in ((v.arch,) if v.arch else ARCHS)]
 
 
+@pytest.fixture(scope="module")
+def built(request):
+    """(variant name, arch) -> future of (cubin, ptxas log) for the builds this run selected, queued
+    at once on one thread per core (NVRTC releases the GIL): CI's compile check of every variant
+    takes its time divided by the cores, and each test still reports one build."""
+    selected = [item.callspec.params for item in request.session.items
+                if item.originalname == "test_variant_compiles" and hasattr(item, "callspec")]
+
+    def build(v, a):
+        log = []
+        return _kernels.compile_for_arch(v, a, log=log), log
+
+    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:
+        futures = {(p["variant"].name, p["arch"]): pool.submit(build, p["variant"], p["arch"]) for p in selected}
+        yield futures
+        pool.shutdown(cancel_futures=True)
+
+
 @pytest.mark.parametrize(("variant", "arch"), BUILDS, ids=lambda x: getattr(x, "name", x))
-def test_variant_compiles(variant, arch):
+def test_variant_compiles(variant, arch, built):
     _nvrtc_or_skip()
-    log = []
-    cubin = _kernels.compile_for_arch(variant, arch, log=log)
+    cubin, log = built[variant.name, arch].result()
     assert cubin[:4] == b"\x7fELF"
     assert variant.name.encode() in cubin  # the extern "C" entry point is in the binary
     # ptxas serialises every wgmma of a kernel when it cannot prove an accumulator untouched
