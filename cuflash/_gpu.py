@@ -193,7 +193,10 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         keep_mods = _set_mods(prm, p)  # noqa: F841 (a float32 copy of a float64 bias lives until the launch)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm, seqlen_new))
-        if packed and not tail_only:  # the tail kernel's module compiles beside the forward's
+        # Varlen: the offsets are checked and the rows no sequence owns written by a kernel launched
+        # first, or by the Hopper forward's own blocks (kernels/varlen_tail.cuh)
+        tail_kernel = packed and (tail_only or variant.filename != "flash_fwd_sm90.cu")
+        if tail_kernel and not tail_only:  # the tail kernel's module compiles beside the forward's
             _kernels.prefetch([(_kernels.varlen_tail_variant(), ""), (variant, "")], device)
         fn = _kernels.get_function(variant, device) if not tail_only else None
         if tail_only:
@@ -219,7 +222,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
                                                   device)
             if map_launch:  # (mask_map: alive until the launches are queued)
                 launches.insert(0, map_launch)
-        if packed:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
+        if tail_kernel:  # rows past cu_seqlens_q[-1] belong to no block of the forward kernel
             tail = _kernels.get_function(_kernels.varlen_tail_variant(), device)
             launches.insert(0, (tail, (2 * _sm_resources(device)[0],), (256,), 0))
         execute(prm, launches, accum)

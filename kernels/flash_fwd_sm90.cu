@@ -41,6 +41,7 @@
 #include "sm90_scheduler.cuh"
 #include "softmax_tile.cuh"
 #include "swizzled_tile.cuh"
+#include "varlen_tail.cuh"
 #include "warp_gemm.cuh"
 
 #ifndef CUFLASH_DTYPE
@@ -107,6 +108,10 @@ __device__ __forceinline__ void arrive_nth(int i, int threads) {
 }
 }  // namespace ws
 
+// varlen_tail.cuh's forward part in a call of its own: inlined, its 64-bit loops changed ptxas's
+// allocation of the main loops (d192 and d256 spilled 64-160 bytes, nvcc 13.0).
+__device__ __noinline__ void forward_tail_of_block(const FlashParams& p) { forward_tail<true>(p); }
+
 template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, bool kAlibi, bool kOverlap, bool kSeparateO,
           bool kMods, bool kDropout, bool kRaw>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
@@ -140,6 +145,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         }
         mbar_init_fence();
     }
+    // Varlen: every block checks the offsets, publishes their first bad entries for its own SeqInfo
+    // and writes its share of the rows no sequence owns (varlen_tail.cuh), where the sm_80 forward
+    // has a kernel launched before it do that: that launch and its drain cost ~4 % of a call at
+    // 512-token sequences (docs/perf-notes.md r4).
+    if (p.cu_seqlens_q) forward_tail_of_block(p);
     __syncthreads();
 
     if (warp < 4) {  // ---- producer: warp 0 (sm90_fwd_load.cuh); the other three leave ----
