@@ -335,8 +335,9 @@ def _is_hopper(device_id: int) -> bool:
 
 
 def _offsets_scratch(prm):
-    """Varlen: the two int64 words where varlen_tail.cu publishes the first bad entry of each
-    cu_seqlens for the attention kernels after it (allocated per call: calls on two streams must
+    """Varlen: the two int64 words where the offsets check (kernels/varlen_tail.cuh: the tail kernel,
+    or each block of the Hopper forward) publishes the first bad entry of each cu_seqlens for the
+    attention kernels' SeqInfo (allocated per call: calls on two streams must
     not share them; CuPy's pool hands the memory to later work on this stream only)."""
     words = _cp().empty(2, dtype=np.int64)
     prm.offsets_first_bad = words.data.ptr
@@ -521,7 +522,7 @@ def forward(p, q, k, v, out, lse, *, block_table=None, cache_batch_idx=None, seq
 
 def forward_varlen(p, q, k, v, out, lse, cu_q, cu_k, record=None, call="attention_varlen"):
     """Packed: q (total_q, H, D); lse (H, total_q); rows past cu_q[-1] get out = 0, lse = -inf,
-    rows of sequences with malformed offsets NaN (kernels/varlen_tail.cu).  ``record`` as in
+    rows of sequences with malformed offsets NaN (kernels/varlen_tail.cuh).  ``record`` as in
     :func:`forward`.  When no row sees a key (max_seqlen_* = 0, or no key rows; the caller wrote 0
     and -inf), only the offsets check and its NaN fill run."""
     tail_only = p.seqlen_q == 0 or p.seqlen_k == 0 or k.shape[0] == 0

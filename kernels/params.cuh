@@ -20,7 +20,7 @@ struct FlashParams {
     const void* cache_batch_idx;   // (batch) row of k/v holding sequence b, or null (row b)
     int* seq_bad;                  // (batch) 1 = the KV append refused sequence b (kv_append.cu writes it), or null
     unsigned long long* error_word;  // mapped host memory: the first bad index is atomicMin'ed here (metadata.cuh)
-    long long* offsets_first_bad;  // varlen: first bad entry of cu_seqlens_q and _k (-1: well formed), written by varlen_tail.cu
+    long long* offsets_first_bad;  // varlen: first bad entry of cu_seqlens_q and _k (-1: well formed), written by varlen_tail.cuh's check
     // Backward only (null in the forward):
     const void* dout;              // (batch, seqlen_q, nheads_q, headdim_v), gradient of out
     void* dq;                      // (batch, seqlen_q, nheads_q, headdim_qk), written

@@ -42,7 +42,8 @@ struct SeqInfo {
     // warps never do): what it keeps in shared memory is one copy per warp.
     // The metadata is checked against the extents in p (metadata.cuh), in O(1) per sequence: a
     // sequence whose own values break the rules, or that comes at or after the first bad entry of
-    // a malformed cu_seqlens (found by the varlen_tail kernel, launched first), is bad; whatever the
+    // a malformed cu_seqlens (found by varlen_tail.cuh's check, before: a kernel launched first, or
+    // the Hopper forward's own blocks), is bad; whatever the
     // values, sq/sk/q_start/k_start/kv_row() stay inside the arrays (a packed side that cannot be
     // trusted gets no rows: varlen_tail fills those).  No loops or barriers here: in this inlined
     // constructor they made ptxas spill in the main loops of kernels at their register cap.
