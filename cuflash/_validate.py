@@ -90,10 +90,12 @@ def check_qkv(q, k, v, *, packed: bool = False, names=("q", "k", "v"), unbatched
         raise TypeError(
             f"{', '.join(names)} must share one dtype, one of {', '.join(FLOAT_DTYPES)}; got "
             + ", ".join(f"{n} {dtype_name(x)}" for n, x in arrays)
+            + " (cast them to one with .astype; a Python list is taken as float64)"
         )
     dt = dtype_name(q)
     if dt not in FLOAT_DTYPES:
-        raise TypeError(f"{names[0]} has dtype {dt}; expected one of {', '.join(FLOAT_DTYPES)}")
+        raise TypeError(f"{names[0]} has dtype {dt}; expected one of {', '.join(FLOAT_DTYPES)} (cast it, e.g. "
+                        f"{names[0]}.astype(numpy.float32))")
     rank = 3 if packed else 4
     what = "(total_tokens, nheads, headdim)" if packed else "(batch, seqlen, nheads, headdim)"
     if unbatched:  # the entry points that also take one sequence (their 3-D inputs never get here)
@@ -174,8 +176,10 @@ def check_index_array(x, name: str, *, like, length: int | None = None, ndim: in
     device-to-host copy (a NumPy input, read before it is moved to the GPU) or when
     ``CUFLASH_DEBUG=1``; otherwise None, and value checks are skipped.
     """
+    if isinstance(x, (list, tuple)):  # Python integers, as NumPy index arrays
+        x = np.asarray(x) if len(x) else np.zeros((0,) * ndim, dtype=np.int64)
     if not _arrays.is_array(x):
-        raise TypeError(f"{name} must be an integer array; got {type(x).__name__}")
+        raise TypeError(f"{name} must be an integer array (or a list of ints); got {type(x).__name__}")
     kind = np.dtype(x.dtype)
     if kind.kind != "i" or kind.itemsize not in (4, 8):
         raise TypeError(f"{name} must have dtype int32 or int64; got {kind.name}")
@@ -237,9 +241,11 @@ def finish_problem(
     if nheads_k == 0 and nheads_q != 0:
         raise ValueError(f"{k_name} has 0 heads; q's {nheads_q} heads must be a multiple of it")
     if nheads_k and nheads_q % nheads_k != 0:
-        raise ValueError(f"{k_name} has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it (axis 2 of "
-                         "(batch, seqlen, nheads, headdim); arrays in (batch, nheads, seqlen, headdim) order, as "
-                         "torch's, need layout='bhsd')")
+        hint = ("axis 2 of (batch, seqlen, nheads, headdim); arrays in (batch, nheads, seqlen, headdim) order, as "
+                "torch's, need layout='bhsd'" if k_name == "k" else
+                f"axis 2 of (batch, capacity, nheads, headdim); a {k_name} in (batch, nheads, capacity, headdim) "
+                "order needs .swapaxes(1, 2)")
+        raise ValueError(f"{k_name} has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it ({hint})")
     if headdim_qk == 0 or headdim_v == 0:
         raise ValueError(f"head dims must be >= 1; got q/k {headdim_qk}, v {headdim_v}")
     left, right, top_left = normalize_mask_options(causal, window_size)

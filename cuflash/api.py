@@ -84,7 +84,8 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         float32 accumulation; the error of a TF32 matmul; the NumPy path rounds likewise; an
         operand within 2^-11 of float32's largest value rounds to infinity, as on the tensor cores).
         float16/bfloat16 inputs take only None, float64 inputs no "tf32".  float32/float64 inputs
-        run on the NumPy path for now (GPU arrays of those dtypes raise NotAvailableOnGPU)."""
+        run on the NumPy path for now (GPU arrays of those dtypes raise NotImplementedError, also a
+        TypeError)."""
 
 
 def _doc(fn):

@@ -261,3 +261,13 @@ def test_append_onto_own_earlier_key_is_refused():
         cuflash.attention_with_kvcache(q, kc, vc, kn, kn, cache_seqlens=5, block_table=np.array([[0, 0]]))
     np.testing.assert_array_equal(kc, before)
     np.testing.assert_array_equal(vc, before)
+
+
+def test_head_count_error_points_a_torch_ordered_cache_to_swapaxes():
+    """A (batch, nheads, capacity, headdim) cache is read as capacity-many heads: the error says how
+    to reorder it (attention_with_kvcache has no layout= argument to point to)."""
+    q = np.zeros((1, 1, 4, 8), np.float32)
+    cache = np.zeros((1, 2, 64, 8), np.float32)  # (batch, nheads_k, capacity, headdim)
+    with pytest.raises(ValueError, match=r"k_cache has 64 heads; .*\.swapaxes\(1, 2\)") as info:
+        cuflash.attention_with_kvcache(q, cache, cache, cache_seqlens=1)
+    assert "layout" not in str(info.value)

@@ -362,7 +362,8 @@ def test_alibi_slopes_in_any_float_dtype(dtype):
         (np.array([3.0, 4.0]), TypeError, r"seqlens_k must have dtype int32 or int64; got float64"),
         (np.array([3, 4], np.int16), TypeError, r"seqlens_k must have dtype int32 or int64; got int16"),
         (np.array([3, 4], np.uint32), TypeError, r"seqlens_k must have dtype int32 or int64"),
-        ([3, 4], TypeError, r"seqlens_k must be an integer array; got list"),
+        ({3, 4}, TypeError, r"seqlens_k must be an integer array \(or a list of ints\); got set"),
+        ([3.0, 4.0], TypeError, r"seqlens_k must have dtype int32 or int64; got float64"),
         (np.array([3], np.int32), ValueError, r"seqlens_k must have length 2; got 1"),
         (np.array([3, 4, 5], np.int64), ValueError, r"seqlens_k must have length 2; got 3"),
         (np.array([[3, 4]], np.int32), ValueError, r"seqlens_k must have 1 dimension"),
@@ -501,8 +502,11 @@ def test_bad_cu_seqlens_types(which):
     args[which] = args[which].astype(np.float32)
     with pytest.raises(TypeError, match=rf"{which} must have dtype int32 or int64; got float32"):
         cuflash.attention_varlen(q, k, v, **args)
-    args[which] = [0, 3, 7]
-    with pytest.raises(TypeError, match=rf"{which} must be an integer array; got list"):
+    args[which] = "0 3 7"
+    with pytest.raises(TypeError, match=rf"{which} must be an integer array \(or a list of ints\); got str"):
+        cuflash.attention_varlen(q, k, v, **args)
+    args[which] = [0.0, 3.0, 7.0]
+    with pytest.raises(TypeError, match=rf"{which} must have dtype int32 or int64; got float64"):
         cuflash.attention_varlen(q, k, v, **args)
     args[which] = np.array([[0, 3, 7]], np.int32)
     with pytest.raises(ValueError, match=rf"{which} must have 1 dimension"):
@@ -732,3 +736,15 @@ def test_a_non_array_names_what_is_accepted():
     q = np.zeros((1, 4, 1, 8), dtype=np.float32)
     with pytest.raises(TypeError, match=r"q must be a NumPy or CuPy array, a DLPack GPU array, or a list, tuple or number"):
         cuflash.attention("not an array", q, q)
+
+
+def test_index_lists_are_taken_as_integer_arrays():
+    """cu_seqlens and seqlens_k given as lists of Python ints run as the int64 arrays of those values
+    (as q, k, v and cache_seqlens take lists)."""
+    q, k, v = make_packed()
+    want = cuflash.attention_varlen(q, k, v, CU_Q, CU_K)
+    got = cuflash.attention_varlen(q, k, v, [0, 3, 7], (0, 4, 9))
+    np.testing.assert_array_equal(got, want)
+    qb, kb, vb = make()
+    np.testing.assert_array_equal(cuflash.attention(qb, kb, vb, seqlens_k=[5, 2]),
+                                  cuflash.attention(qb, kb, vb, seqlens_k=np.array([5, 2], np.int64)))
