@@ -197,11 +197,13 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         wgmma_pin(s_flat);
         wgmma_pin(dp_flat);
 
+        ScoreMods::Draw draw{};
+        if constexpr (kDropout) draw = mods.dropout_draw();
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
             unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-                if (kDropout && nt % 2 == 0) keep = mods.keep_bits(m0 + r_lo, n0 + nt * 8 + (lane % 4) * 2);
+                if (kDropout && nt % 2 == 0) keep = ScoreMods::keep_bits(draw, m0 + r_lo, n0 + nt * 8 + (lane % 4) * 2);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -402,9 +404,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             }
             wgmma_pin(dpt_flat);
             unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
+            ScoreMods::Draw draw{};
+            if constexpr (kDropout) draw = mods.dropout_draw();
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-                if (kDropout && nt % 2 == 0) mods.keep_bits_pair(m0 + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, keep);
+                if (kDropout && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, keep);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dcap = 1.f;

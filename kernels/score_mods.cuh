@@ -55,22 +55,39 @@ struct ScoreMods {
         const unsigned long long offset = p.dropout_seed_ptr ? __ldg(p.dropout_seed_ptr + 1) : p.dropout_offset;
         return DropoutKey{seed, offset, static_cast<unsigned long long>(p.dropout_threshold)};
     }
-    // The keep decisions of the eight elements drawn with (i, j) by one generator call (philox.cuh:
-    // rows i & ~8, | 8, keys j & ~9, | 1, | 8, | 9 of this problem; batch entries numbered from
-    // dropout_first_batch), element (i', j')'s in bit DropoutKey::bit(i', j') (kept()).
-    __device__ __forceinline__ unsigned keep_bits(int i, int j) const {
+    // What every generator call of this problem shares, known to the compiler as warp-uniform
+    // (redux.sync leaves it in uniform registers): the key words, whose per-round schedule then runs
+    // on the uniform datapath, the counter words of the problem and the offset, and the threshold.
+    // Every lane of the warp calls it; take it once per tile, outside the loop of calls.
+    struct Draw {
+        unsigned k0, k1, bh, offset, threshold;
+    };
+    __device__ __forceinline__ Draw dropout_draw() const {
         const DropoutKey key = dropout_key();
         const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        return key.keep_bits(key.words(bh, static_cast<unsigned>(i), static_cast<unsigned>(j)));
+        auto uniform = [](unsigned long long x) { return __reduce_max_sync(0xffffffffu, static_cast<unsigned>(x)); };
+        return {uniform(key.seed), uniform((key.seed >> 32) + (key.offset >> 32)), uniform(bh), uniform(key.offset),
+                uniform(key.threshold)};
+    }
+    // The keep decisions of the eight elements drawn with (i, j) by one generator call (philox.cuh:
+    // rows i & ~8, | 8, keys j & ~9, | 1, | 8, | 9 of this problem; batch entries numbered from
+    // dropout_first_batch), element (i', j')'s in bit DropoutKey::bit(i', j') (kept()): the words of
+    // DropoutKey::words and the bits of DropoutKey::keep_bits, from the shared part `d`.
+    __device__ __forceinline__ static unsigned keep_bits(const Draw& d, int i, int j) {
+        const PhiloxWords w = philox4x32_10(static_cast<unsigned>(j) & ~9u, static_cast<unsigned>(i) & ~8u, d.bh, d.offset, d.k0, d.k1);
+        unsigned bits = 0;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) bits |= ((w.w[n >> 1] >> (16 * (n & 1))) & 0xffffu) < d.threshold ? 1u << n : 0u;
+        return bits;
     }
     __device__ __forceinline__ static bool kept(unsigned bits, int i, int j) { return (bits >> DropoutKey::bit(i, j)) & 1; }
     // The transposed tiles of the dK/dV kernels: lanes lane and lane ^ 4 hold keys j and j ^ 1 (j & 1 =
     // bit 2 of lane) of the same queries i, i + 1 (i even), so the two generator calls those queries
     // need are the same for both lanes: each draws one and they swap (half the Philox work of two
     // calls per lane).  keep[q]: the bits of the call of query i + q.  Every lane of the warp calls it.
-    __device__ __forceinline__ void keep_bits_pair(int i, int j, int lane, unsigned (&keep)[2]) const {
+    __device__ __forceinline__ static void keep_bits_pair(const Draw& d, int i, int j, int lane, unsigned (&keep)[2]) {
         const int odd = (lane >> 2) & 1;
-        const unsigned mine = keep_bits(i + odd, j), other = __shfl_xor_sync(0xffffffffu, mine, 4);
+        const unsigned mine = keep_bits(d, i + odd, j), other = __shfl_xor_sync(0xffffffffu, mine, 4);
         keep[0] = odd ? other : mine;
         keep[1] = odd ? mine : other;
     }

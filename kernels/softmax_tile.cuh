@@ -128,10 +128,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
         row[half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
     }
     if constexpr (kDropout) {  // after the row sums (the LSE ignores dropout): one generator call per 8 probabilities
+        const ScoreMods::Draw draw = mods->dropout_draw();
 #pragma unroll
         for (int q = 0; q < kNT / 2; ++q) {
             const int j = n0 + q * 16 + (lane % 4) * 2;  // keys j, j + 1 (tile 2q), j + 8, j + 9 (tile 2q + 1)
-            const unsigned keep = mods->keep_bits(qpos[0], j);
+            const unsigned keep = ScoreMods::keep_bits(draw, qpos[0], j);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 float& x = s[2 * q + e / 4][e % 4];
