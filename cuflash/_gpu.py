@@ -196,6 +196,8 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         # Varlen: the offsets are checked and the rows no sequence owns written by a kernel launched
         # first, or by the Hopper forward's own blocks (kernels/varlen_tail.cuh)
         tail_kernel = packed and (tail_only or variant.filename != "flash_fwd_sm90.cu")
+        # (the Hopper forward's bias/mask-only variants leave that check out: packed calls take neither)
+        assert not (packed and features["mods"] == 1), "varlen calls take no bias or mask"
         if tail_kernel and not tail_only:  # the tail kernel's module compiles beside the forward's
             _kernels.prefetch([(_kernels.varlen_tail_variant(), ""), (variant, "")], device)
         fn = _kernels.get_function(variant, device) if not tail_only else None
@@ -208,7 +210,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             m_blocks = (p.seqlen_q + block_m - 1) // block_m
             if variant.filename == "flash_fwd_sm90.cu":  # tiles in the scheduler's order, + the tensor maps of Q, K, V
                 kv_bytes = p.seqlen_k * (d8 + dv8) * 2 // (p.nheads_q // p.nheads_k)  # per pair: a GQA group shares K/V
-                prm.tile_heads, grid = _sm90_tile_grid(device, m_blocks, p.batch * p.nheads_q, kv_bytes)
+                prm.tile_heads, grid = _sm90_tile_grid(device, m_blocks, p.batch * p.nheads_q, kv_bytes, packed)
                 maps = _fwd_maps(qx, kx, vx, packed, block_m, dict(variant.defines)["CUFLASH_BLOCK_N"])
                 # A persistent grid takes its tiles from a counter (the split kernel's, kept per stream)
                 accum = (0, 0, 1) if grid[0] < m_blocks * p.batch * p.nheads_q else None
@@ -344,15 +346,19 @@ def _offsets_scratch(prm):
     return words
 
 
-def _sm90_tile_grid(device: int, m_blocks: int, pairs: int, kv_bytes_per_pair: int):
+def _sm90_tile_grid(device: int, m_blocks: int, pairs: int, kv_bytes_per_pair: int, packed: bool = False):
     """The Hopper forward's tile order and grid (kernels/sm90_scheduler.cuh): (batch, head) pairs
     per section, so that a section's K and V fit in half the L2 cache, and the grid: one block per
-    SM, each taking the next tile from a counter (CUFLASH_SM90_PERSISTENT=0: one block per tile)."""
+    SM, each taking the next tile from a counter (CUFLASH_SM90_PERSISTENT=0: one block per tile).
+    Packed (varlen) calls keep one block per SM with fewer tiles too: the blocks also write the
+    rows past the last sequence (varlen_tail.cuh), however many there are; those without a tile
+    leave after that."""
     section = min(pairs, max(1, _l2_bytes(device) // 2 // max(kv_bytes_per_pair, 1)))
     tiles = m_blocks * pairs
     if tiles >= 2**31:  # (the kernel numbers tiles in 32 bits: terabytes of q)
         raise ValueError(f"q has {tiles} query tiles (heads x tiles of rows), more than the Hopper forward numbers (2**31)")
-    blocks = min(tiles, _sm_resources(device)[0]) if _kernels.sm90_persistent() else tiles
+    sms = _sm_resources(device)[0]
+    blocks = (sms if packed else min(tiles, sms)) if _kernels.sm90_persistent() else tiles
     return section, (max(1, blocks),)
 
 

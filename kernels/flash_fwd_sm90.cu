@@ -149,7 +149,9 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
     // and writes its share of the rows no sequence owns (varlen_tail.cuh), where the sm_80 forward
     // has a kernel launched before it do that: that launch and its drain cost ~4 % of a call at
     // 512-token sequences (docs/perf-notes.md r4).
-    if (p.cu_seqlens_q) forward_tail_of_block(p);
+    if constexpr (!kMods || kDropout) {  // (bias and mask reach no packed call: not in their variants)
+        if (p.cu_seqlens_q) forward_tail_of_block(p);
+    }
     __syncthreads();
 
     if (warp < 4) {  // ---- producer: warp 0 (sm90_fwd_load.cuh); the other three leave ----
