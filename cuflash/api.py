@@ -38,7 +38,7 @@ _OPTIONS_DOC = """\
         (Gemma-2 style).
     alibi_slopes : float array of shape (nheads,) or (batch, nheads), optional
         ALiBi: adds ``-slope[h] * |i + off - j|`` to the scores (Press et al. 2022).
-    seqlens_k : int32/int64 array of shape (batch,), optional
+    seqlens_k : int32/int64 array (or list of ints) of shape (batch,), optional
         Valid key length of each batch entry of padded k, v; keys past it are never read and
         Sk in the causal and window rules is that length."""
 
@@ -526,7 +526,7 @@ def attention_varlen(
         Queries of all sequences, concatenated along the first axis.
     k : array of shape (total_k, nheads_k, headdim_qk)
     v : array of shape (total_k, nheads_k, headdim_v)
-    cu_seqlens_q, cu_seqlens_k : int32/int64 arrays of shape (batch + 1,)
+    cu_seqlens_q, cu_seqlens_k : int32/int64 arrays (or lists of ints) of shape (batch + 1,)
         Offsets of each sequence in q and in k/v: sequence b owns rows
         ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``.  Zero-length sequences are allowed.
     max_seqlen_q, max_seqlen_k : int, optional

@@ -57,9 +57,9 @@ def attention_with_kvcache(
     cache_seqlens : int32/int64 array of shape (batch,), or int
         Valid cache length of each sequence before the new tokens.  Sequence b attends to its
         first ``cache_seqlens[b] + seqlen_new`` keys; entries past that are never read.
-    block_table : int32/int64 array of shape (batch, max_pages), optional
+    block_table : int32/int64 array (or nested list of ints) of shape (batch, max_pages), optional
         Page of each block of ``page_size`` positions of each sequence.
-    cache_batch_idx : int32/int64 array of shape (batch,), optional
+    cache_batch_idx : int32/int64 array (or list of ints) of shape (batch,), optional
         Row of the contiguous cache that holds sequence b (not with ``block_table``).
     num_splits : int, default 0
         Split-KV hint for the GPU (0 = choose automatically; at most 128 and one split per
