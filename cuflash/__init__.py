@@ -20,6 +20,15 @@ from . import reference  # noqa: E402  (the float64 oracle, documented as cuflas
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+    """``cuflash.parallel`` (multi-GPU attention) on first use, as ``from cuflash import parallel``."""
+    if name == "parallel":
+        import importlib
+
+        return importlib.import_module(".parallel", __name__)
+    raise AttributeError(f"module 'cuflash' has no attribute {name!r}")
+
 __all__ = [
     "attention",
     "attention_backward",

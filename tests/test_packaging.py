@@ -16,6 +16,8 @@ import venv
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 KERNEL_SUFFIXES = (".cu", ".cuh")
 
@@ -137,3 +139,13 @@ def test_wheel_ships_kernels_and_runs_in_a_fresh_venv(tmp_path):
     out = _run([str(script), "info"], cwd=work, env=env).stdout
     assert str(Path(info["package"]) / "kernels") in out
     assert "no GPU found" in out
+
+
+def test_parallel_is_an_attribute_of_the_package():
+    """``cuflash.parallel`` works after ``import cuflash`` (loaded on first use), not only through
+    ``from cuflash import parallel``."""
+    import cuflash
+
+    assert cuflash.parallel.__name__ == "cuflash.parallel"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cuflash.nope  # noqa: B018
