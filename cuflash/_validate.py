@@ -177,7 +177,13 @@ def check_index_array(x, name: str, *, like, length: int | None = None, ndim: in
     ``CUFLASH_DEBUG=1``; otherwise None, and value checks are skipped.
     """
     if isinstance(x, (list, tuple)):  # Python integers, as NumPy index arrays
-        x = np.asarray(x) if len(x) else np.zeros((0,) * ndim, dtype=np.int64)
+        try:
+            x = np.asarray(x) if len(x) else np.zeros((0,) * ndim, dtype=np.int64)
+        except ValueError as exc:  # ragged nesting
+            raise TypeError(f"{name} must be an integer array (or a list of ints); got a ragged list ({exc})") from exc
+        if x.dtype == object:
+            raise TypeError(f"{name} must be an integer array (or a list of ints, each within int64); got a list of "
+                            f"{sorted({type(v).__name__ for v in x.ravel().tolist()})}")
     if not _arrays.is_array(x):
         raise TypeError(f"{name} must be an integer array (or a list of ints); got {type(x).__name__}")
     kind = np.dtype(x.dtype)

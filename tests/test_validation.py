@@ -748,3 +748,15 @@ def test_index_lists_are_taken_as_integer_arrays():
     qb, kb, vb = make()
     np.testing.assert_array_equal(cuflash.attention(qb, kb, vb, seqlens_k=[5, 2]),
                                   cuflash.attention(qb, kb, vb, seqlens_k=np.array([5, 2], np.int64)))
+
+
+@pytest.mark.parametrize("cu, pattern", [
+    ([[0, 3], [7]], r"cu_seqlens_q must be an integer array \(or a list of ints\); got a ragged list"),
+    ([0, 3, None], r"cu_seqlens_q must be an integer array .*got a list of \['NoneType', 'int'\]"),
+    ([0, 3, 2**70], r"cu_seqlens_q must be an integer array \(or a list of ints, each within int64\)"),
+    ([True, False, True], r"cu_seqlens_q must have dtype int32 or int64; got bool"),
+])
+def test_bad_index_lists(cu, pattern):
+    q, k, v = make_packed()
+    with pytest.raises(TypeError, match=pattern):
+        cuflash.attention_varlen(q, k, v, cu, CU_K)
