@@ -469,6 +469,25 @@ def test_varlen_rows_of_no_sequence_are_cleared(rng, headdim, index_dtype, max_g
         assert np.all(lse[:, cu_q[-1]:] == -np.inf)
 
 
+@pytest.mark.parametrize("headdim", [32, 64])  # 32: the sm_80 forward and its tail kernel; 64: the Hopper forward's blocks
+def test_varlen_long_tail_with_one_tile(rng, headdim):
+    """One 10-token sequence in a 20000-row packed buffer: one query tile, so most blocks of the
+    Hopper forward have no tile and only write rows past cu_seqlens_q[-1] (varlen_tail.cuh); every
+    row of a NaN-poisoned out= is written, the sequence exact."""
+    cp = _cp()
+    total_q, total_k = 20000, 16
+    q = _rand(rng, (total_q, 1, headdim), ml_dtypes.bfloat16)
+    k, v = (_rand(rng, (total_k, 1, headdim), ml_dtypes.bfloat16) for _ in range(2))
+    cu_q, cu_k = np.array([0, 10], np.int32), np.array([0, 12], np.int32)
+    out = cp.full((total_q, 1, headdim), np.nan, dtype=q.dtype)
+    cuflash.attention_varlen(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu_q), cp.asarray(cu_k),
+                             max_seqlen_q=10, max_seqlen_k=12, out=out, return_lse=True)
+    got = out.get()
+    args = [x[None, :n] for x, n in ((q, 10), (k, 12), (v, 12))]
+    assert_exact(got[None, :10], attention_ref(*args)[0], naive_attention(*args), "out of the sequence")
+    assert not got[10:].astype(np.float32).any()
+
+
 def _gpu_attention(q, k, v, **opts):
     cp = _cp()
     out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), return_lse=True, **opts)
