@@ -110,7 +110,7 @@ __device__ __forceinline__ void arrive_nth(int i, int threads) {
 
 // varlen_tail.cuh's forward part in a call of its own: inlined, its 64-bit loops changed ptxas's
 // allocation of the main loops (d192 and d256 spilled 64-160 bytes, nvcc 13.0).
-__device__ __noinline__ void forward_tail_of_block(const FlashParams& p) { forward_tail<true>(p); }
+__device__ __noinline__ void forward_tail_of_block(const FlashParams& p) { forward_tail(p, s_first_bad); }
 
 template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, bool kAlibi, bool kOverlap, bool kSeparateO,
           bool kMods, bool kDropout, bool kRaw>
@@ -145,10 +145,10 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         }
         mbar_init_fence();
     }
-    // Varlen: every block checks the offsets, publishes their first bad entries for its own SeqInfo
-    // and writes its share of the rows no sequence owns (varlen_tail.cuh), where the sm_80 forward
-    // has a kernel launched before it do that: that launch and its drain cost ~4 % of a call at
-    // 512-token sequences (docs/perf-notes.md r4).
+    // Varlen: every block checks the offsets, keeps their first bad entries for its own SeqInfo (in
+    // shared memory, s_first_bad: no block reads another's) and writes its share of the rows no
+    // sequence owns (varlen_tail.cuh), where the sm_80 forward has a kernel launched before it do
+    // that: that launch and its drain cost ~4 % of a call at 512-token sequences (perf-notes r4).
     if constexpr (!kMods || kDropout) {  // (bias and mask reach no packed call: not in their variants)
         if (p.cu_seqlens_q) forward_tail_of_block(p);
     }

@@ -18,6 +18,9 @@ __shared__ int s_seq_bad[32];
 // from it per tile costs a shared load, where one held in registers through the loop made the
 // split-KV kernel spill (a row from memory cannot be recomputed from blockIdx, as b can).
 __shared__ int s_kv_b[32];  // one copy per warp (written by its lane 0)
+// The first bad entries of cu_seqlens_q and _k as one block of the Hopper forward found them
+// (varlen_tail.cuh's check runs in each of its blocks: SeqInfo's `block_checked`).
+__shared__ long long s_first_bad[2];
 
 // What SeqInfo's constructor derived from the metadata, for a warp that did not load it (the
 // Hopper forward's producer hands it to the consumers with the tile: SeqInfo::shared).
@@ -48,7 +51,10 @@ struct SeqInfo {
     // trusted gets no rows: varlen_tail fills those).  No loops or barriers here: in this inlined
     // constructor they made ptxas spill in the main loops of kernels at their register cap.
     // block_table entries are checked by check_pages (split-KV kernel only).
-    __device__ __forceinline__ SeqInfo(const FlashParams& p, int b) {
+    // The offsets check left the first bad entries in p.offsets_first_bad (the tail kernel launched
+    // first), or with `block_checked` in s_first_bad (the Hopper forward's blocks check for themselves).
+    __device__ __forceinline__ SeqInfo(const FlashParams& p, int b, bool block_checked = false) {
+        const long long* first_bad = block_checked ? s_first_bad : p.offsets_first_bad;
         bool bad = false;
         int arg = -1;
         long long at = b;
@@ -61,7 +67,7 @@ struct SeqInfo {
         // are well formed, hence within [0, total] (< 2^31, checked on the host): 32-bit values,
         // which keep q_start in one register (two made _dkdv_dq spill).
         if (p.cu_seqlens_q) {
-            const long long e = p.offsets_first_bad[0];
+            const long long e = first_bad[0];
             const int lo = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b));
             const int hi = static_cast<int>(load_index(p, p.cu_seqlens_q, kIndexCuQ, b + 1));
             if (e >= 0 && b + 1 >= e) {  // reported by varlen_tail
@@ -74,7 +80,7 @@ struct SeqInfo {
             }
         }
         if (p.cu_seqlens_k) {
-            const long long e = p.offsets_first_bad[1];
+            const long long e = first_bad[1];
             const int lo = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b));
             const int hi = static_cast<int>(load_index(p, p.cu_seqlens_k, kIndexCuK, b + 1));
             if (e >= 0 && b + 1 >= e) {

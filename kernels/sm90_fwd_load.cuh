@@ -37,7 +37,8 @@ struct FwdWork {
     FwdTile tile;
     SeqInfo seq;
     int hk, nb_lo, nb_hi;
-    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t) : FwdWork(p, t, SeqInfo(p, t.b)) {}
+    // (the block checked packed offsets itself: flash_fwd_sm90.cu)
+    __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t) : FwdWork(p, t, SeqInfo(p, t.b, true)) {}
     __device__ __forceinline__ FwdWork(const FlashParams& p, FwdTile t, const SeqInfo& s) : tile(t), seq(s) {
         hk = t.h / static_cast<int>(p.nheads_q / p.nheads_k);
         int n_lo, n_hi;

@@ -10,15 +10,16 @@
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
 
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {
-    forward_tail<false>(p);
+    forward_tail(p, blockIdx.x == 0 ? p.offsets_first_bad : nullptr);
 }
 
 // The backward's: dq rows (q side) and dk, dv rows (k side), in one launch.
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _grads)(const __grid_constant__ FlashParams p) {
     long long q_end;
-    if (offsets_all_good(p, q_end)) return;  // the gradients of rows past the last sequence start at 0
+    long long* const first_bad = blockIdx.x == 0 ? p.offsets_first_bad : nullptr;  // (block 0 publishes)
+    if (offsets_all_good(p, first_bad, q_end)) return;  // the gradients of rows past the last sequence start at 0
     long long e_q, e_k;
-    find_bad_offsets<false>(p, e_q, e_k);
+    find_bad_offsets(p, first_bad, e_q, e_k);
     const PackedRows dq[1] = {{p.dq, p.dq_row_stride, p.dq_head_stride, p.nheads_q, p.headdim_qk / 8}};
     varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, dq, nullptr, false, kArgMaxSeqlenQ);
     const PackedRows dkdv[2] = {{p.dk, p.dk_row_stride, p.dk_head_stride, p.nheads_k, p.headdim_qk / 8},

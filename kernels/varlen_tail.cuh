@@ -61,15 +61,15 @@ __device__ __forceinline__ bool any_longer(const FlashParams& p, const void* cu,
 }
 
 // The first bad entry of cu_seqlens_q and of cu_seqlens_k (-1 when well formed), found by every
-// block; block 0 publishes them for the attention kernels launched next (SeqInfo) and reports them
-// (kEveryBlock: every block publishes them, the same values, for its own SeqInfo).
-template <bool kEveryBlock>
-__device__ __forceinline__ void find_bad_offsets(const FlashParams& p, long long& e_q, long long& e_k) {
+// block; published into `first_bad` (two words, when not null) for SeqInfo, and reported by block 0.
+// The tail kernels' block 0 publishes to p.offsets_first_bad, for the attention kernels launched
+// next; each block of the Hopper forward to a shared pair of its own.
+__device__ __forceinline__ void find_bad_offsets(const FlashParams& p, long long* first_bad, long long& e_q, long long& e_k) {
     e_q = first_bad_offset(p, p.cu_seqlens_q, kIndexCuQ, p.batch, p.total_q);
     e_k = first_bad_offset(p, p.cu_seqlens_k, kIndexCuK, p.batch, p.total_k);
-    if ((kEveryBlock || blockIdx.x == 0) && threadIdx.x == 0) {
-        p.offsets_first_bad[0] = e_q;
-        p.offsets_first_bad[1] = e_k;
+    if (first_bad && threadIdx.x == 0) {
+        first_bad[0] = e_q;
+        first_bad[1] = e_k;
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         if (e_q >= 0) report_bad_index(p, kArgCuSeqlensQ, e_q);
@@ -122,9 +122,8 @@ __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu
 // The common case in one round of loads and one barrier (the general path takes four of each):
 // both offsets well formed, and no sequence longer than its side's max_seqlen.  Every thread of
 // the block calls it; when true, q_end is cu_seqlens_q[batch] (where the q side's tail starts)
-// and block 0 (kEveryBlock: every block) has published "no bad entry" for SeqInfo.
-template <bool kEveryBlock = false>
-__device__ __forceinline__ bool offsets_all_good(const FlashParams& p, long long& q_end) {
+// and "no bad entry" is published into `first_bad` (when not null; as find_bad_offsets).
+__device__ __forceinline__ bool offsets_all_good(const FlashParams& p, long long* first_bad, long long& q_end) {
     __shared__ long long s_q_end;
     bool bad = false;
     for (long long i = threadIdx.x; i <= p.batch; i += blockDim.x) {
@@ -140,25 +139,24 @@ __device__ __forceinline__ bool offsets_all_good(const FlashParams& p, long long
     }
     if (__syncthreads_or(bad)) return false;
     q_end = s_q_end;
-    if ((kEveryBlock || blockIdx.x == 0) && threadIdx.x == 0) p.offsets_first_bad[0] = p.offsets_first_bad[1] = -1;
+    if (first_bad && threadIdx.x == 0) first_bad[0] = first_bad[1] = -1;
     return true;
 }
 
 // The forward's part, by every thread of a block: the offsets checked (both sides), the rows of
 // out and lse that no well-formed sequence owns written, violations reported.  varlen_tail.cu's
 // kernel runs it before the sm_80 forward; the Hopper forward runs it in each of its blocks before
-// their tiles (kEveryBlock: each block publishes the first bad entries for its own SeqInfo, and
-// must __syncthreads() before reading them).
-template <bool kEveryBlock>
-__device__ __forceinline__ void forward_tail(const FlashParams& p) {
+// their tiles.  The first bad entries go to `first_bad` (find_bad_offsets); readers in the block
+// __syncthreads() first.
+__device__ __forceinline__ void forward_tail(const FlashParams& p, long long* first_bad) {
     const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
     long long q_end;
-    if (offsets_all_good<kEveryBlock>(p, q_end)) {  // only the rows past the last sequence: 0, and the LSE -inf
+    if (offsets_all_good(p, first_bad, q_end)) {  // only the rows past the last sequence: 0, and the LSE -inf
         fill_rows(out, q_end, p.total_q, make_uint4(0, 0, 0, 0), p.lse, p.nheads_q, p.total_q, -__int_as_float(0x7f800000));
         return;
     }
     long long e_q, e_k;
-    find_bad_offsets<kEveryBlock>(p, e_q, e_k);
+    find_bad_offsets(p, first_bad, e_q, e_k);
     varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, out, p.lse, true, kArgMaxSeqlenQ);
     // (the key side is checked, and reported, here only: the forward writes no key rows)
     partner_rows<true>(p, p.cu_seqlens_k, kIndexCuK, e_k, p.seqlen_k, kArgMaxSeqlenK, p.cu_seqlens_q, kIndexCuQ, e_q,
