@@ -58,7 +58,7 @@ BUILDS = [(v, arch) for v in COMPILED for arch in ((v.arch,) if v.arch else ARCH
 def built(request):
     """(variant name, arch) -> future of (cubin, ptxas log) for the builds this run selected, queued
     at once on one thread per core (NVRTC releases the GIL): CI's compile check of every variant
-    took 1478 s for 1449 builds on two cores (session 20; one at a time: 2285 s for 1577), and each
+    took 1014 s for 1449 builds on two cores (session 20; one at a time: 2285 s for 1577), and each
     test still reports one build."""
     selected = [item.callspec.params for item in request.session.items
                 if item.originalname == "test_variant_compiles" and hasattr(item, "callspec")]
