@@ -121,8 +121,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         warp_gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
         unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
-        ScoreMods::Draw draw{};
-        if constexpr (kDropout) draw = mods.dropout_draw();
+        const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
 #pragma unroll
         for (int nt = 0; nt < kT / 8; ++nt) {
             if (kDropout && nt % 2 == 0) keep = ScoreMods::keep_bits(draw, m0 + warp * 16 + lane / 4, n0 + nt * 8 + (lane % 4) * 2);
@@ -227,8 +226,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
                 unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
-                ScoreMods::Draw draw{};
-                if constexpr (kDropout) draw = mods.dropout_draw();
+                const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
 #pragma unroll
                 for (int nt = 0; nt < kT / 8; ++nt) {
                     if (kDropout && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, keep);

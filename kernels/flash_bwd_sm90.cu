@@ -197,8 +197,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         wgmma_pin(s_flat);
         wgmma_pin(dp_flat);
 
-        ScoreMods::Draw draw{};
-        if constexpr (kDropout) draw = mods.dropout_draw();
+        const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
             unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
 #pragma unroll
@@ -404,8 +403,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             }
             wgmma_pin(dpt_flat);
             unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
-            ScoreMods::Draw draw{};
-            if constexpr (kDropout) draw = mods.dropout_draw();
+            const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
                 if (kDropout && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, keep);

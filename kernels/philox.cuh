@@ -46,20 +46,26 @@ CUFLASH_HOST_DEVICE inline PhiloxWords philox4x32_10(unsigned c0, unsigned c1, u
 struct DropoutKey {
     unsigned long long seed, offset, threshold;
 
+    // The key's second word (its first is the seed's low word).
+    CUFLASH_HOST_DEVICE unsigned key_hi() const { return static_cast<unsigned>((seed >> 32) + (offset >> 32)); }
     // The words of the eight elements drawn with (i, j) (rows i & ~8, | 8; keys j & ~9, | 1, | 8,
-    // | 9) of problem bh = b * nheads + h.
-    CUFLASH_HOST_DEVICE PhiloxWords words(unsigned long long bh, unsigned long long i, unsigned long long j) const {
-        const unsigned k0 = static_cast<unsigned>(seed), k1 = static_cast<unsigned>((seed >> 32) + (offset >> 32));
-        return philox4x32_10(static_cast<unsigned>(j & ~9ull), static_cast<unsigned>(i & ~8ull), static_cast<unsigned>(bh),
-                             static_cast<unsigned>(offset), k0, k1);
+    // | 9) of problem bh = b * nheads + h, from the call's 32-bit words (kernels that hold those in
+    // uniform registers call this form: ScoreMods::keep_bits).
+    CUFLASH_HOST_DEVICE static PhiloxWords draw(unsigned bh, unsigned offset, unsigned k0, unsigned k1, unsigned i, unsigned j) {
+        return philox4x32_10(j & ~9u, i & ~8u, bh, offset, k0, k1);
     }
-    // Bit n of the result: whether element n of `w` (see above) is kept.
-    CUFLASH_HOST_DEVICE unsigned keep_bits(const PhiloxWords& w) const {
+    CUFLASH_HOST_DEVICE PhiloxWords words(unsigned long long bh, unsigned long long i, unsigned long long j) const {
+        return draw(static_cast<unsigned>(bh), static_cast<unsigned>(offset), static_cast<unsigned>(seed), key_hi(),
+                    static_cast<unsigned>(i), static_cast<unsigned>(j));
+    }
+    // Bit n of the result: whether element n of `w` (see above) is kept, its draw below `threshold`.
+    CUFLASH_HOST_DEVICE static unsigned kept_bits(const PhiloxWords& w, unsigned threshold) {
         unsigned bits = 0;
 #pragma unroll
         for (int n = 0; n < 8; ++n) bits |= ((w.w[n >> 1] >> (16 * (n & 1))) & 0xffffu) < threshold ? 1u << n : 0u;
         return bits;
     }
+    CUFLASH_HOST_DEVICE unsigned keep_bits(const PhiloxWords& w) const { return kept_bits(w, static_cast<unsigned>(threshold)); }
     // Element (i, j)'s bit in keep_bits.
     CUFLASH_HOST_DEVICE static int bit(unsigned long long i, unsigned long long j) {
         return static_cast<int>(4 * ((i >> 3) & 1) + 2 * ((j >> 3) & 1) + (j & 1));

@@ -62,23 +62,25 @@ struct ScoreMods {
     struct Draw {
         unsigned k0, k1, bh, offset, threshold;
     };
+    // (kOn false: a value never read, for kernels without dropout.)
+    template <bool kOn = true>
     __device__ __forceinline__ Draw dropout_draw() const {
-        const DropoutKey key = dropout_key();
-        const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-        auto uniform = [](unsigned long long x) { return __reduce_max_sync(0xffffffffu, static_cast<unsigned>(x)); };
-        return {uniform(key.seed), uniform((key.seed >> 32) + (key.offset >> 32)), uniform(bh), uniform(key.offset),
-                uniform(key.threshold)};
+        if constexpr (kOn) {
+            const DropoutKey key = dropout_key();
+            const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
+            auto uniform = [](unsigned long long x) { return __reduce_max_sync(0xffffffffu, static_cast<unsigned>(x)); };
+            return {uniform(key.seed), uniform(key.key_hi()), uniform(bh), uniform(key.offset), uniform(key.threshold)};
+        } else {
+            return {};
+        }
     }
     // The keep decisions of the eight elements drawn with (i, j) by one generator call (philox.cuh:
     // rows i & ~8, | 8, keys j & ~9, | 1, | 8, | 9 of this problem; batch entries numbered from
     // dropout_first_batch), element (i', j')'s in bit DropoutKey::bit(i', j') (kept()): the words of
     // DropoutKey::words and the bits of DropoutKey::keep_bits, from the shared part `d`.
     __device__ __forceinline__ static unsigned keep_bits(const Draw& d, int i, int j) {
-        const PhiloxWords w = philox4x32_10(static_cast<unsigned>(j) & ~9u, static_cast<unsigned>(i) & ~8u, d.bh, d.offset, d.k0, d.k1);
-        unsigned bits = 0;
-#pragma unroll
-        for (int n = 0; n < 8; ++n) bits |= ((w.w[n >> 1] >> (16 * (n & 1))) & 0xffffu) < d.threshold ? 1u << n : 0u;
-        return bits;
+        return DropoutKey::kept_bits(DropoutKey::draw(d.bh, d.offset, d.k0, d.k1, static_cast<unsigned>(i), static_cast<unsigned>(j)),
+                                     d.threshold);
     }
     __device__ __forceinline__ static bool kept(unsigned bits, int i, int j) { return (bits >> DropoutKey::bit(i, j)) & 1; }
     // The transposed tiles of the dK/dV kernels: lanes lane and lane ^ 4 hold keys j and j ^ 1 (j & 1 =
