@@ -310,7 +310,6 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     if (wtid == 0) mbar_arrive(&k_empty[ring.stage]);
                     softmax_tile<T, kNT, kSoftcap, kAlibi, true, kRangeMask, kMods, kDropout, kRaw>(s, row, pk, alpha, qpos, n0, masked(n0), seq, score_args, lane,
                                                                    &mods, read_mask(nb));
-                    keep_before_wait(row[0].l + row[1].l, p.batch < 0);  // (the row sums need every exponential)
                     wgmma_wait<0>();  // P V is done: pk and O are free
                     wgmma_pin(o_flat);
                     if (wtid == 0) mbar_arrive(&v_empty[prev_stage]);

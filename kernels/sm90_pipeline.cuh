@@ -86,15 +86,6 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* dst, const TensorMa
         tma_load_4d(dst + panel * kRows * 128, map, bar, panel * 64, row, head, batch);
 }
 
-// Keep the computation of x ahead of the next wgmma wait.  ptxas may sink arithmetic below a
-// WARPGROUP.DEPBAR, and did: half the forward's exponentials came after the P V wait, out of the
-// overlap (docs/perf-notes.md h7, h9).  A shared-memory store of x, predicated off by `never`
-// (false at run time, unknown to the compiler), is not moved past the wait, so x is not either.
-__device__ __forceinline__ void keep_before_wait(float x, bool never) {
-    __shared__ float s_sink;
-    if (never) asm volatile("st.shared.f32 [%0], %1;" :: "r"(smem_addr(&s_sink)), "f"(x) : "memory");
-}
-
 // --- warpgroup coordination ------------------------------------------------------------------
 
 // Named barriers 1..15 (0 is __syncthreads): `threads` is a multiple of 32, the same at every use.

@@ -9,8 +9,9 @@
 // kernel, docs/perf-notes.md h10).  Without a counter the stride stays (the one-per-tile grid,
 // whose blocks have no next tile).
 //
-// Order: the (batch, head) pairs are cut into sections of p.tile_heads pairs, chosen on the host so
-// that a section's K and V fit in half the L2 cache; within a section the tiles run longest first
+// Order: the (batch, head) pairs are cut into sections of p.tile_heads pairs, chosen on the host as
+// few as give every SM a tile (and whose K and V fit in half the L2 cache), so that the tiles in
+// flight share the K and V of few pairs (_gpu.py's _sm90_tile_grid); within a section the tiles run longest first
 // (the last query tile of every pair, then the one before, ...: under a causal mask later query
 // rows see more keys), so that a grid of blocks taking the numbers in order ends on short tiles.
 // Which block computes a tile never changes what it computes: the result stays bitwise repeatable.
