@@ -406,8 +406,10 @@ def execute(prm, launches, accum):
 # never overlap (those on two may), so one set per stream serves every call on it without an
 # allocation per call (d9).  A call being captured into a CUDA graph, or on the per-thread
 # default stream (one handle for a different stream in each host thread), gets scratch of its
-# own instead, freed on return: a stream's scratch is never allocated inside a capture, where the
-# counters' memset would not run.  An outgrown set, or that of a stream not used among the last
+# own instead: a stream's scratch is never allocated inside a capture, where the counters' memset
+# would not run.  On the per-thread stream it is freed on return; inside a capture cuflash._guard
+# keeps it (as every allocation of a captured call) until release_graph_memory(), so that replays
+# never touch memory handed to someone else.  An outgrown set, or that of a stream not used among the last
 # _MAX_SCRATCH_STREAMS, is freed in stream order: CuPy's pool hands its memory only to later work
 # on the same stream.
 _STREAM_SCRATCH = {}  # in order of last use

@@ -4,9 +4,9 @@ The cache is either contiguous, ``(batch_cache, capacity, nheads_k, headdim)`` (
 indexed through ``cache_batch_idx``), or paged, ``(num_pages, page_size, nheads_k, headdim)``
 with a ``block_table`` of shape ``(batch, max_pages)`` mapping sequence positions to pages.  The
 attention is the forward pass with ``seqlens_k`` = each sequence's valid length, so nothing past
-it is read.  On the GPU, few query rows run the split-KV decode kernel, which reads paged caches
-through the block table in place; ``cache_batch_idx`` gathers the chosen rows into a copy.  The
-CPU path gathers pages into a contiguous copy.
+it is read.  On the GPU, paged caches and calls with few query rows run the split-KV decode
+kernel; every kernel reads the cache in place, its pages through the block table and its rows
+through ``cache_batch_idx``.  The CPU path gathers pages and rows into a contiguous copy.
 """
 
 from __future__ import annotations

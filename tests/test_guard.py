@@ -97,3 +97,18 @@ def test_call_descriptions_are_bounded(monkeypatch):
     assert len(_guard._CALLS) == 8 and len(_guard._CALL_NUMBERS) == 8
     text = _guard.describe(_record(first, 0, 3), device=0)  # dropped: still names the entry
     assert "cu_seqlens_q[3]" in text
+
+
+def test_a_pending_record_stops_an_append_before_it_writes(fake_word):
+    """The call after a faulty one raises its error and does no work: an append it was given is
+    not made (the cache is unchanged); the call after that appends."""
+    q = np.ones((1, 1, 2, 8), np.float32)
+    kc, vc = np.zeros((1, 4, 2, 8), np.float32), np.zeros((1, 4, 2, 8), np.float32)
+    k = np.ones((1, 1, 2, 8), np.float32)
+    fake_word.value = _record(_guard.call_code("attention_with_kvcache", seqlen_k=4, seqlen_new=1), 2, 0)
+    with pytest.raises(cuflash.InvalidIndexError, match=r"cache_seqlens\[0\]"):
+        cuflash.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=1)
+    assert not (kc.any() or vc.any())
+    cuflash.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=1)
+    assert kc[0, 1].all() and not kc[0, [0, 2, 3]].any()
+

@@ -271,3 +271,35 @@ def test_head_count_error_points_a_torch_ordered_cache_to_swapaxes():
     with pytest.raises(ValueError, match=r"k_cache has 64 heads; .*\.swapaxes\(1, 2\)") as info:
         cuflash.attention_with_kvcache(q, cache, cache, cache_seqlens=1)
     assert "layout" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["past-capacity", "negative", "table-int64-high-bits", "table-negative",
+                                  "row-negative", "row-past"])
+def test_bad_index_values_with_appends_leave_the_cache_untouched(case):
+    """NumPy index arrays are checked on the host before the append: a ValueError naming the
+    argument, and no slot of the cache written, not even those of the sequences whose values are
+    fine (the GPU forms, checked on the device, append those: tests/test_gpu_index_safety.py).
+    2**32 + 1 is out of range only in its high 32 bits (its low word, 1, is a page)."""
+    q, kc, vc, k = _small()  # 2 sequences; contiguous rows of 8 slots
+    pool_k, pool_v = np.zeros((4, 4, 2, 8), np.float32), np.zeros((4, 4, 2, 8), np.float32)  # 4 pages of 4 slots
+    table = np.array([[0, 1], [2, 3]], np.int64)
+    bad_table = table.copy()
+    bad_table[1, 1] = 2**32 + 1 if case == "table-int64-high-bits" else -1
+    paged = dict(k_cache=pool_k, v_cache=pool_v)
+    contiguous = dict(k_cache=kc, v_cache=vc)
+    args, pattern = {
+        "past-capacity": (dict(paged, cache_seqlens=np.array([2, 8]), block_table=table),
+                          r"exceed the cache capacity 8 \(block_table rows of 2 pages of 4 slots\)"),
+        "negative": (dict(paged, cache_seqlens=np.array([2, -1]), block_table=table), "cache_seqlens must be >= 0"),
+        "table-int64-high-bits": (dict(paged, cache_seqlens=np.array([2, 5]), block_table=bad_table),
+                                  r"block_table\[1, 1\] = 4294967297 is not a page of the cache \(0\.\.3\)"),
+        "table-negative": (dict(paged, cache_seqlens=np.array([2, 5]), block_table=bad_table),
+                           r"block_table\[1, 1\] = -1 is not a page"),
+        "row-negative": (dict(contiguous, cache_seqlens=np.array([2, 5]), cache_batch_idx=np.array([0, -1])),
+                         r"cache_batch_idx entries must lie in \[0, 1\]"),
+        "row-past": (dict(contiguous, cache_seqlens=np.array([2, 5]), cache_batch_idx=np.array([1, 2])),
+                     r"cache_batch_idx entries must lie in \[0, 1\]"),
+    }[case]
+    with pytest.raises(ValueError, match=pattern):
+        cuflash.attention_with_kvcache(q, k=k, v=2 * k, **args)
+    assert not (kc.any() or vc.any() or pool_k.any() or pool_v.any())

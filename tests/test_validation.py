@@ -513,6 +513,23 @@ def test_bad_cu_seqlens_types(which):
         cuflash.attention_varlen(q, k, v, **args)
 
 
+def test_cuflash_debug_is_read_at_every_call(monkeypatch):
+    """CUFLASH_DEBUG is read from the environment at each call (setting it in a running process
+    takes effect at the next call; "" and "0" mean off), and NumPy index values are checked on the
+    host at the call whatever it says (GPU values: tests/test_gpu_index_safety.py)."""
+    from cuflash import _validate
+
+    q, k, v = make_packed()
+    for value, on in (("1", True), ("0", False), ("", False), ("yes", True), (None, False)):
+        if value is None:
+            monkeypatch.delenv("CUFLASH_DEBUG", raising=False)
+        else:
+            monkeypatch.setenv("CUFLASH_DEBUG", value)
+        assert _validate.debug_checks_enabled() is on, value
+        with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+            cuflash.attention_varlen(q, k, v, np.array([0, 5, 3], np.int32), CU_K, max_seqlen_q=5, max_seqlen_k=5)
+
+
 def test_varlen_max_seqlen_checks():
     q, k, v = make_packed()
     with pytest.raises(ValueError, match=r"max_seqlen_q = 3 is smaller than the longest sequence 4"):
