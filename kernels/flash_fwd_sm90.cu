@@ -211,12 +211,15 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             float alpha[2];
 
             // S = Q K^T of the K tile in `stage`, 16-wide steps over the head dim (not waited for).
+            // The tiles' addresses go through uniform(): the descriptors are then formed on the
+            // uniform datapath (NVRTC otherwise formed them in vector registers, ~9 ALU
+            // instructions a product on the pipe the softmax needs: docs/perf-notes.md h13).
             auto issue_s = [&](int stage) {
+                const u32 q_tile = uniform(q_base + wg * 64 * 128), k_tile = uniform(k_base + stage * kTileKV);
                 wgmma_fence();
 #pragma unroll
                 for (int ks = 0; ks < kD / 16; ++ks)
-                    wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks),
-                                     desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
+                    wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_tile, 0, ks), desc_k_major<kBN>(k_tile, 0, ks), ks > 0);
                 wgmma_commit();
             };
             // O += P V with the V tile of keys [n0, n0 + kBN) in `stage`, 16 keys per step (not waited
@@ -232,10 +235,11 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
                     fence_async_smem();
                     consumer_barrier();
                 }
+                const u32 v_tile = uniform(v_base + stage * kTileKV);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBN / 16; ++kk)
-                    wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_base + stage * kTileKV, kk));
+                    wgmma_rs<T, kD>(o_flat, pk[kk], desc_n_major<kBN>(v_tile, kk));
                 wgmma_commit();
                 wgmma_pin(o_flat);  // the accumulator stays in its registers while the product runs
             };
