@@ -180,13 +180,16 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         float s[kNT][4], dp[kNT][4];  // rows r_lo, r_lo + 8 x kBN keys
         float (&s_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(s);
         float (&dp_flat)[kBN / 2] = reinterpret_cast<float (&)[kBN / 2]>(dp);
+        // (the tiles' addresses through uniform(): descriptors on the uniform datapath, swizzled_tile.cuh)
+        const u32 q_tile = uniform(q_base + wg * 64 * 128), do_tile = uniform(do_base + wg * 64 * 128);
+        const u32 k_tile = uniform(k_base + stage * kTileKV), v_tile = uniform(v_base + stage * kTileKV);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // S = Q Kᵀ
-            wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_base, wg * 64, ks), desc_k_major<kBN>(k_base + stage * kTileKV, 0, ks), ks > 0);
+            wgmma_ss<T, kBN>(s_flat, desc_k_major<kBM>(q_tile, 0, ks), desc_k_major<kBN>(k_tile, 0, ks), ks > 0);
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // dP = dO Vᵀ
-            wgmma_ss<T, kBN>(dp_flat, desc_k_major<kBM>(do_base, wg * 64, ks), desc_k_major<kBN>(v_base + stage * kTileKV, 0, ks), ks > 0);
+            wgmma_ss<T, kBN>(dp_flat, desc_k_major<kBM>(do_tile, 0, ks), desc_k_major<kBN>(v_tile, 0, ks), ks > 0);
         wgmma_commit();
         float bm[kNT][4];  // (kMods) the bias of S, -inf where the mask hides the key: loads in flight during the products
         if constexpr (kMods)
@@ -221,7 +224,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBN / 16; ++kk)  // dQ += dS K
-            wgmma_rs<T, kD>(dq_flat, ds[kk], desc_n_major<kBN>(k_base + stage * kTileKV, kk));
+            wgmma_rs<T, kD>(dq_flat, ds[kk], desc_n_major<kBN>(k_tile, kk));
         wgmma_commit();
         wgmma_wait<0>();
         wgmma_pin(dq_flat);
@@ -343,16 +346,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x kBM queries
         float (&st_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(st);
         float (&dpt_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(dpt);
+        // (the tiles' addresses through uniform(): descriptors on the uniform datapath, swizzled_tile.cuh)
+        const u32 k_rows = uniform(k_base + (r_lo - wg_row(tid)) * 128), v_rows = uniform(v_base + (r_lo - wg_row(tid)) * 128);
+        const u32 q_tile = uniform(q_base + stage * kTileQ), do_tile = uniform(do_base + stage * kTileQ);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // Sᵀ = K Qᵀ
-            wgmma_ss<T, kBM>(st_flat, desc_k_major<kBN>(k_base, r_lo - wg_row(tid), ks), desc_k_major<kBM>(q_base + stage * kTileQ, 0, ks), ks > 0);
+            wgmma_ss<T, kBM>(st_flat, desc_k_major<kBN>(k_rows, 0, ks), desc_k_major<kBM>(q_tile, 0, ks), ks > 0);
         // Without softcap (whose derivative needs S) P is formed while dPᵀ's product runs.
         constexpr bool kPDuringDp = !kSoftcap;
         if constexpr (kPDuringDp) wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // dPᵀ = V dOᵀ
-            wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_base, r_lo - wg_row(tid), ks), desc_k_major<kBM>(do_base + stage * kTileQ, 0, ks), ks > 0);
+            wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_rows, 0, ks), desc_k_major<kBM>(do_tile, 0, ks), ks > 0);
         wgmma_commit();
         float bm[kNT][4];  // (kMods) the bias of Sᵀ, -inf where the mask hides the key: loads in flight during the products
         if constexpr (kMods)
@@ -440,10 +446,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO (this warpgroup's columns)
-            wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_base + stage * kTileQ + c_panel * kBM * 128, kk));
+            wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_tile + c_panel * kBM * 128, kk));
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
-            wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_base + stage * kTileQ + c_panel * kBM * 128, kk));
+            wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_tile + c_panel * kBM * 128, kk));
         wgmma_commit();
         if constexpr (kColSplit) {  // dV and dK done first: their register operands (P, dS) free for dQ's slices
             wgmma_wait<0>();
@@ -462,11 +468,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                 const int c0 = wg * kDqCols + slice * kDqSlice;  // the slice's first column
                 float dq[kDqSlice / 8][4];  // query rows wg_row, wg_row + 8 of the tile x the slice's columns
                 float (&dq_flat)[kDqSlice / 2] = reinterpret_cast<float (&)[kDqSlice / 2]>(dq);
+                const u32 ds_tile = uniform(smem_addr(sdS)), k_cols = uniform(k_base + (c0 / 64) * kBN * 128);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
-                    wgmma_ss_mn<T, kDqSlice>(dq_flat, desc_n_major<kBN>(smem_addr(sdS), kk),
-                                             desc_n_major<kBN>(k_base + (c0 / 64) * kBN * 128, kk), kk > 0);
+                    wgmma_ss_mn<T, kDqSlice>(dq_flat, desc_n_major<kBN>(ds_tile, kk), desc_n_major<kBN>(k_cols, kk), kk > 0);
                 wgmma_commit();
                 wgmma_wait<0>();
                 wgmma_pin(dq_flat);

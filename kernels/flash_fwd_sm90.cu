@@ -211,9 +211,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             float alpha[2];
 
             // S = Q K^T of the K tile in `stage`, 16-wide steps over the head dim (not waited for).
-            // The tiles' addresses go through uniform(): the descriptors are then formed on the
-            // uniform datapath (NVRTC otherwise formed them in vector registers, ~9 ALU
-            // instructions a product on the pipe the softmax needs: docs/perf-notes.md h13).
+            // (The tiles' addresses through uniform(), swizzled_tile.cuh, as every product's here.)
             auto issue_s = [&](int stage) {
                 const u32 q_tile = uniform(q_base + wg * 64 * 128), k_tile = uniform(k_base + stage * kTileKV);
                 wgmma_fence();

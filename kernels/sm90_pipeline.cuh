@@ -86,10 +86,6 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* dst, const TensorMa
         tma_load_4d(dst + panel * kRows * 128, map, bar, panel * 64, row, head, batch);
 }
 
-// x as lane 0 holds it, a value ptxas knows to be the same in every lane: what is computed from it
-// (a wgmma descriptor) can live on the uniform datapath.  For values that are warp-uniform already.
-__device__ __forceinline__ u32 uniform(u32 x) { return __shfl_sync(0xffffffffu, x, 0); }
-
 // --- warpgroup coordination ------------------------------------------------------------------
 
 // Named barriers 1..15 (0 is __syncthreads): `threads` is a multiple of 32, the same at every use.

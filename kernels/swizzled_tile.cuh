@@ -42,6 +42,12 @@ __device__ __forceinline__ void load_tile_swizzled(unsigned char* smem, const u1
     }
 }
 
+// x as lane 0 holds it, a value ptxas knows to be the same in every lane: descriptors formed from
+// it live on the uniform datapath.  NVRTC formed the kernels' descriptors from shared-memory
+// addresses in vector registers otherwise (~9 ALU instructions a product, on the pipe the softmax
+// needs; docs/perf-notes.md h13).  For values that are warp-uniform already; every lane calls it.
+__device__ __forceinline__ u32 uniform(u32 x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // Operand rows [r0, r0 + 64 or N) x head-dim step ks (16 columns) of a tile with kRows rows whose
 // rows are the MMA's M or N index and whose columns are its K index (Q and K in S = Q K^T):
 // 8-row groups 1024 bytes apart, step ks is 32 bytes into panel ks / 4.
