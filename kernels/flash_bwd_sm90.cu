@@ -443,13 +443,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                     *reinterpret_cast<u32*>(sdS + swizzled_chunk<kBN>(r_lo + 8 * half, nt) + (lane % 4) * 4) = dsa[nt / 2][2 * (nt % 2) + half];
             fence_async_smem();
         }
+        // this warpgroup's columns of dO and Q (the column split's panels: through uniform() again,
+        // as wg is not known to be warp-uniform)
+        const u32 do_cols = kColSplit ? uniform(do_tile + c_panel * kBM * 128) : do_tile;
+        const u32 q_cols = kColSplit ? uniform(q_tile + c_panel * kBM * 128) : q_tile;
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO (this warpgroup's columns)
-            wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_tile + c_panel * kBM * 128, kk));
+            wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_cols, kk));
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
-            wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_tile + c_panel * kBM * 128, kk));
+            wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_cols, kk));
         wgmma_commit();
         if constexpr (kColSplit) {  // dV and dK done first: their register operands (P, dS) free for dQ's slices
             wgmma_wait<0>();

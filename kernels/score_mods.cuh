@@ -68,8 +68,8 @@ struct ScoreMods {
         if constexpr (kOn) {
             const DropoutKey key = dropout_key();
             const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
-            auto uniform = [](unsigned long long x) { return __reduce_max_sync(0xffffffffu, static_cast<unsigned>(x)); };
-            return {uniform(key.seed), uniform(key.key_hi()), uniform(bh), uniform(key.offset), uniform(key.threshold)};
+            auto warp_word = [](unsigned long long x) { return __reduce_max_sync(0xffffffffu, static_cast<unsigned>(x)); };
+            return {warp_word(key.seed), warp_word(key.key_hi()), warp_word(bh), warp_word(key.offset), warp_word(key.threshold)};
         } else {
             return {};
         }
