@@ -116,7 +116,9 @@ template <class T, int kD, int kBN, int kStages, int kConsumers, bool kSoftcap, 
           bool kMods, bool kDropout, bool kRaw>
 __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMaps& maps) {
     constexpr int kBM = 64 * kConsumers, kNT = kBN / 8, kOT = kD / 8;
-    constexpr bool kRangeMask = kD <= 128;  // (softmax_tile.cuh: at d192/d256 the range form spills)
+    // (softmax_tile.cuh's range form of the mask; at d192/d256 the bias/mask/dropout kernels spill
+    // with it, NVRTC 13.0: perf-notes h14)
+    constexpr bool kRangeMask = kD <= 128 || !kMods;
     constexpr int kTileQ = kBM * kD * 2, kTileKV = kBN * kD * 2;  // bytes
     static_assert(kD % 64 == 0 && kBN % 16 == 0 && kBN <= 256, "bad tile shape");  // (kBN x 128-byte panels: 1 KB-aligned)
     static_assert(kConsumers == 2 || kConsumers == 3, "2 or 3 consumer warpgroups (registers, barrier ids)");

@@ -31,7 +31,7 @@ __device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[k
 // packs P with pack_probs once that product is done.
 // kRangeMask: the mask as each row's visible key range, a compare and a select per score instead
 // of visible()'s branches (~14 instructions a score on masked tiles); where the caller's registers
-// allow it (at d192/d256 the Hopper consumers then spill).
+// allow it (the Hopper forward's bias/mask/dropout kernels at d192/d256 spill with it).
 // kMods: bias and mask from `mods` (ScoreMods) on every tile (kDropout: and dropout), with scores, the running max and
 // the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite);
 // read_mask false: the tile's mask is all True (ScoreMods::tile_state), no mask is read.
