@@ -53,6 +53,39 @@ template <> __device__ __forceinline__ void mma_16x8x16<bf16_t>(float (&d)[4], c
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// float32 and float64 operands (issue 24's kernels, docs/perf-notes.md f0): fragment layouts of
+// the PTX ISA's mma.m16n8k8 (.tf32) and mma.m8n8k4 (.f64), with g = lane / 4, t = lane % 4:
+//   m16n8k8 tf32: A (16 x 8, row) a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4);
+//                 B (8 x 8, col) b0 (k t, n g), b1 (k t + 4, n g); C as m16n8k16's above.
+//   m8n8k4 f64:   A (8 x 4) a0 (g, t); B (4 x 8) b0 (k t, n g); C (8 x 8) c0, c1 (g, 2 t + {0, 1}),
+//                 so two of them stacked (rows g and g + 8) are the 16 x 8 C fragment above.
+// x rounded to TF32 (10 mantissa bits, to nearest, ties away: what cuflash._precision.tf32_round
+// computes), as the .b32 operand of a tf32 product.
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+// x = hi + lo, both TF32: hi·hi + hi·lo + lo·hi (3xTF32) keeps a float32 product's accuracy on the
+// tensor cores (Ootomo and Yokota, "Recovering single precision accuracy from Tensor Cores while
+// surpassing the FP32 theoretical peak performance", IJHPCA 2022).
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+// D = A(16x8, row) * B(8x8, col) + D with TF32 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// D = A(8x4, row) * B(4x8, col) + D in float64 (the FP64 tensor cores, sm_80+).
+__device__ __forceinline__ void mma_8x8x4_f64(double (&d)[2], double a, double b) {
+    asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
+        : "+d"(d[0]), "+d"(d[1])
+        : "d"(a), "d"(b));
+}
+
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
 }

@@ -1,0 +1,125 @@
+"""The float32 (TF32, 3xTF32) and float64 tensor-core building blocks of kernels/mma.cuh (issue 24's
+kernels, docs/perf-notes.md f0): one warp multiplies a 16 x 8 by an 8 x 8 matrix through the
+fragment layouts the header documents, against NumPy in float64.  The compile check runs wherever
+NVRTC is installed; the products need a GPU of compute capability 8.0 or newer."""
+
+import numpy as np
+import pytest
+
+from cuflash import _kernels
+from cuflash._precision import tf32_round
+
+from .conftest import requires_gpu
+from .test_compile import _nvrtc_or_skip
+
+# One warp: lane l holds the fragments of g = l / 4, t = l % 4 as mma.cuh lays them out; the 16 x 8
+# result goes back through the C layout (rows g, g + 8; columns 2 t, 2 t + 1).
+CHECK_KERNEL = r'''
+extern "C" __global__ void mma_tf32_check(const float* A, const float* B, float* D, int split) {
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;  // A (16 x 8) and B (8 x 8) row-major
+    const float af[4] = {A[g * 8 + t], A[(g + 8) * 8 + t], A[g * 8 + t + 4], A[(g + 8) * 8 + t + 4]};
+    const float bf[2] = {B[t * 8 + g], B[(t + 4) * 8 + g]};
+    float d[4] = {0.f, 0.f, 0.f, 0.f};
+    u32 ah[4], al[4], bh[2], bl[2];
+    for (int i = 0; i < 4; ++i) split_tf32(af[i], ah[i], al[i]);
+    for (int i = 0; i < 2; ++i) split_tf32(bf[i], bh[i], bl[i]);
+    if (split) {  // 3xTF32: the small terms first
+        mma_16x8x8_tf32(d, al, bh[0], bh[1]);
+        mma_16x8x8_tf32(d, ah, bl[0], bl[1]);
+    }
+    mma_16x8x8_tf32(d, ah, bh[0], bh[1]);
+    for (int e = 0; e < 4; ++e) D[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
+}
+
+extern "C" __global__ void mma_f64_check(const double* A, const double* B, double* D) {
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;  // A (16 x 8) and B (8 x 8) row-major
+    double d[2][2] = {{0.0, 0.0}, {0.0, 0.0}};  // rows g and g + 8: two m8n8 tiles stacked
+    for (int k0 = 0; k0 < 8; k0 += 4)
+        for (int half = 0; half < 2; ++half)
+            mma_8x8x4_f64(d[half], A[(g + 8 * half) * 8 + k0 + t], B[(k0 + t) * 8 + g]);
+    for (int half = 0; half < 2; ++half)
+        for (int e = 0; e < 2; ++e) D[(g + 8 * half) * 8 + 2 * t + e] = d[half][e];
+}
+'''
+
+
+def _source():
+    return _kernels.read_source("mma.cuh") + CHECK_KERNEL
+
+
+def test_check_kernels_compile_for_sm80_and_sm90():
+    _nvrtc_or_skip()
+    from cupy.cuda import nvrtc
+
+    for arch in ("80", "90"):
+        prog = nvrtc.createProgram(_source(), "mma_check.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, ["--std=c++17", f"-arch=sm_{arch}", "-ftz=true"])
+        except nvrtc.NVRTCError:
+            pytest.fail(nvrtc.getProgramLog(prog))
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
+@pytest.fixture(scope="module")
+def module():
+    import cupy as cp
+
+    return cp.RawModule(code=_source(), options=("--std=c++17",))
+
+
+def _operands(seed):
+    rng = np.random.default_rng(seed)
+    # values of mixed sizes, so that TF32's 10-bit mantissa loses bits a float32 product keeps
+    a = rng.standard_normal((16, 8)) * np.exp2(rng.integers(-6, 6, (16, 8)))
+    b = rng.standard_normal((8, 8)) * np.exp2(rng.integers(-6, 6, (8, 8)))
+    return a, b
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tf32_products_round_their_operands(module, seed):
+    import cupy as cp
+
+    a, b = (x.astype(np.float32) for x in _operands(seed))
+    out = cp.empty((16, 8), dtype=cp.float32)
+    module.get_function("mma_tf32_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out, np.int32(0)))
+    want = tf32_round(a).astype(np.float64) @ tf32_round(b).astype(np.float64)
+    scale = np.abs(tf32_round(a)).astype(np.float64) @ np.abs(tf32_round(b)).astype(np.float64)
+    err = np.abs(out.get().astype(np.float64) - want)
+    # the TF32 products exact, the sums in float32 (the tensor cores may truncate them: 2^-23 a step)
+    assert (err <= 8 * 2.0**-23 * scale).all(), err.max()
+    # and far from float32's own product: TF32 keeps 11 of its 24 bits
+    assert np.abs(out.get() - a.astype(np.float64) @ b).max() > 2.0**-20 * scale.max()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_3xtf32_products_keep_float32_accuracy(module, seed):
+    import cupy as cp
+
+    a, b = (x.astype(np.float32) for x in _operands(seed))
+    out = cp.empty((16, 8), dtype=cp.float32)
+    module.get_function("mma_tf32_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out, np.int32(1)))
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
+    naive = (a @ b).astype(np.float64)  # float32 products and sums (NumPy)
+    err, naive_err = np.abs(out.get() - exact), np.abs(naive - exact)
+    # 3xTF32 drops lo * lo (2^-22 of a product) and sums in float32 (truncated: 2^-23 a step)
+    assert (err <= 2 * naive_err + (2.0**-22 + 8 * 2.0**-23) * scale).all(), (err.max(), naive_err.max())
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_float64_products(module, seed):
+    import cupy as cp
+
+    a, b = _operands(seed)
+    out = cp.empty((16, 8), dtype=cp.float64)
+    module.get_function("mma_f64_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out))
+    exact = a @ b
+    scale = np.abs(a) @ np.abs(b)
+    assert (np.abs(out.get() - exact) <= 8 * 2.0**-53 * scale).all()
