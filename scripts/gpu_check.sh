@@ -5,7 +5,8 @@
 #   scripts/gpu_check.sh [warm|tests|sanitize|raceprobe|host|bench|backward|decode|varlen|modifiers|paper|firstcall|ab|smoke|tune|ring|ncu]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
-# Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6),
+# Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6), WARM_MATCH
+# (warm only the variants whose names contain one of its comma-separated parts, e.g. sm90),
 # BENCH_ARGS (extra options of the standard sweep), MODIFIERS_ARGS (of the modifiers suite, e.g. "--headdims 64,256 --dtypes bf16,fp16"), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
 # compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only), AB_BASE (the
 # checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous
@@ -48,7 +49,7 @@ bench_stage() {
 for stage in $stages; do
   case $stage in
     warm)
-      timeout ${WARM_TIMEOUT:-180} $PY scripts/warm_kernels.py --threads ${WARM_THREADS:-16} >"$OUT/warm.log" 2>&1
+      timeout ${WARM_TIMEOUT:-180} $PY scripts/warm_kernels.py --threads ${WARM_THREADS:-16} --match "${WARM_MATCH:-}" >"$OUT/warm.log" 2>&1
       rc=$?; summary+=("warm rc=$rc ($(elapsed)): $(tail -n 1 "$OUT/warm.log")")
       tail -n 3 "$OUT/warm.log" ;;
     tests)
