@@ -240,14 +240,15 @@ def make_problem(
 
 def finish_problem(
     q, batch, seqlen_q, seqlen_k, nheads_q, nheads_k, headdim_qk, headdim_v,
-    *, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlens_k, k_name="k",
+    *, softmax_scale, causal, window_size, softcap, alibi_slopes, seqlens_k, k_name="k", packed=False,
 ) -> AttnProblem:
     """Checks shared by the padded and the variable-length entry points (``k_name``: what the
     caller calls the keys, for messages)."""
     if nheads_k == 0 and nheads_q != 0:
         raise ValueError(f"{k_name} has 0 heads; q's {nheads_q} heads must be a multiple of it")
     if nheads_k and nheads_q % nheads_k != 0:
-        hint = ("axis 2 of (batch, seqlen, nheads, headdim); arrays in (batch, nheads, seqlen, headdim) order, as "
+        hint = ("axis 1 of packed (total_tokens, nheads, headdim)" if packed else
+                "axis 2 of (batch, seqlen, nheads, headdim); arrays in (batch, nheads, seqlen, headdim) order, as "
                 "torch's, need layout='bhsd'" if k_name == "k" else
                 f"axis 2 of (batch, capacity, nheads, headdim); a {k_name} in (batch, nheads, capacity, headdim) "
                 "order needs .swapaxes(1, 2)")
@@ -474,8 +475,11 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             continue
         if values[0] != 0:
             raise ValueError(f"{name} must start at 0; got {values[0]}")
-        if np.any(np.diff(values) < 0):
-            raise ValueError(f"{name} must be non-decreasing; got {values.tolist()}")
+        down = np.flatnonzero(values[1:] < values[:-1])  # (compared, not subtracted: no wrap-around)
+        if down.size:
+            i = int(down[0]) + 1
+            raise ValueError(f"{name} must be non-decreasing; entry {i} = {values[i]} is below entry {i - 1} = "
+                             f"{values[i - 1]}")
         if values[-1] > total:
             raise ValueError(f"{name}[-1] = {values[-1]} exceeds the {total} packed tokens")
     # A sequence is never longer than the packed total: larger values are a bound, kept in range.

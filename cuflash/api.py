@@ -16,7 +16,7 @@ try:
 except ImportError:  # NumPy < 2
     from numpy.core.multiarray import normalize_axis_index
 
-from . import _arrays, _cpu, _guard
+from . import _arrays, _cpu, _guard, dropout
 from . import _validate as V
 
 _OPTIONS_DOC = """\
@@ -393,8 +393,9 @@ def attention_backward(
             raise ValueError(f"lse of an unbatched call must have shape (nheads, seqlen_q); got {tuple(lse.shape)}")
         o_shape = q.shape[:-1] + v.shape[-1:]
         lse_shape = (q.shape[0], q.shape[1]) if layout == "bhsd" else (q.shape[1], q.shape[0])
+        dlse = None if dlse is None else _arrays.as_array(dlse, "dlse")
         _check_unbatched_buffers(dout=(dout, o_shape), out=(out, o_shape), lse=(lse, lse_shape), dq=(dq, q.shape),
-                                 dk=(dk, k.shape), dv=(dv, v.shape))
+                                 dk=(dk, k.shape), dv=(dv, v.shape), dlse=(dlse, lse_shape))
         lift = [None if x is None else x[None] for x in (dq, dk, dv)]
         grads = attention_backward(dout[None], q[None], k[None], v[None], out[None], lse[None],
                                    softmax_scale=softmax_scale, causal=causal, window_size=window_size,
@@ -402,7 +403,7 @@ def attention_backward(
                                    bias=bias, mask=mask, dropout_p=dropout_p, dropout_seed=dropout_seed,
                                    precision=precision, layout=layout,
                                    deterministic=deterministic, dq=lift[0], dk=lift[1], dv=lift[2],
-                                   dlse=None if dlse is None else _arrays.as_array(dlse, "dlse")[None],
+                                   dlse=None if dlse is None else dlse[None],
                                    return_dbias=return_dbias)
         return tuple(given if given is not None else g[0] for given, g in zip((dq, dk, dv), grads)) + tuple(grads[3:])
     p = V.make_problem(
@@ -480,11 +481,11 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)
     seed = options.get("dropout_seed")  # the keep-mask of this forward, even if the array advances later:
-    if isinstance(seed, np.ndarray):
-        options["dropout_seed"] = tuple(int(x) for x in seed)
-    elif _arrays.is_gpu(seed):  # a copy in stream order (no host read), on the seed's own device
+    if _arrays.is_gpu(seed):  # a copy in stream order (no host read), on the seed's own device
         with seed.device:
             options["dropout_seed"] = seed.copy()
+    elif seed is not None:  # (seed, offset) as ints, whichever form attention took
+        options["dropout_seed"] = dropout.seed_and_offset(seed)
     with_bias = options.get("bias") is not None
 
     def vjp(dout, dlse=None):
@@ -725,7 +726,7 @@ def _varlen_problem(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     p = V.finish_problem(
         q, batch, max_q, max_k, q.shape[1], k.shape[1], q.shape[2], v.shape[2],
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, seqlens_k=None,
+        alibi_slopes=alibi_slopes, seqlens_k=None, packed=True,
     )
     return p, cu_q, cu_k
 

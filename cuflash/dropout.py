@@ -176,6 +176,8 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
 
     xp = _arrays.module_of(like) if like is not None else np
     batch, heads, sq, sk = (int(n) for n in shape)
+    if 0 in shape:  # (no position to draw for: the index ranges of the other axes are never built)
+        return xp.zeros(shape, dtype=bool)
     bh = xp.arange(batch * heads, dtype=xp.uint64).reshape(batch, heads, 1, 1)
     i = xp.arange(sq, dtype=xp.uint64).reshape(1, 1, sq, 1)
     j = xp.arange(sk, dtype=xp.uint64).reshape(1, 1, 1, sk)

@@ -71,6 +71,23 @@ def test_a_numpy_seed_array_is_the_pair():
     assert np.array_equal(cuflash.dropout_mask(np.array(7), (1, 2, 5, 6), 0.4), cuflash.dropout_mask(7, (1, 2, 5, 6), 0.4))
 
 
+def test_empty_masks_build_no_index_ranges():
+    """A mask with no element is returned at once, whatever the other axes' lengths (the index
+    ranges of a (1, 1, 0, 2**40) shape would take terabytes)."""
+    for shape in ((1, 1, 0, 2**40), (2**40, 1, 1, 0)):
+        keep = cuflash.dropout_mask(1, shape, 0.5)
+        assert keep.shape == shape and keep.dtype == bool
+
+
+def test_vjp_takes_every_seed_form_attention_takes():
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 5, 2, 4)) for _ in range(3))
+    for seed in (np.array(5), np.array([5, 0]), 5, (5, 0), [5, 0], np.int64(5)):
+        out, vjp = cuflash.attention_vjp(q, k, v, dropout_p=0.3, dropout_seed=seed)
+        assert np.array_equal(out, cuflash.attention(q, k, v, dropout_p=0.3, dropout_seed=5))
+        assert len(vjp(np.ones_like(out))) == 3
+
+
 def _problem(rng, b=2, sq=9, sk=13, hq=4, hk=2, d=8):
     return (rng.standard_normal((b, sq, hq, d)), rng.standard_normal((b, sk, hk, d)),
             rng.standard_normal((b, sk, hk, d)))

@@ -176,6 +176,20 @@ def test_refused_call_leaves_the_cache_untouched(bad):
     assert not kc.any() and not vc.any()
 
 
+def test_list_caches_take_no_append():
+    """A list cache would be copied and the appended tokens lost: a TypeError says so; without new
+    tokens a list cache is read as NumPy reads it."""
+    q, kc, vc, k = _small()
+    with pytest.raises(TypeError, match=r"k_cache must be a writable array .* when k and v are appended"):
+        cuflash.attention_with_kvcache(q, kc.tolist(), vc, k, k, cache_seqlens=2)
+    with pytest.raises(TypeError, match=r"v_cache must be a writable array"):
+        cuflash.attention_with_kvcache(q, kc, vc.tolist(), k, k, cache_seqlens=2)
+    assert not kc.any() and not vc.any()
+    q, kc, vc, k = _small(np.float64)  # (a list is taken as float64)
+    out = cuflash.attention_with_kvcache(q, kc.tolist(), vc.tolist(), cache_seqlens=2)
+    assert np.array_equal(out, cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=2))
+
+
 def test_append_targets_are_checked_before_writing():
     q, kc, vc, k = _small()
     ro = vc.copy()

@@ -107,6 +107,8 @@ def test_unbatched_q_needs_unbatched_k_v_and_lse():
         cuflash.attention_backward(out, q[0], k[0], v[0], out, np.zeros((lse.shape[0], lse.shape[1] + 1), lse.dtype))
     with pytest.raises(ValueError, match=re.escape(f"dout must have shape {tuple(out.shape)}")):
         cuflash.attention_backward(wrong, q[0], k[0], v[0], out, lse)
+    with pytest.raises(ValueError, match=re.escape(f"dlse must have shape {tuple(lse.shape)}; got {(1,) + tuple(lse.shape)}")):
+        cuflash.attention_backward(out, q[0], k[0], v[0], out, lse, dlse=np.zeros((1,) + lse.shape, lse.dtype))
 
 
 def test_two_dimensional_input_says_how_to_reshape():
@@ -493,6 +495,26 @@ def test_bad_cu_seqlens_values(cu_q, cu_k, exc, pattern):
     q, k, v = make_packed()
     with pytest.raises(exc, match=pattern):
         cuflash.attention_varlen(q, k, v, np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_offsets_that_wrap_around_are_refused(dtype):
+    """Offsets whose differences overflow the index dtype (2**31 - 1, then -2**31) are refused
+    before anything runs (np.diff of them wraps to a positive step; the call then hung)."""
+    q, k, v = make_packed()
+    big = np.iinfo(dtype).max
+    cu = np.array([0, big, -big - 1], dtype)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing; entry 2 = -\d+ is below entry 1"):
+        cuflash.attention_varlen(q, k, v, cu, np.asarray(CU_K, dtype))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q must be non-decreasing"):
+        cuflash.attention_varlen_backward(q, q, k, v, np.zeros_like(q), np.zeros((q.shape[1], q.shape[0]), np.float32),
+                                          cu, np.asarray(CU_K, dtype))
+
+
+def test_packed_head_count_error_names_the_packed_axis():
+    q, k, v = make_packed()
+    with pytest.raises(ValueError, match=r"multiple of it \(axis 1 of packed \(total_tokens, nheads, headdim\)\)$"):
+        cuflash.attention_varlen(np.concatenate([q, q[:, :1]], axis=1), k, v, CU_Q, CU_K)
 
 
 @pytest.mark.parametrize("which", ["cu_seqlens_q", "cu_seqlens_k"])
