@@ -112,9 +112,15 @@ for stage in $stages; do
         kernel=cuflash_fwd_sm90
         [[ $flags == *backward* ]] && args+=" --backward" && kernel='cuflash_bwd_sm90.*dkdv'
         echo "#### $case" >>"$OUT/ncu.txt"
+        rep=/tmp/ncu_${case//:/_}
         timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
-          --set ${NCU_SET:-full} $PY scripts/ncu_case.py $args >>"$OUT/ncu.txt" 2>&1
+          --set ${NCU_SET:-full} --import-source no -f -o "$rep" $PY scripts/ncu_case.py $args >>"$OUT/ncu.txt" 2>&1
         summary+=("ncu $case rc=$? ($(elapsed))")
+        ncu -i "$rep.ncu-rep" >>"$OUT/ncu.txt" 2>&1
+        # NCU_SOURCE=1: executed instructions and stall samples per SASS instruction (the full set's
+        # source counters), a CSV per case (docs/perf-notes.md h13 found the descriptor regression so)
+        [[ ${NCU_SOURCE:-0} == 1 ]] && ncu -i "$rep.ncu-rep" --page source --print-source sass --csv \
+          >"$OUT/ncu_src_${case//:/_}.csv" 2>>"$OUT/ncu.txt"
       done
       grep -E "^####|Duration|Compute \(SM\) Throughput|Issue Slots Busy|Issued Ipc Active|No Eligible|Registers Per|Achieved Occupancy" \
         "$OUT/ncu.txt" | head -n 60 ;;
