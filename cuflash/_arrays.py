@@ -60,9 +60,11 @@ def _dlpack_on_cpu(x) -> bool:
         return False
 
 
-def as_array(x, name: str):
+def as_array(x, name: str, *, written: str | None = None):
     """Return x as a NumPy or CuPy array; foreign arrays are wrapped zero-copy, lists, tuples and
-    scalars become NumPy arrays (the CPU path), as NumPy functions take them.
+    scalars become NumPy arrays (the CPU path), as NumPy functions take them.  ``written``: why x
+    is written in place (for the message); a list, tuple or scalar, which would be copied and the
+    writes lost, is then a TypeError.
 
     NumPy subclasses (np.matrix, np.memmap, ...) become plain ndarray views of the same memory,
     since their overridden methods (np.matrix's reductions) do not follow ndarray's signatures;
@@ -98,6 +100,9 @@ def as_array(x, name: str):
                 error = exc
         raise TypeError(f"{name} ({type(x).__name__}) could not be taken as a GPU array: {error}") from error
     if isinstance(x, (list, tuple, int, float, np.number)) and not isinstance(x, (bool, np.bool_)):
+        if written is not None:
+            raise TypeError(f"{name} must be a writable array (NumPy, or CuPy with GPU inputs) {written}; got "
+                            f"{type(x).__name__}")
         return _from_array_like(x, name)
     raise TypeError(f"{name} must be a NumPy or CuPy array, a DLPack GPU array, or a list, tuple or number that NumPy "
                     f"takes as an array (the CPU path); got {type(x).__name__}")

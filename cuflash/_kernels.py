@@ -419,6 +419,11 @@ def prefetch(functions, device_id: int) -> None:
         list(pool.map(lambda item: get_function(item[0], device_id, item[1]), todo.items()))
 
 
+# What CuPy's RawModule adds to every NVRTC build after the caller's options and its -arch
+# (cupy/cuda/compiler.py): builds here match the GPU's (scripts/nvrtc_sass.py too).
+CUPY_NVRTC_FLAGS = ("-ftz=true", "--device-as-default-execution-space")
+
+
 def compile_for_arch(variant: Variant, arch: str, *, log: list | None = None) -> bytes:
     """Compile ``variant`` to a cubin for ``arch`` (e.g. "80", "90"; Hopper-only variants always
     build for "90a") with NVRTC; no GPU needed.  With ``log`` (a list), ptxas runs verbose and
@@ -433,7 +438,7 @@ def compile_for_arch(variant: Variant, arch: str, *, log: list | None = None) ->
     try:
         arch = variant.arch or arch
         opts = [o for o in variant.options() if not o.startswith("-arch=")]
-        opts += [f"-arch=sm_{arch}", "-ftz=true", "--device-as-default-execution-space"]
+        opts += [f"-arch=sm_{arch}", *CUPY_NVRTC_FLAGS]
         opts += ["--ptxas-options=-v"] if log is not None else []
         try:
             nvrtc.compileProgram(prog, opts)

@@ -192,12 +192,9 @@ class _Call:
 
 def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_idx, num_splits) -> _Call:
     """Step 1: shapes, dtypes and (where the host has them) index values; nothing is written."""
-    if k is not None:  # the new tokens go into the caches in place: a list would be copied, and they would be lost
-        for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not (_arrays.is_array(cache) or hasattr(cache, "__dlpack__") or hasattr(cache, "__cuda_array_interface__")):
-                raise TypeError(f"{name} must be a writable array (NumPy, or CuPy with GPU inputs) when k and v are "
-                                f"appended: new tokens are written into it in place; got {type(cache).__name__}")
-    q, k_cache, v_cache = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    written = None if k is None else "when k and v are appended: new tokens are written into it in place"
+    q = _arrays.as_array(q, "q")
+    k_cache, v_cache = (_arrays.as_array(x, n, written=written) for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache")))
     V.check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens to append) or both omitted")

@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cuflash import _kernels  # noqa: E402
 
-CUPY_FLAGS = ("-ftz=true", "--device-as-default-execution-space")
 INSTRUCTION = re.compile(r"\s+/\*[0-9a-f]{4,}\*/")  # an address comment: one instruction
 
 
@@ -62,7 +61,7 @@ def main() -> None:
         sys.exit(f"no variant named {args.variant!r} (see cuflash._kernels.all_variants())")
     v = found[0]
     arch = f"-arch=sm_{(v.arch or '90').rstrip('a')}"  # (CuPy's own -arch follows the variant's)
-    options = [*v.options(), arch, *CUPY_FLAGS, "--ptxas-options=-v"]
+    options = [*v.options(), arch, *_kernels.CUPY_NVRTC_FLAGS, "--ptxas-options=-v"]
     cubin, log = build(ctypes.CDLL(args.nvrtc), _kernels.read_source(v.filename), options)
     for line in log.splitlines():
         if re.search(r"registers|spill|C7514", line):

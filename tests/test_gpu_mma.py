@@ -68,6 +68,16 @@ def module():
     return cp.RawModule(code=_source(), options=("--std=c++17",))
 
 
+def _tf32_product(module, seed, split):
+    """(a, b, the check kernel's a @ b) in float32, single TF32 products or 3xTF32 (split)."""
+    import cupy as cp
+
+    a, b = (x.astype(np.float32) for x in _operands(seed))
+    out = cp.empty((16, 8), dtype=cp.float32)
+    module.get_function("mma_tf32_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out, np.int32(split)))
+    return a, b, out.get()
+
+
 def _operands(seed):
     rng = np.random.default_rng(seed)
     # values of mixed sizes, so that TF32's 10-bit mantissa loses bits a float32 product keeps
@@ -80,33 +90,25 @@ def _operands(seed):
 @requires_gpu
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tf32_products_round_their_operands(module, seed):
-    import cupy as cp
-
-    a, b = (x.astype(np.float32) for x in _operands(seed))
-    out = cp.empty((16, 8), dtype=cp.float32)
-    module.get_function("mma_tf32_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out, np.int32(0)))
+    a, b, out = _tf32_product(module, seed, split=0)
     want = tf32_round(a).astype(np.float64) @ tf32_round(b).astype(np.float64)
     scale = np.abs(tf32_round(a)).astype(np.float64) @ np.abs(tf32_round(b)).astype(np.float64)
-    err = np.abs(out.get().astype(np.float64) - want)
+    err = np.abs(out.astype(np.float64) - want)
     # the TF32 products exact, the sums in float32 (the tensor cores may truncate them: 2^-23 a step)
     assert (err <= 8 * 2.0**-23 * scale).all(), err.max()
     # and far from float32's own product: TF32 keeps 11 of its 24 bits
-    assert np.abs(out.get() - a.astype(np.float64) @ b).max() > 2.0**-20 * scale.max()
+    assert np.abs(out - a.astype(np.float64) @ b).max() > 2.0**-20 * scale.max()
 
 
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_3xtf32_products_keep_float32_accuracy(module, seed):
-    import cupy as cp
-
-    a, b = (x.astype(np.float32) for x in _operands(seed))
-    out = cp.empty((16, 8), dtype=cp.float32)
-    module.get_function("mma_tf32_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out, np.int32(1)))
+    a, b, out = _tf32_product(module, seed, split=1)
     exact = a.astype(np.float64) @ b.astype(np.float64)
     scale = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
     naive = (a @ b).astype(np.float64)  # float32 products and sums (NumPy)
-    err, naive_err = np.abs(out.get() - exact), np.abs(naive - exact)
+    err, naive_err = np.abs(out - exact), np.abs(naive - exact)
     # 3xTF32 drops lo * lo (2^-22 of a product) and sums in float32 (truncated: 2^-23 a step)
     assert (err <= 2 * naive_err + (2.0**-22 + 8 * 2.0**-23) * scale).all(), (err.max(), naive_err.max())
 
