@@ -178,8 +178,12 @@ def sm90_disabled() -> bool:
 # Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 96, 128, 176: FA3
 # uses 176 at d128 and 80 at d256); three consumers (192 query rows) as FA3 at d64 fit from 160
 # registers per thread.  `scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS` compares others.
-# Measured: docs/perf-notes.md, h7.
-SM90_FWD_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 192: (96, 2, 2), 256: (64, 2, 2)}
+# Measured: docs/perf-notes.md, h7 and h15 (d256: 80 keys 5-12 % over 64 since the uniform
+# descriptors; its K/V ring then fills shared memory, so O is staged in sQ).
+SM90_FWD_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 192: (96, 2, 2), 256: (80, 2, 2)}
+# Keys per tile where a score modifier (softcap, ALiBi, bias, masks, dropout) takes registers:
+# d256's 80-key tile then spills 44-240 bytes (NVRTC 13.0), its 64-key tile none.
+SM90_FWD_MODS_BLOCK_N = {256: 64}
 # Head dims up to 32 (MiniLM's) keep the sm_80 forward until a measurement says the 64 tile,
 # half of it zeros, is faster.
 SM90_FWD_MIN_HEADDIM = 33
@@ -197,6 +201,8 @@ def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, ov
     if headdim < SM90_FWD_MIN_HEADDIM or d is None:
         return None
     block_n, stages, consumers = SM90_FWD_TILES[d]
+    if mods or softcap or alibi:
+        block_n = min(block_n, SM90_FWD_MODS_BLOCK_N.get(d, block_n))
     block_m = 64 * consumers
     # Q, the K and V stages, 1 KB for the alignment; and O's staging buffer where it fits (else O
     # is staged in sQ, which the next tile's Q then waits for).

@@ -80,10 +80,9 @@ for stage in $stages; do
       cat "$OUT/host.log" ;;
     bench) bench_stage bench ${BENCH_TIMEOUT:-240} ${BENCH_ARGS:-} --plot "$OUT/bench.png" ;;
     backward) bench_stage backward ${BENCH_TIMEOUT:-240} --backward --headdims 64,96,128,192,256 --seqlens 4096,16384 ${BENCH_ARGS:-} ;;
-    tune)  # Hopper forward tiles under measurement (docs/perf-notes.md h9, h13): d64 with 3 consumers, d128 176 keys, d256 80 keys
-      { timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 64 --seqlen 2048,4096,16384 --sm90 128x2,96x2x3,80x2x3
-        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 128 --seqlen 4096,16384 --sm90 128x2,176x2
-        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 256 --seqlen 4096,16384 --sm90 64x2,80x2; } >"$OUT/tune.log" 2>&1
+    tune)  # Hopper forward tiles under measurement (docs/perf-notes.md h9, h13, h15): d64 with 3 consumers, d192 keys per tile
+      { timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 64 --seqlen 1024,2048,16384 --sm90 128x2,96x2x3
+        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 192 --seqlen 1024,4096,16384 --sm90 96x2,80x2,64x2; } >"$OUT/tune.log" 2>&1
       rc=$?; summary+=("tune rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune.log" ;;
     smoke)  # the Hopper kernels' exactness rows and their ablation columns (docs/perf-notes.md h7-h9)
