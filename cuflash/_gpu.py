@@ -181,7 +181,9 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         decode = not packed and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, mods=_mods_level(p))
         # (raw scores without a bias: a form of the Hopper forward only, _kernels._raw_applies)
-        variant = _hopper_variant(device, dtype, max(d8, dv8), dict(features, raw=p.bias is None)) if not decode else None
+        long_rows = p.seqlen_q >= _kernels.SM90_FWD_LONG_ROWS
+        variant = (_hopper_variant(device, dtype, max(d8, dv8), dict(features, raw=p.bias is None, long_rows=long_rows))
+                   if not decode else None)
         if variant is None:
             variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, alibi_slopes=p.alibi_slopes, seq_bad=seq_bad)

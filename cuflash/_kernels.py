@@ -184,6 +184,11 @@ SM90_FWD_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 192: (96, 2, 2), 256: (80, 
 # Keys per tile where a score modifier (softcap, ALiBi, bias, masks, dropout) takes registers:
 # d256's 80-key tile then spills 44-240 bytes (NVRTC 13.0), its 64-key tile none.
 SM90_FWD_MODS_BLOCK_N = {256: 64}
+# Tiles for rows of SM90_FWD_LONG_ROWS queries or more, without score modifiers: d64's three
+# consumers (192 rows, FA3's d64 shape) gain 4-7 % at 16k rows, tie at 2k-4k and lose 7-9 % at 1k
+# (docs/perf-notes.md h15), where the 128-row tile wastes less of the last block.
+SM90_FWD_LONG_TILES = {64: (96, 2, 3)}
+SM90_FWD_LONG_ROWS = 8192
 # Head dims up to 32 (MiniLM's) keep the sm_80 forward until a measurement says the 64 tile,
 # half of it zeros, is faster.
 SM90_FWD_MIN_HEADDIM = 33
@@ -191,17 +196,19 @@ SM90_FWD_MIN_HEADDIM = 33
 
 @functools.lru_cache(maxsize=None)
 def sm90_fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, overlap: bool = True,
-                     mods: int = 0, raw: bool = False) -> Variant | None:
+                     mods: int = 0, raw: bool = False, long_rows: bool = False) -> Variant | None:
     """The warp-specialised wgmma forward (TMA producer warp, consumer warpgroups taking turns;
     with ``overlap`` the next tile's S is issued with the current P V) for ``headdim``: the
     smallest entry of SM90_FWD_TILES that holds it (the copy engine fills the columns past the
     arrays' head dims with zeros, so 96 runs the 128 kernel), or None below
-    SM90_FWD_MIN_HEADDIM, where flash_fwd.cu serves."""
+    SM90_FWD_MIN_HEADDIM, where flash_fwd.cu serves.  ``long_rows`` (max_seqlen_q of at least
+    SM90_FWD_LONG_ROWS) takes the bucket's SM90_FWD_LONG_TILES entry where it has one."""
     d = min((t for t in SM90_FWD_TILES if t >= headdim), default=None)
     if headdim < SM90_FWD_MIN_HEADDIM or d is None:
         return None
-    block_n, stages, consumers = SM90_FWD_TILES[d]
-    if mods or softcap or alibi:
+    plain = not (mods or softcap or alibi)
+    block_n, stages, consumers = SM90_FWD_LONG_TILES[d] if long_rows and plain and d in SM90_FWD_LONG_TILES else SM90_FWD_TILES[d]
+    if not plain:
         block_n = min(block_n, SM90_FWD_MODS_BLOCK_N.get(d, block_n))
     block_m = 64 * consumers
     # Q, the K and V stages, 1 KB for the alignment; and O's staging buffer where it fits (else O
@@ -372,8 +379,10 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                     for raw in ((False, True) if _raw_applies(True, mods, softcap, alibi) else (False,))]
                     out += [bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)
                             for mods in (0, 1, 2)]
-                    hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap)
-                              for overlap in (True, False) if d in SM90_FWD_TILES]  # (other buckets run these)
+                    long_forms = (False, True) if d in SM90_FWD_LONG_TILES and not (softcap or alibi) else (False,)
+                    hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap, long_rows=long_rows)
+                              for overlap in (True, False) for long_rows in long_forms
+                              if d in SM90_FWD_TILES]  # (other buckets run these)
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det, mods=mods)
                                for det in (False, True) for mods in (0, 1, 2)
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)

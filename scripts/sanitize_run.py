@@ -202,4 +202,12 @@ for overlap, persistent, tile in (("", "0", d64_tile), ("0", "", d64_tile), ("",
     cp.cuda.Device().synchronize()
 os.environ["CUFLASH_SM90_OVERLAP"] = os.environ["CUFLASH_SM90_PERSISTENT"] = ""
 _kernels.SM90_FWD_TILES[64] = d64_tile
+_kernels.sm90_fwd_variant.cache_clear()
+_fastpath.PLANS.clear()
+# d64's long-row tile as the dispatcher picks it (SM90_FWD_LONG_ROWS query rows and more)
+q = rand((1, _kernels.SM90_FWD_LONG_ROWS + 7, 2, 64), ml_dtypes.bfloat16)
+k, v = rand((1, 300, 1, 64), ml_dtypes.bfloat16), rand((1, 300, 1, 64), ml_dtypes.bfloat16)
+for causal in (False, True):
+    assert not bool(cp.isnan(cuflash.attention(q, k, v, causal=causal).astype(cp.float32)).any())
+cp.cuda.Device().synchronize()
 print("sanitize sweep done")

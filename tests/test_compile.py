@@ -147,8 +147,13 @@ def test_hopper_variants_cover_the_panel_buckets():
     # dtypes x (forward 64/128/192/256 with and without the overlap, and with bias/mask and with
     # bias/mask/dropout (overlapped only), backward 64/128 in both dQ schemes and 256 in the atomic
     # one, each plain, with bias/mask and with bias/mask/dropout) x (softcap, alibi), and the forwards
-    # with bias/mask or bias/mask/dropout in their raw-score form (no softcap, no ALiBi)
-    assert len(names) == 2 * (4 * 4 + (2 * 2 + 1) * 3) * 4 + 2 * 4 * 2
+    # with bias/mask or bias/mask/dropout in their raw-score form (no softcap, no ALiBi), and d64's
+    # long-row tile (plain, with and without the overlap)
+    assert len(names) == 2 * (4 * 4 + (2 * 2 + 1) * 3) * 4 + 2 * 4 * 2 + 2 * 2
+    assert _kernels.sm90_fwd_variant("bfloat16", 64, softcap=False, alibi=False, long_rows=True).name.endswith("_d64_bm192_bn96_st2")
+    assert "_bm128_" in _kernels.sm90_fwd_variant("bfloat16", 64, softcap=True, alibi=False, long_rows=True).name
+    assert "_bn64_" in _kernels.sm90_fwd_variant("bfloat16", 256, softcap=False, alibi=False, mods=1).name
+    assert "_bn80_" in _kernels.sm90_fwd_variant("bfloat16", 256, softcap=False, alibi=False).name
     v = _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False)
     assert v.name.startswith("cuflash_bwd_sm90_bf16_d256_") and dict(v.defines)["CUFLASH_COL_SPLIT"] == 1
     assert _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False, deterministic=True) is None
