@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh [warm|tests|sanitize|raceprobe|host|bench|backward|decode|varlen|modifiers|paper|firstcall|ab|smoke|tune|ring|ncu]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
-# Environment: PYTEST_ARGS (default: all of tests/), PYTEST_WORKERS (pytest-xdist workers, 6), WARM_MATCH
+# Environment: PYTEST_ARGS (default: all of tests/; shell quoting kept, e.g. 'tests/x.py -k "a or b"'), PYTEST_WORKERS (pytest-xdist workers, 6), WARM_MATCH
 # (warm only the variants whose names contain one of its comma-separated parts, e.g. sm90),
 # BENCH_ARGS (extra options of the standard sweep), MODIFIERS_ARGS (of the modifiers suite, e.g. "--headdims 64,256 --dtypes bf16,fp16"), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
 # compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only), AB_BASE (the
@@ -54,11 +54,12 @@ for stage in $stages; do
       tail -n 3 "$OUT/warm.log" ;;
     tests)
       workers=${PYTEST_WORKERS:-6}
+      eval "pytest_args=(${PYTEST_ARGS:-tests})"  # (a -k expression with spaces stays one argument)
       # One BLAS thread per worker: the float64 references' matmuls in 16 workers x 16 OpenBLAS threads
       # would oversubscribe the 16 cores (TEST_BLAS_THREADS overrides).
       OMP_NUM_THREADS=${TEST_BLAS_THREADS:-1} OPENBLAS_NUM_THREADS=${TEST_BLAS_THREADS:-1} \
         timeout -s INT -k 30 ${TEST_TIMEOUT:-330} $PY -m pytest -q -m gpu -p no:cacheprovider --maxfail=40 --timeout=300 -rfEs --durations=25 \
-        ${workers:+-n $workers} ${PYTEST_ARGS:-tests} >"$OUT/tests.log" 2>&1
+        ${workers:+-n $workers} "${pytest_args[@]}" >"$OUT/tests.log" 2>&1
       rc=$?; summary+=("tests rc=$rc ($(elapsed)): $(tail -n 1 "$OUT/tests.log")")
       tail -n 30 "$OUT/tests.log" ;;
     sanitize)
