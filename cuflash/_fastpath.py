@@ -69,6 +69,7 @@ class Plan:
         self.accum = record["accum"]
         self.fields = fields
         self.out_shape, self.lse_shape, self.dtype = out.shape, lse_shape, out.dtype
+        self.lse_dtype = np.float64 if out.dtype == np.float64 else np.float32  # (api.lse_dtype)
         self.spans = tuple(_span(a) for a in inputs[:3])
         self.out_span = _span(out) if out_given else None
         self.scratch_lse = None  # written, never read, by calls that do not return the LSE
@@ -89,10 +90,10 @@ class Plan:
             if op % 16 or any(op < p + n and p < end for p, n in zip((qp, kp, vp), self.spans)):
                 return None  # the full path explains the problem
         if need_lse or _guard.capturing():  # a captured call keeps its own LSE buffer for the graph
-            lse = cp.empty(self.lse_shape, dtype=np.float32)
+            lse = cp.empty(self.lse_shape, dtype=self.lse_dtype)
         else:
             if self.scratch_lse is None:
-                self.scratch_lse = cp.empty(self.lse_shape, dtype=np.float32)
+                self.scratch_lse = cp.empty(self.lse_shape, dtype=self.lse_dtype)
             lse = self.scratch_lse
         prm = FlashParams.from_buffer_copy(self.template)
         for field, a in zip(self.fields, inputs):

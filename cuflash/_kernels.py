@@ -23,6 +23,12 @@ from ._params import PARAMS_SIZE
 HEADDIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPE_TAGS = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
+# The attention kernels' tag where it is not the C type (mma.cuh's Elem: float64 is f64_t, the FP64
+# tensor-core form of flash_fwd.cu).
+ATTENTION_TAGS = {"float64": "f64_t"}
+# Forward head-dim buckets with a float64 kernel (issue 24; larger ones need O split over warps:
+# a d256 double accumulator is 256 registers a thread).
+F64_FWD_MAX_HEADDIM = 128
 DEFAULT_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in limit; A100 has 163 KB, sm_86/89 99 KB
 STATIC_SMEM_RESERVE = 512  # bytes the kernels' static shared memory (seqinfo.cuh's flags, page slots) may take
 
@@ -81,11 +87,12 @@ class TileConfig:
     warps: int  # query rows per warp = block_m / warps (16 or 32); split-KV: warps splitting each tile's keys
     min_blocks: int = 1  # blocks per SM the register allocation must allow
     q_in_regs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
-    row_pad: int = 8  # elements of padding per shared-memory row: 8 (16 bytes) or 16 (kernels/flash_fwd.cu)
+    row_pad: int = 8  # elements of padding per shared-memory row: 16 or 32 bytes (kernels/flash_fwd.cu)
+    itemsize: int = 2  # bytes per element: 2, or 8 (float64)
 
     def smem_bytes(self, headdim: int) -> int:
-        # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements of 2 bytes.
-        return (self.block_m + 2 * self.block_n) * (headdim + self.row_pad) * 2
+        # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements.
+        return (self.block_m + 2 * self.block_n) * (headdim + self.row_pad) * self.itemsize
 
 
 def headdim_bucket(headdim: int) -> int:
@@ -95,13 +102,17 @@ def headdim_bucket(headdim: int) -> int:
     raise ValueError(f"head dim {headdim} is larger than the largest supported, {HEADDIM_BUCKETS[-1]}")
 
 
-def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> TileConfig:
+def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "float16") -> TileConfig:
     """Forward block sizes per head-dim bucket.
 
     Measured on the H200 with scripts/tune_fwd.py (bf16, seqlen 4k; see docs/perf-notes.md):
     d64 128x64, 8 warps, 2 blocks/SM: 185 TF/s; d128 64x128, 4 warps, 2 blocks/SM: 197;
-    d256 128x64, 8 warps, Q re-read from shared memory: 194.
+    d256 128x64, 8 warps, Q re-read from shared memory: 194.  float64 (not tuned yet): 64 rows, 32
+    keys, Q read from shared memory (its fragments would take 2·D/4 registers), rows padded by 32
+    bytes: 135 KB at d128, within the A100's 163.
     """
+    if dtype == "float64":
+        return TileConfig(64, 32, 4, q_in_regs=False, row_pad=4, itemsize=8)
     if headdim <= 64:
         cfg = TileConfig(128, 64, 8, min_blocks=2)
     elif headdim <= 128:
@@ -150,11 +161,11 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     stays within its time; each sm_80-family variant builds for two architectures.)
     """
     d = headdim_bucket(headdim)
-    t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit)
+    t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit, dtype)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
     defines = (
-        ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
+        ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
@@ -388,6 +399,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
+    out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24: forward only yet)
+            for d in HEADDIM_BUCKETS if d <= F64_FWD_MAX_HEADDIM for softcap in (False, True)]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]
     return out

@@ -14,7 +14,13 @@
 // that the many warps of a decode SM hide (docs/perf-notes.md, d7).  V_j is loaded while S_j is
 // computed and K_{j+1} while the softmax of S_j runs.  Head dims below kD are zero-filled on load
 // and never stored.
-// Not handled here: head dims that are not multiples of 8 (the caller pads), fp32/fp64 inputs.
+// Not handled here: head dims that are not multiples of 8 (the caller pads), float32 inputs.
+//
+// CUFLASH_DTYPE f64_t builds the float64 form (issue 24): elements and accumulators in double,
+// both products on the FP64 tensor cores (mma.m8n8k4, warp_gemm.cuh: the same 16-row C fragments,
+// so the score pipeline and the online softmax are the same code in double), P kept in the
+// registers of S, the LSE in double.  Not yet with split-KV, ALiBi, bias/mask/dropout, or head
+// dims past 128 (the host refuses those).
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
 // each query block is cut into p.num_splits parts run by separate blocks (grid x = query blocks x
@@ -29,6 +35,7 @@
 #include "params.cuh"
 #include "softmax_tile.cuh"
 #include "tile_io.cuh"
+#include "warp_gemm.cuh"
 
 // Compile-time configuration; the loader overrides these with -D options per variant.
 #ifndef CUFLASH_DTYPE
@@ -229,6 +236,11 @@ __device__ __forceinline__ void combine_row(const FlashParams& p, long long row,
 template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSoftcap, bool kAlibi, bool kSplitKV, int kRowPad,
           bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
+    using E = typename Elem<T>::Storage;  // element in memory: 16-bit raw bits, or double
+    using A = typename Elem<T>::Acc;      // accumulators and softmax state: float, or double
+    constexpr bool kF64 = Elem<T>::kF64;
+    constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
+    static_assert(!kF64 || (!kSplitKV && !kAlibi && !kMods && !kQInRegs && kD <= 128), "float64: not with these yet");
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
     constexpr int kRowWarps = kSplitKV ? 1 : kWarps, kKeyWarps = kSplitKV ? kWarps : 1;
@@ -239,14 +251,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kOT = kD / 8;                  // 8-wide column tiles of O
     constexpr int kStride = kD + kRowPad;        // padded shared-memory row, in elements
     static_assert(kBM % (16 * kRowWarps) == 0 && kBNW % 16 == 0 && kD % 32 == 0, "bad tile shape");
-    static_assert(kRowPad == 8 || kRowPad == 16, "rows padded by 16 or 32 bytes");
+    static_assert(kRowPad * sizeof(E) == 16 || kRowPad * sizeof(E) == 32, "rows padded by 16 or 32 bytes");
 
     // 128-byte aligned: dynamic shared memory follows the static variables, and a base off a
     // 32-byte unit would undo the whole-sector rows of split-KV (16 bytes of static data cost 15 %, d8).
     extern __shared__ __align__(128) unsigned char smem_raw[];
-    u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kBM, kStride), reused to stage O
-    u16* sK = sQ + kBM * kStride;                // (kBN, kStride)
-    u16* sV = sK + kBN * kStride;                // (kBN, kStride)
+    E* sQ = reinterpret_cast<E*>(smem_raw);  // (kBM, kStride), reused to stage O
+    E* sK = sQ + kBM * kStride;              // (kBN, kStride)
+    E* sV = sK + kBN * kStride;              // (kBN, kStride)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row_warp = kSplitKV ? 0 : warp, key_warp = kSplitKV ? warp : 0;
@@ -269,17 +281,17 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Row r of the block is query token token(r) (of head h + (m0 + r) % g when packed).
     auto token = [&](int r) { return kSplitKV ? (m0 + r) / g : m0 + r; };
 
-    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
+    const E* gQ = static_cast<const E*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
     // K/V of this sequence and head, rebuilt per tile from seqinfo.cuh's shared batch row, or
     // (split-KV) from uniform registers (SeqInfo::make_warp_uniform).
     const int kv_b = kSplitKV ? warp_uniform(static_cast<int>(seq.kv_row())) : 0;
     auto kv_row = [&]() -> long long { return kSplitKV ? kv_b : seq.kv_row(); };
-    auto gK = [&] { return static_cast<const u16*>(p.k) + kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride; };
-    auto gV = [&] { return static_cast<const u16*>(p.v) + kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride; };
-    u16* gO = static_cast<u16*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
-    float* gLse = p.lse + seq.lse_row(p, b, h, m0);
+    auto gK = [&] { return static_cast<const E*>(p.k) + kv_row() * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride; };
+    auto gV = [&] { return static_cast<const E*>(p.v) + kv_row() * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride; };
+    E* gO = static_cast<E*>(p.out) + b * p.o_batch_stride + (seq.q_start + m0) * p.o_row_stride + h * p.o_head_stride;
+    A* gLse = reinterpret_cast<A*>(p.lse) + seq.lse_row(p, b, h, m0);  // (float64: a float64 LSE)
     const int rows_valid = min(kBM, rows - m0);
-    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+    const int qk_chunks = static_cast<int>(p.headdim_qk / kPer), v_chunks = static_cast<int>(p.headdim_v / kPer);
     // Offsets of block row r from gQ/gO (elements) and gLse when rows interleave tokens and heads.
     auto q_offset = [&](int r, long long row_stride, long long head_stride) {
         return kSplitKV ? (token(r) - m0) * row_stride + ((m0 + r) % g) * head_stride : r * row_stride;
@@ -322,11 +334,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
         }
     };
-    auto load_kv = [&](u16* smem, const void* base, const u16* g_seq, long long batch_stride, long long row_stride,
+    auto load_kv = [&](E* smem, const void* base, const E* g_seq, long long batch_stride, long long row_stride,
                        long long head_stride, int nb, int chunks) {
         const int n0 = nb * kBN;
         if (paged) {
-            const u16* g_head = static_cast<const u16*>(base) + hk * head_stride;
+            const E* g_head = static_cast<const E*>(base) + hk * head_stride;
             const int2* rows = s_page_slot[nb & 1];
             load_tile_rows<kBN, kD, kThreads, kStride, kSplitKV>(
                 smem, [&](int r) { return g_head + rows[r].x * batch_stride + rows[r].y * row_stride; },
@@ -338,22 +350,22 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     auto load_k = [&](int nb) { load_kv(sK, p.k, gK(), p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks); };
     auto load_v = [&](int nb) { load_kv(sV, p.v, gV(), p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks); };
 
-    const ScoreArgs score_args = {static_cast<float>(p.softmax_scale), static_cast<float>(p.softmax_scale * 1.4426950408889634),
-                                  static_cast<float>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
+    const ScoreArgsT<A> score_args = {static_cast<A>(p.softmax_scale), static_cast<A>(p.softmax_scale * 1.4426950408889634),
+                                      static_cast<A>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
 
-    float o[kMT][kOT][4];  // O accumulator, C-fragment layout, fp32
+    A o[kMT][kOT][4];  // O accumulator, C-fragment layout, fp32 (float64: double)
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
         for (int ot = 0; ot < kOT; ++ot)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[mt][ot][e] = 0.f;
-    RowState row[kMT][2];  // rows lane/4 and lane/4 + 8 of each MMA tile
+    RowStateT<A> row[kMT][2];  // rows lane/4 and lane/4 + 8 of each MMA tile
 
     if (nb_lo < nb_hi) {
         if constexpr (kSplitKV)
             load_tile_rows<kBM, kD, kThreads, kStride>(sQ, [&](int r) { return gQ + q_offset(r, p.q_row_stride, p.q_head_stride); },
-                                              static_cast<const u16*>(p.q), rows_valid, qk_chunks, tid);
+                                              static_cast<const E*>(p.q), rows_valid, qk_chunks, tid);
         else
             load_tile<kBM, kD, kThreads, kStride>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
         if (paged) {
@@ -364,9 +376,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         cp_async_commit();
 
         u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKS : 1][4];
-        const u16* sQw = sQ + row_warp * kMT * 16 * kStride;  // this warp's rows
-        const u16* sKw = sK + key_warp * kBNW * kStride;      // this warp's keys, of K and V
-        const u16* sVw = sV + key_warp * kBNW * kStride;
+        const E* sQw = sQ + row_warp * kMT * 16 * kStride;  // this warp's rows
+        const E* sKw = sK + key_warp * kBNW * kStride;      // this warp's keys, of K and V
+        const E* sVw = sV + key_warp * kBNW * kStride;
 
         // (The loop steps by --nb, with kMods' skip added at the end of the body, and next_tile(nb)
         // is recomputed where it is used: `nb = next_tile(nb)` as the step, even where it is
@@ -388,14 +400,18 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 }
             }
 
-            // S = Q K^T for this warp's rows and keys: (16 kMT, kBNW), fp32.
-            float s[kMT][kNT][4];
+            // S = Q K^T for this warp's rows and keys: (16 kMT, kBNW), fp32 (float64: double).
+            A s[kMT][kNT][4];
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
                 for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
+            if constexpr (kF64) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) warp_gemm_abt_f64<kD, kBNW, kStride>(s[mt], sQw + mt * 16 * kStride, sKw, lane);
+            } else {
 #pragma unroll
             for (int ks = 0; ks < kKS; ++ks) {
                 u32 a[kMT][4];
@@ -419,29 +435,31 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                     }
                 }
             }
+            }
             __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
             if (next_tile(nb) >= nb_lo) {
                 load_k(next_tile(nb));
                 cp_async_commit();
             }
 
-            // Score pipeline, mask, online softmax; P is packed to 16 bits at once (half the registers of S).
-            u32 pk[kMT][kBNW / 16][4];
-            float alpha[kMT][2];  // O rescale factor per row; 1 where the row max did not move
+            // Score pipeline, mask, online softmax; P is packed to 16 bits at once (half the registers of S;
+            // float64: P stays in s).
+            u32 pk[kMT][kBNW / 16][4];  // (float64: unused)
+            A alpha[kMT][2];  // O rescale factor per row; 1 where the row max did not move
             const bool masked = !seq.tile_all_visible(token(0), token(kBM - 1) + 1, n0, n0 + kBN);
             const bool read_mask = !kMods || mods.tile_state<kBM, kBN>(m0 / kBM, nb) != 1;  // (all True: no mask reads)
 #pragma unroll
             for (int mt = 0; mt < kMT; ++mt) {
                 const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
                 const int qpos[2] = {token(r), token(r + 8)};
-                softmax_tile<T, kNT, kSoftcap, kAlibi, false, false, kMods, kDropout>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
+                softmax_tile<T, kNT, kSoftcap, kAlibi, kF64, false, kMods, kDropout>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
                                                                      seq, score_args, lane, &mods, read_mask);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
             // the max rarely moves, and multiplying by exactly 1 changes nothing (FlashAttention-4).
             bool moved = false;
 #pragma unroll
-            for (int mt = 0; mt < kMT; ++mt) moved |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+            for (int mt = 0; mt < kMT; ++mt) moved |= alpha[mt][0] != static_cast<A>(1) || alpha[mt][1] != static_cast<A>(1);
             if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt)
@@ -455,6 +473,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             __syncthreads();  // V_nb has landed for every thread's copies
 
             // O += P V, with P's registers as the A operand.
+            if constexpr (kF64) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) warp_gemm_cb_f64<kBNW, kD, kStride>(o[mt], s[mt], sVw, lane);
+            } else {
 #pragma unroll
             for (int kk = 0; kk < kBNW / 16; ++kk) {
 #pragma unroll
@@ -467,6 +489,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                         mma_16x8x16<T>(o[mt][2 * dp + 1], pk[mt][kk], vb[2], vb[3]);
                     }
                 }
+            }
             }
             if (skip_tiles) nb = next_tile(nb) + 1;  // (the step's --nb then lands on it)
         }
@@ -513,33 +536,36 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // Epilogue: O /= l, LSE; stage this warp's rows of O in its own rows of sQ, then store 16-byte chunks.
     __syncthreads();  // all warps are done with sQ/sK/sV (also covers the empty-range path)
     if (!writer) return;
-    u16* sO = sQ + row_warp * kMT * 16 * kStride;
+    E* sO = sQ + row_warp * kMT * 16 * kStride;
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            float lse;
-            const float inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse)
-                                        * (kDropout ? mods.out_scale() : 1.f);  // (dropout's 1 / (1 - p))
+            A lse;
+            const A inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse)
+                            * static_cast<A>(kDropout ? mods.out_scale() : 1.f);  // (dropout's 1 / (1 - p))
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
             const int i = (row_warp * kMT) * 16 + r;      // row within the block
             if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;
 #pragma unroll
             for (int ot = 0; ot < kOT; ++ot) {
-                u32 packed = pack2<T>(RowState::normalize(o[mt][ot][half * 2], inv_l), RowState::normalize(o[mt][ot][half * 2 + 1], inv_l));
-                *reinterpret_cast<u32*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = packed;
+                const A lo = RowStateT<A>::normalize(o[mt][ot][half * 2], inv_l), hi = RowStateT<A>::normalize(o[mt][ot][half * 2 + 1], inv_l);
+                if constexpr (kF64)
+                    *reinterpret_cast<double2*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = make_double2(lo, hi);
+                else
+                    *reinterpret_cast<u32*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = pack2<T>(lo, hi);
             }
         }
     }
     __syncwarp();
-    constexpr int kChunks = kD / 8;
+    constexpr int kChunks = kD / kPer;
 #pragma unroll
     for (int c = lane; c < kMT * 16 * kChunks; c += 32) {
         const int r = c / kChunks, col = c % kChunks;
         const int i = row_warp * kMT * 16 + r;
         if (i < rows_valid && col < v_chunks)
-            *reinterpret_cast<uint4*>(gO + q_offset(i, p.o_row_stride, p.o_head_stride) + col * 8) =
-                *reinterpret_cast<const uint4*>(sO + r * kStride + col * 8);
+            *reinterpret_cast<uint4*>(gO + q_offset(i, p.o_row_stride, p.o_head_stride) + col * kPer) =
+                *reinterpret_cast<const uint4*>(sO + r * kStride + col * kPer);
     }
 }
 

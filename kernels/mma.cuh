@@ -12,6 +12,37 @@ typedef unsigned int u32;
 
 struct half_t {};              // tags selecting the element type of a kernel variant
 struct bf16_t {};
+struct f64_t {};               // float64 (issue 24): flash_fwd.cu's FP64 tensor-core form
+
+// What a dtype tag means to the kernels: the element in memory, the type of the accumulators and
+// the softmax state, and elements per 16-byte copy chunk.
+template <class T> struct Elem {
+    using Storage = u16;
+    using Acc = float;
+    static constexpr bool kF64 = false;
+};
+template <> struct Elem<f64_t> {
+    using Storage = double;
+    using Acc = double;
+    static constexpr bool kF64 = true;
+};
+
+// Accumulator arithmetic for float and double alike (the score pipeline and the online softmax
+// are written once for both); the float forms are the single-precision intrinsics.
+namespace acc {
+__device__ __forceinline__ float max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max(double a, double b) { return ::fmax(a, b); }
+__device__ __forceinline__ float exp2(float x) { return exp2f(x); }
+__device__ __forceinline__ double exp2(double x) { return ::exp2(x); }
+__device__ __forceinline__ float log2(float x) { return log2f(x); }
+__device__ __forceinline__ double log2(double x) { return ::log2(x); }
+__device__ __forceinline__ float fma(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma(double a, double b, double c) { return ::fma(a, b, c); }
+__device__ __forceinline__ float tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double tanh(double x) { return ::tanh(x); }
+__device__ __forceinline__ float abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double abs(double x) { return ::fabs(x); }
+}  // namespace acc
 
 // Two floats -> one register holding two 16-bit values (lo in the low half).
 template <class T> __device__ __forceinline__ u32 pack2(float lo, float hi);
@@ -80,11 +111,12 @@ __device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const u32 (&a)[4]
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 // D = A(8x4, row) * B(4x8, col) + D in float64 (the FP64 tensor cores, sm_80+).
-__device__ __forceinline__ void mma_8x8x4_f64(double (&d)[2], double a, double b) {
+__device__ __forceinline__ void mma_8x8x4_f64(double& d0, double& d1, double a, double b) {
     asm("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};"
-        : "+d"(d[0]), "+d"(d[1])
+        : "+d"(d0), "+d"(d1)
         : "d"(a), "d"(b));
 }
+__device__ __forceinline__ void mma_8x8x4_f64(double (&d)[2], double a, double b) { mma_8x8x4_f64(d[0], d[1], a, b); }
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));
@@ -123,6 +155,14 @@ __device__ __forceinline__ float quad_max(float x) {
     return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 __device__ __forceinline__ float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+__device__ __forceinline__ double quad_max(double x) {
+    x = ::fmax(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    return ::fmax(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ double quad_sum(double x) {
     x += __shfl_xor_sync(0xffffffffu, x, 1);
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }

@@ -10,42 +10,47 @@
 // (which times log2 e would overflow to -inf) gives the reference's finite scores: a row whose
 // every key carries it averages V, with lse = that bias + ln n.
 #pragma once
+#include "mma.cuh"
 
 constexpr float kLog2eF = 1.4426950408889634f;
 
-struct RowState {
-    float m = -__int_as_float(0x7f800000);  // running max of the scores seen (log2 units)
-    float l = 0.f;                          // running sum of 2^(s - m) over this thread's columns
+// A: float, or double in the float64 kernels (mma.cuh, Elem).
+template <class A>
+struct RowStateT {
+    A m = -static_cast<A>(__int_as_float(0x7f800000));  // running max of the scores seen (log2 units)
+    A l = 0;                                            // running sum of 2^(s - m) over this thread's columns
 
     // Take a new tile maximum (already reduced over the row); return (alpha, the max to subtract).
     template <bool kNatural = false>
-    __device__ __forceinline__ float update_max(float tile_max, float& m_use) {
-        float m_new = fmaxf(m, tile_max);
+    __device__ __forceinline__ A update_max(A tile_max, A& m_use) {
+        constexpr A kLog2e = static_cast<A>(1.4426950408889634);
+        A m_new = acc::max(m, tile_max);
         m_use = safe_max(m_new);
-        float alpha = exp2f(kNatural ? (m - m_use) * kLog2eF : m - m_use);  // m = -inf (first tile): 0, O and l are still 0
+        A alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);  // m = -inf (first tile): 0, O and l are still 0
         m = m_new;
         l *= alpha;
         return alpha;
     }
 
-    __device__ __forceinline__ static float safe_max(float m) {
-        return m == -__int_as_float(0x7f800000) ? 0.f : m;
+    __device__ __forceinline__ static A safe_max(A m) {
+        return m == -static_cast<A>(__int_as_float(0x7f800000)) ? static_cast<A>(0) : m;
     }
 
     // l must already be summed over the threads sharing the row.  Returns 1/l (0 for an empty row)
     // and writes the natural-log LSE: -inf for an empty row, NaN for a row whose scores held a NaN
     // (or overflowed), whose l is then NaN too.
     template <bool kNatural = false>
-    __device__ __forceinline__ float finalize(float l_row, float& lse) const {
-        constexpr float kLn2 = 0.6931471805599453f;
-        bool empty = l_row == 0.f;
-        lse = empty ? -__int_as_float(0x7f800000) : kNatural ? m + log2f(l_row) * kLn2 : (m + log2f(l_row)) * kLn2;
-        return empty ? 0.f : 1.f / l_row;
+    __device__ __forceinline__ A finalize(A l_row, A& lse) const {
+        constexpr A kLn2 = static_cast<A>(0.6931471805599453);
+        bool empty = l_row == static_cast<A>(0);
+        lse = empty ? -static_cast<A>(__int_as_float(0x7f800000)) : kNatural ? m + acc::log2(l_row) * kLn2 : (m + acc::log2(l_row)) * kLn2;
+        return empty ? static_cast<A>(0) : static_cast<A>(1) / l_row;
     }
 
     // An output value o / l from finalize's 1/l: exactly 0 for an empty row, whose accumulator
     // may hold 0 * inf = NaN from a non-finite V at keys it cannot see.
-    __device__ __forceinline__ static float normalize(float o, float inv_l) {
-        return inv_l == 0.f ? 0.f : o * inv_l;
+    __device__ __forceinline__ static A normalize(A o, A inv_l) {
+        return inv_l == static_cast<A>(0) ? static_cast<A>(0) : o * inv_l;
     }
 };
+using RowState = RowStateT<float>;

@@ -189,6 +189,7 @@ struct SeqInfo {
     // x, or NaN for a bad sequence: applied to each row's softmax sum (forward) and to the scale
     // of each gradient store (backward), so that every value written for the sequence is NaN.
     __device__ __forceinline__ float poison(float x) const { return s_seq_bad[threadIdx.x / 32] ? __int_as_float(0x7fffffff) : x; }
+    __device__ __forceinline__ double poison(double x) const { return s_seq_bad[threadIdx.x / 32] ? __longlong_as_double(0x7ff8000000000000ll) : x; }
 
     // Index of query row i of head h in the LSE, and in D and dq_accum, which share its rows.
     __device__ __forceinline__ long long lse_row(const FlashParams& p, int b, int h, int i) const {
@@ -238,20 +239,20 @@ struct SeqInfo {
 // The score pipeline of docs/conventions, in order: scale -> softcap -> ALiBi -> bias -> mask.
 // final_score: scale, softcap and ALiBi in natural units (the caller adds the bias, where there
 // is one: softmax_tile.cuh, and applies the masks).
-template <bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ float final_score(float qk, float scale, float softcap, float slope, int i, int j, int offset) {
-    float s = qk * scale;
-    if constexpr (kSoftcap) s = softcap * tanhf(s / softcap);
-    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
+// A: float, or double in the float64 kernels.
+template <bool kSoftcap, bool kAlibi, class A>
+__device__ __forceinline__ A final_score(A qk, A scale, A softcap, A slope, int i, int j, int offset) {
+    A s = qk * scale;
+    if constexpr (kSoftcap) s = softcap * acc::tanh(s / softcap);
+    if constexpr (kAlibi) s -= slope * acc::abs(static_cast<A>(i + offset - j));
     return s;
 }
 
 // The same in log2 units (times log2(e)) so the softmax can use exp2.  Without softcap and ALiBi
 // this is a single multiply by scale * log2(e).
-template <bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ float final_score_log2(float qk, float scale, float scale_log2, float softcap,
-                                                  float slope, int i, int j, int offset) {
-    constexpr float kLog2e = 1.4426950408889634f;
+template <bool kSoftcap, bool kAlibi, class A>
+__device__ __forceinline__ A final_score_log2(A qk, A scale, A scale_log2, A softcap, A slope, int i, int j, int offset) {
+    constexpr A kLog2e = static_cast<A>(1.4426950408889634);
     if constexpr (!kSoftcap && !kAlibi) return qk * scale_log2;
     return final_score<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset) * kLog2e;
 }

@@ -8,9 +8,11 @@
 #include "score_mods.cuh"
 #include "seqinfo.cuh"
 
-struct ScoreArgs {
-    float scale, scale_log2, softcap, slope;  // softmax_scale, times log2(e), softcap, ALiBi slope of the head
+template <class A>
+struct ScoreArgsT {
+    A scale, scale_log2, softcap, slope;  // softmax_scale, times log2(e), softcap, ALiBi slope of the head
 };
+using ScoreArgs = ScoreArgsT<float>;
 
 // P (fp32, in the C-fragment layout of S) packed to 16 bits as the A operand of O += P V: the C
 // fragment of S tile nt is half of the A fragment of P for keys 16(nt/2)..+15, rows lane/4 (+8 for
@@ -36,12 +38,14 @@ __device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[k
 // the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite);
 // read_mask false: the tile's mask is all True (ScoreMods::tile_state), no mask is read.
 // kRaw: the call has no bias (the host's _raw variants), see kRawScores below.
+// The float64 kernels (T = f64_t) run it in double (Elem<T>::Acc) with kKeepFp32: P stays in s.
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
-          bool kMods = false, bool kDropout = false, bool kRaw = false>
-__device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)[2], u32 (&pk)[kNT / 2][4],
-                                             float (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
-                                             const SeqInfo& seq, const ScoreArgs& a, int lane,
+          bool kMods = false, bool kDropout = false, bool kRaw = false, class A = typename Elem<T>::Acc>
+__device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)[2], u32 (&pk)[kNT / 2][4],
+                                             A (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
+                                             const SeqInfo& seq, const ScoreArgsT<A>& a, int lane,
                                              const ScoreMods* mods = nullptr, bool read_mask = true) {
+    static_assert(!Elem<T>::kF64 || (kKeepFp32 && !kMods), "float64: P stays in s; no bias, mask or dropout yet");
     // Without softcap, ALiBi and bias the max is taken over raw q.k and the scale folded into the
     // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
     // negative scale and zeroes q for a zero scale, both exact).
@@ -50,7 +54,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
     // running max in natural units (the scale times q.k's), P = 2^(q.k scale log2 e - m log2 e) in
     // one FFMA; the scores are finite, so m log2 e cannot overflow.
     constexpr bool kRawScores = kMods && kRaw && !kSoftcap && !kAlibi;
-    const float kNegInf = -__int_as_float(0x7f800000);
+    const A kNegInf = -static_cast<A>(__int_as_float(0x7f800000));
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int i = qpos[half];
@@ -93,30 +97,30 @@ __device__ __forceinline__ void softmax_tile(float (&s)[kNT][4], RowState (&row)
                 for (int e = 0; e < 2; ++e)
                     if (!seq.visible(i, n0 + nt * 8 + (lane % 4) * 2 + e)) s[nt][half * 2 + e] = kNegInf;
         }
-        float part_max[2] = {kNegInf, kNegInf};
+        A part_max[2] = {kNegInf, kNegInf};
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) part_max[e] = fmaxf(part_max[e], s[nt][half * 2 + e]);  // two chains
-        float tile_max = quad_max(fmaxf(part_max[0], part_max[1]));
+            for (int e = 0; e < 2; ++e) part_max[e] = acc::max(part_max[e], s[nt][half * 2 + e]);  // two chains
+        A tile_max = quad_max(acc::max(part_max[0], part_max[1]));
         if constexpr (kPlain) tile_max *= a.scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
         if constexpr (kRawScores) tile_max *= a.scale;   // raw q.k -> natural units
-        float m_use;
+        A m_use;
         alpha[half] = row[half].template update_max<kMods>(tile_max, m_use);
-        float part_sum[2] = {0.f, 0.f};
+        A part_sum[2] = {0, 0};
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-            float p0, p1;
+            A p0, p1;
             if constexpr (kPlain || kRawScores) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
-                const float m_sub = kPlain ? m_use : m_use * kLog2eF;
-                p0 = exp2f(fmaf(s[nt][half * 2], a.scale_log2, -m_sub));
-                p1 = exp2f(fmaf(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
+                const A m_sub = kPlain ? m_use : m_use * static_cast<A>(kLog2eF);
+                p0 = acc::exp2(acc::fma(s[nt][half * 2], a.scale_log2, -m_sub));
+                p1 = acc::exp2(acc::fma(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
             } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
                 p0 = exp2f((s[nt][half * 2] - m_use) * kLog2eF);
                 p1 = exp2f((s[nt][half * 2 + 1] - m_use) * kLog2eF);
             } else {
-                p0 = exp2f(s[nt][half * 2] - m_use);
-                p1 = exp2f(s[nt][half * 2 + 1] - m_use);
+                p0 = acc::exp2(s[nt][half * 2] - m_use);
+                p1 = acc::exp2(s[nt][half * 2 + 1] - m_use);
             }
             part_sum[nt % 2] += p0 + p1;
             if constexpr (kKeepFp32 || kDropout) {  // (dropout: packed below, once it has run)

@@ -37,6 +37,44 @@ __device__ __forceinline__ void warp_gemm_rb(float (&acc)[kD / 8][4], const u32 
     }
 }
 
+// float64 (mma.m8n8k4, mma.cuh): the same 16-row slabs and C-fragment layout from two stacked
+// 8-row products; operands read from shared memory with plain 64-bit loads (ldmatrix has no
+// 64-bit form).  acc (16 x kN) += A (16 x kD) · Bᵀ, as warp_gemm_abt.
+template <int kD, int kN, int kStride>
+__device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], const double* sA, const double* sB, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int ks = 0; ks < kD / 4; ++ks) {
+        const double a_hi = sA[g * kStride + ks * 4 + t], a_lo = sA[(g + 8) * kStride + ks * 4 + t];
+#pragma unroll
+        for (int nt = 0; nt < kN / 8; ++nt) {
+            const double b = sB[(nt * 8 + g) * kStride + ks * 4 + t];
+            mma_8x8x4_f64(acc[nt][0], acc[nt][1], a_hi, b);
+            mma_8x8x4_f64(acc[nt][2], acc[nt][3], a_lo, b);
+        }
+    }
+}
+
+// acc (16 x kD) += P (16 x kK, C fragments as S left them) · B (kK rows at sB).  The order of the
+// keys inside the contraction is free, so step (nt, e) gives lane t the key 8 nt + 2 t + e as its
+// k: the column its C fragment already holds (P never moves between lanes), and B's row.
+template <int kK, int kD, int kStride>
+__device__ __forceinline__ void warp_gemm_cb_f64(double (&acc)[kD / 8][4], const double (&p)[kK / 8][4], const double* sB, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < kK / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const double* row = sB + (nt * 8 + 2 * t + e) * kStride + g;
+#pragma unroll
+            for (int ot = 0; ot < kD / 8; ++ot) {
+                const double b = row[ot * 8];
+                mma_8x8x4_f64(acc[ot][0], acc[ot][1], p[nt][e], b);
+                mma_8x8x4_f64(acc[ot][2], acc[ot][3], p[nt][2 + e], b);
+            }
+        }
+}
+
 // C fragments of a (16 x kN) fp32 tile -> A fragments of the same tile in 16 bits.  Tile nt's
 // rows lane/4 and lane/4 + 8 hold keys 8nt.., which are k = 0..7 (nt even) or 8..15 (nt odd) of
 // A fragment nt/2.

@@ -1,0 +1,162 @@
+"""The float64 forward on the GPU (issue 24; kernels/flash_fwd.cu's FP64 tensor-core form).
+
+Judged by issue 24's float64 rule: max |gpu - ref| <= 2 max |naive float64 - ref| + 1e-12 max |ref|,
+for out and the LSE, where ref is attention computed in extended precision (NumPy's longdouble:
+80-bit on x86, so float64's own errors are visible against it) and naive is plain float64
+attention (cuflash.reference.naive_attention).  Every output is NaN-poisoned first.  What the
+float64 kernel does not cover yet must raise NotAvailableOnGPU naming it, before anything runs.
+"""
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _arrays, _fastpath, _gpu, _kernels
+from cuflash import reference as R
+
+from .conftest import requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+HEADDIMS = [1, 8, 32, 40, 59, 64, 100, 128]
+
+
+def _cp():
+    return _arrays.cupy_module()
+
+
+def _rand(rng, shape, scale=1.0):
+    return rng.standard_normal(shape) * scale
+
+
+def _ref_extended(q, k, v, layout="bshd", **opts):
+    """(out, lse) of attention in np.longdouble, through the reference's own score pipeline."""
+    q, k, v, o = R._prepare(q, k, v, layout, dict(opts), convert=lambda x: R._host(x).astype(np.longdouble))
+    s, _ = R._scores(q, k, o)
+    probs, lse = R._softmax_rows(s)
+    return R._heads_major(probs @ R._repeat_heads(v, o), layout), lse
+
+
+def _assert_f64_rule(actual, ref, naive, name):
+    actual, ref, naive = (np.asarray(x, dtype=np.longdouble) for x in (actual, ref, naive))
+    same_inf = np.isinf(ref) & (actual == ref)  # empty rows: -inf LSE
+    assert np.array_equal(np.isinf(actual), np.isinf(ref)) and same_inf.sum() == np.isinf(ref).sum(), f"{name}: infinities differ"
+    finite = np.isfinite(ref)
+    assert np.isfinite(actual[finite]).all(), f"{name}: non-finite values where the reference is finite"
+    if not finite.any():
+        return
+    err = float(np.abs(actual[finite] - ref[finite]).max())
+    naive_err = float(np.abs(naive[finite] - ref[finite]).max())
+    allowed = 2 * naive_err + 1e-12 * float(np.abs(ref[finite]).max())
+    assert err <= allowed, f"{name}: max |gpu - ref| = {err:.3g} > allowed {allowed:.3g} (naive float64: {naive_err:.3g})"
+
+
+def _check(q, k, v, *, layout="bshd", **opts):
+    """cuflash on the GPU (float64, NaN-poisoned out=) against the extended-precision reference."""
+    cp = _cp()
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    shape = list(q.shape)
+    shape[-1] = v.shape[-1]
+    out = cp.full(tuple(shape), np.nan, dtype=np.float64)
+    res, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, layout=layout, **opts)
+    assert res is out and lse.dtype == np.float64
+    ref_out, ref_lse = _ref_extended(q, k, v, layout=layout, **opts)
+    naive_out, naive_lse = R.naive_attention(q, k, v, layout=layout, return_lse=True, **opts)
+    _assert_f64_rule(out.get(), ref_out, naive_out, "out")
+    _assert_f64_rule(lse.get(), ref_lse, naive_lse, "lse")
+    return out, lse
+
+
+@pytest.fixture
+def kernels_run(monkeypatch):
+    """The names of the kernel variants a test launches (so that a skip cannot pass for a run)."""
+    seen = []
+    get_function = _kernels.get_function
+    monkeypatch.setattr(_kernels, "get_function", lambda variant, *a, **kw: seen.append(variant.name) or get_function(variant, *a, **kw))
+    _fastpath.PLANS.clear()
+    yield seen
+    _fastpath.PLANS.clear()
+
+
+@pytest.mark.parametrize("headdim", HEADDIMS)
+@pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65), (63, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_headdims_and_lengths(rng, headdim, seqlens, causal, kernels_run):
+    sq, sk = seqlens
+    q = _rand(rng, (2, sq, 3, headdim), 3.0)
+    k, v = _rand(rng, (2, sk, 3, headdim)), _rand(rng, (2, sk, 3, headdim))
+    _check(q, k, v, causal=causal)
+    assert kernels_run and all(n.startswith("cuflash_fwd_fp64_") for n in kernels_run), kernels_run
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_rows(rng, causal):
+    q, k, v = (_rand(rng, (1, 1000, 2, 128), 2.0 if i == 0 else 1.0) for i in range(3))
+    _check(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(window_size=(5, 3)), dict(window_size=(0, 0), causal=True), dict(softcap=4.0), dict(softcap=2.0, causal=True),
+    dict(softmax_scale=-0.3), dict(softmax_scale=0.0), dict(causal=True, window_size=(20, -1)),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_options(rng, opts):
+    q = _rand(rng, (2, 70, 4, 64), 4.0)
+    k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 64))  # GQA: 2 query heads per K/V head
+    _check(q, k, v, **opts)
+
+
+def test_seqlens_k_value_headdim_and_empty_rows(rng):
+    q = _rand(rng, (3, 33, 2, 64), 3.0)
+    k, v = _rand(rng, (3, 77, 2, 64)), _rand(rng, (3, 77, 2, 40))  # Dv != Dqk
+    k[1, 50:] = np.nan  # past seqlens_k: never read
+    _, lse = _check(q, k, v, seqlens_k=np.array([77, 50, 0], dtype=np.int32))
+    assert bool((lse[2] == -np.inf).all())  # no key: empty rows
+    _check(q, _rand(rng, (3, 77, 2, 64)), v, window_size=(0, 0))
+
+
+def test_layout_bhsd_and_strided_inputs(rng):
+    q, k, v = (_rand(rng, (2, 3, 100, 64)) for _ in range(3))
+    _check(q, k, v, layout="bhsd", causal=True)
+    big = _rand(rng, (2, 57, 4, 96))
+    cp = _cp()
+    qd = cp.asarray(big)[:, :, ::2, :64]  # strided heads and a head dim that is a prefix of the row
+    kd, vd = cp.asarray(big[:, :, 1::2, :64]), cp.asarray(big[:, :, 1::2, 32:])
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, causal=True)
+    ref_out, ref_lse = _ref_extended(qd.get(), kd.get(), vd.get(), causal=True)
+    naive_out, naive_lse = R.naive_attention(qd.get(), kd.get(), vd.get(), return_lse=True, causal=True)
+    _assert_f64_rule(out.get(), ref_out, naive_out, "out")
+    _assert_f64_rule(lse.get(), ref_lse, naive_lse, "lse")
+
+
+def test_repeated_calls_are_bitwise_identical(rng):
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (2, 300, 2, 128))) for _ in range(3))
+    first = cuflash.attention(q, k, v, causal=True)
+    for _ in range(3):
+        assert bool((cuflash.attention(q, k, v, causal=True).view(cp.uint64) == first.view(cp.uint64)).all())
+
+
+def test_not_yet_covered_is_refused_before_running(rng):
+    """What the float64 kernel lacks raises NotAvailableOnGPU naming it; out is not written."""
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
+    out = cp.full(q.shape, 7.0)
+    cases = [
+        (lambda: cuflash.attention(q, k, v, alibi_slopes=cp.ones(2, dtype=cp.float32), out=out), "alibi_slopes"),
+        (lambda: cuflash.attention(q, k, v, bias=cp.zeros((20, 20)), out=out), "bias, mask or dropout"),
+        (lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, out=out), "bias, mask or dropout"),
+        (lambda: cuflash.attention_backward(q, q, k, v, q, cp.zeros((1, 2, 20))), "gradients"),
+    ]
+    q160 = cp.asarray(_rand(rng, (1, 20, 2, 160)))
+    cases.append((lambda: cuflash.attention(q160, q160, q160), "head dims past 128"))
+    qp, kp, vp = (cp.asarray(_rand(rng, (20, 2, 64))) for _ in range(3))
+    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
+    cases.append((lambda: cuflash.attention_varlen(qp, kp, vp, cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"))
+    k_cache = cp.zeros((1, 32, 2, 64))
+    cases.append((lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
+                                                         cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"))
+    for call, what in cases:
+        with pytest.raises(_gpu.NotAvailableOnGPU, match="float64") as info:
+            call()
+        assert what in str(info.value), (what, str(info.value))
+    assert bool((out == 7.0).all()) and bool((k_cache == 0).all())  # nothing written, nothing appended
