@@ -44,22 +44,31 @@ def _smem_limit(device_id: int) -> int:
     return _cp().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
-# What the float64 kernel (flash_fwd.cu's FP64 tensor-core form, issue 24) covers so far.
-_F64_COVERS = ("the forward of padded batches (attention) with causal, window_size, softcap, seqlens_k and GQA, "
-               f"head dims up to {_kernels.F64_FWD_MAX_HEADDIM}")
+# The float32/float64 forms of flash_fwd.cu (issue 24: TF32 and FP64 tensor cores) and what they
+# cover so far.  float32 runs once its GPU tests have passed (tests/test_gpu_float32.py turns it on
+# for itself); until then float32 GPU arrays are refused as before.
+FLOAT32_ENABLED = False
+_WIDE_DTYPES = ("float32", "float64")
 
 
-def _check_gpu_dtype(q, float64_missing: str | None = "gradients"):
-    """q's dtype name where a GPU kernel takes it: float16 and bfloat16, and float64 when
-    ``float64_missing`` is None.  Otherwise NotAvailableOnGPU; for float64 it names
-    ``float64_missing``, what the call needs that the float64 kernel does not have yet."""
+def _wide_covers(name: str) -> str:
+    limit = _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
+    return ("the forward of padded batches (attention) with causal, window_size, softcap, seqlens_k and GQA, "
+            f"head dims up to {limit}")
+
+
+def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
+    """q's dtype name where a GPU kernel takes it: float16 and bfloat16, and float64 (float32 when
+    FLOAT32_ENABLED) when ``wide_missing`` is None.  Otherwise NotAvailableOnGPU; for those dtypes
+    it names ``wide_missing``, what the call needs that their kernel does not have yet."""
     name = np.dtype(q.dtype).name
-    if name == "float64" and float64_missing is None:
+    wide = name == "float64" or (name == "float32" and FLOAT32_ENABLED)
+    if wide and wide_missing is None:
         return name
-    if name == "float64":
+    if wide:
         raise NotAvailableOnGPU(
-            f"q has dtype float64: the GPU's float64 attention has no {float64_missing} yet (it covers "
-            f"{_F64_COVERS}); cast to float16/bfloat16 with .astype, or use NumPy arrays for the CPU path"
+            f"q has dtype {name}: the GPU's {name} attention has no {wide_missing} yet (it covers "
+            f"{_wide_covers(name)}); cast to float16/bfloat16 with .astype, or use NumPy arrays for the CPU path"
         )
     if name not in ("float16", "bfloat16"):
         raise NotAvailableOnGPU(
@@ -69,12 +78,13 @@ def _check_gpu_dtype(q, float64_missing: str | None = "gradients"):
     return name
 
 
-def _float64_missing(p, headdim, *, packed, kvcache) -> str | None:
-    """The first option of a forward call that the float64 kernel lacks, or None."""
+def _wide_missing(p, name, headdim, *, packed, kvcache) -> str | None:
+    """The first option of a forward call that the float32/float64 kernel lacks, or None."""
+    limit = _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
     missing = [("varlen (packed) sequences", packed), ("KV caches", kvcache),
                ("alibi_slopes", p.alibi_slopes is not None),
                ("bias, mask or dropout", _mods_level(p) != 0),
-               (f"head dims past {_kernels.F64_FWD_MAX_HEADDIM}", headdim > _kernels.F64_FWD_MAX_HEADDIM)]
+               (f"head dims past {limit}", headdim > limit)]
     return next((what for what, needed in missing if needed), None)
 
 
@@ -194,8 +204,10 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
     rows and max_seqlen_* and NaN-fills the rows of bad sequences (the caller wrote 0 and -inf)."""
     cp = _cp()
     kvcache = block_table is not None or cache_batch_idx is not None or seq_bad is not None
-    f64 = np.dtype(q.dtype) == np.float64
-    dtype = _check_gpu_dtype(q, _float64_missing(p, max(p.headdim_qk, p.headdim_v), packed=packed, kvcache=kvcache) if f64 else None)
+    name = np.dtype(q.dtype).name
+    wide = name in _WIDE_DTYPES
+    dtype = _check_gpu_dtype(q, _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed, kvcache=kvcache)
+                             if wide else None)
     device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table, cache_batch_idx,
                            seq_bad, p.bias, p.mask, p.dropout_seed_array])
     with cp.cuda.Device(device):
@@ -204,15 +216,16 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         qx, kx, vx = _prepare(q, d8), _prepare(k, d8), _prepare(v, dv8)
         direct = out.shape[-1] == dv8 and _aligned(out)
         ox = out if direct else (cp.zeros if tail_only else cp.empty)(out.shape[:-1] + (dv8,), dtype=out.dtype)
-        # (float64: no split-KV form yet, every row count runs the one-pass kernel)
-        decode = not packed and dtype != "float64" and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
+        # (float32/float64: no split-KV form yet, every row count runs the one-pass kernel)
+        decode = not packed and not wide and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, mods=_mods_level(p))
         # (raw scores without a bias: a form of the Hopper forward only, _kernels._raw_applies)
         long_rows = p.seqlen_q >= _kernels.SM90_FWD_LONG_ROWS
         variant = (_hopper_variant(device, dtype, max(d8, dv8), dict(features, raw=p.bias is None, long_rows=long_rows))
-                   if not decode and dtype != "float64" else None)
+                   if not decode and not wide else None)
         if variant is None:
-            variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device))
+            variant = _kernels.fwd_variant(dtype, max(d8, dv8), **features, splitkv=decode, smem_limit=_smem_limit(device),
+                                           tf32=p.precision == "tf32")
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, alibi_slopes=p.alibi_slopes, seq_bad=seq_bad)
         indices = dict(seqlens_k=p.seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, block_table=block_table,
                        cache_batch_idx=cache_batch_idx)

@@ -24,8 +24,8 @@ HEADDIM_BUCKETS = (32, 64, 96, 128, 160, 192, 224, 256)
 DTYPE_TAGS = {"float16": "half_t", "bfloat16": "bf16_t", "float32": "float", "float64": "double"}
 _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 # The attention kernels' tag where it is not the C type (mma.cuh's Elem: float64 is f64_t, the FP64
-# tensor-core form of flash_fwd.cu).
-ATTENTION_TAGS = {"float64": "f64_t"}
+# tensor-core form of flash_fwd.cu, float32 f32_t its TF32 one).
+ATTENTION_TAGS = {"float32": "f32_t", "float64": "f64_t"}
 # Forward head-dim buckets with a float64 kernel (issue 24; larger ones need O split over warps:
 # a d256 double accumulator is 256 registers a thread).
 F64_FWD_MAX_HEADDIM = 128
@@ -113,6 +113,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     """
     if dtype == "float64":
         return TileConfig(64, 32, 4, q_in_regs=False, row_pad=4, itemsize=8)
+    if dtype == "float32":  # (not tuned yet) 4-float row pad: the operands' 32-bit loads hit 32 banks
+        return TileConfig(64, 64 if headdim <= 128 else 32, 4, q_in_regs=False, row_pad=4, itemsize=4)
     if headdim <= 64:
         cfg = TileConfig(128, 64, 8, min_blocks=2)
     elif headdim <= 128:
@@ -151,12 +153,13 @@ def _raw_applies(raw: bool, mods: int, softcap: bool, alibi: bool) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False, mods: int = 0,
-                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+                smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
 
     ``splitkv`` selects the decode variant (split key range merged by the last block of each
     row group, paged K/V, GQA packing); ``mods`` 1 the additive bias and boolean mask of the score
-    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout.  (No raw-score form: only the
+    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout.  ``tf32`` (float32): single TF32
+    products (precision="tf32") instead of 3xTF32.  (No raw-score form: only the
     Hopper forward has _raw variants, sm90_fwd_variant, so that CI's compile check of every variant
     stays within its time; each sm_80-family variant builds for two architectures.)
     """
@@ -164,11 +167,13 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit, dtype)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
+    name += "_tf32" * tf32
     defines = (
         ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
+        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -401,6 +406,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
         out.append(dsum_variant(dtype))
     out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24: forward only yet)
             for d in HEADDIM_BUCKETS if d <= F64_FWD_MAX_HEADDIM for softcap in (False, True)]
+    out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
+            for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]
     return out

@@ -19,8 +19,10 @@
 // CUFLASH_DTYPE f64_t builds the float64 form (issue 24): elements and accumulators in double,
 // both products on the FP64 tensor cores (mma.m8n8k4, warp_gemm.cuh: the same 16-row C fragments,
 // so the score pipeline and the online softmax are the same code in double), P kept in the
-// registers of S, the LSE in double.  Not yet with split-KV, ALiBi, bias/mask/dropout, or head
-// dims past 128 (the host refuses those).
+// registers of S, the LSE in double.  f32_t the float32 form: float32 elements, products on the
+// TF32 tensor cores (mma.m16n8k8), CUFLASH_TF32_TERMS 3 (3xTF32) or 1 (TF32), P kept in S's
+// registers.  Not yet with split-KV, ALiBi, bias/mask/dropout, or (float64) head dims past 128
+// (the host refuses those).
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
 // each query block is cut into p.num_splits parts run by separate blocks (grid x = query blocks x
@@ -74,9 +76,13 @@
 #ifndef CUFLASH_ROW_PAD
 #define CUFLASH_ROW_PAD 8
 #endif
+#ifndef CUFLASH_TF32_TERMS
+#define CUFLASH_TF32_TERMS 3  // float32: 3 (3xTF32, float32's accuracy) or 1 (TF32 products)
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
 #endif
+constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 
 // Merge the softmax states of warps that saw different keys of the same rows into warp 0:
 // with M the largest running max of a row and f_w = 2^(m_w - M), warp 0 ends with m = M,
@@ -238,9 +244,10 @@ template <class T, int kD, int kBM, int kBN, int kWarps, bool kQInRegs, bool kSo
 __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     using E = typename Elem<T>::Storage;  // element in memory: 16-bit raw bits, or double
     using A = typename Elem<T>::Acc;      // accumulators and softmax state: float, or double
-    constexpr bool kF64 = Elem<T>::kF64;
+    constexpr bool kF64 = Elem<T>::kF64, kF32 = Elem<T>::kF32, kWide = Elem<T>::kWide;
     constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
-    static_assert(!kF64 || (!kSplitKV && !kAlibi && !kMods && !kQInRegs && kD <= 128), "float64: not with these yet");
+    static_assert(!kWide || (!kSplitKV && !kAlibi && !kMods && !kQInRegs), "float32/float64: not with these yet");
+    static_assert(!kF64 || kD <= 128, "float64: O of a 256-wide head takes 256 registers a thread");
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
     constexpr int kRowWarps = kSplitKV ? 1 : kWarps, kKeyWarps = kSplitKV ? kWarps : 1;
@@ -411,6 +418,10 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             if constexpr (kF64) {
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) warp_gemm_abt_f64<kD, kBNW, kStride>(s[mt], sQw + mt * 16 * kStride, sKw, lane);
+            } else if constexpr (kF32) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+                    warp_gemm_abt_f32<kTf32Terms, kD, kBNW, kStride>(s[mt], sQw + mt * 16 * kStride, sKw, lane);
             } else {
 #pragma unroll
             for (int ks = 0; ks < kKS; ++ks) {
@@ -452,7 +463,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             for (int mt = 0; mt < kMT; ++mt) {
                 const int r = (row_warp * kMT + mt) * 16 + lane / 4;  // block row of the tile's row lane/4
                 const int qpos[2] = {token(r), token(r + 8)};
-                softmax_tile<T, kNT, kSoftcap, kAlibi, kF64, false, kMods, kDropout>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
+                softmax_tile<T, kNT, kSoftcap, kAlibi, kWide, false, kMods, kDropout>(s[mt], row[mt], pk[mt], alpha[mt], qpos, n0 + key_warp * kBNW, masked,
                                                                      seq, score_args, lane, &mods, read_mask);
             }
             // Rescale O only when some row of the warp has a new max: after the first few tiles
@@ -476,6 +487,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             if constexpr (kF64) {
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) warp_gemm_cb_f64<kBNW, kD, kStride>(o[mt], s[mt], sVw, lane);
+            } else if constexpr (kF32) {
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) warp_gemm_cb_f32<kTf32Terms, kBNW, kD, kStride>(o[mt], s[mt], sVw, lane);
             } else {
 #pragma unroll
             for (int kk = 0; kk < kBNW / 16; ++kk) {
@@ -552,6 +566,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 const A lo = RowStateT<A>::normalize(o[mt][ot][half * 2], inv_l), hi = RowStateT<A>::normalize(o[mt][ot][half * 2 + 1], inv_l);
                 if constexpr (kF64)
                     *reinterpret_cast<double2*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = make_double2(lo, hi);
+                else if constexpr (kF32)
+                    *reinterpret_cast<float2*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = make_float2(lo, hi);
                 else
                     *reinterpret_cast<u32*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = pack2<T>(lo, hi);
             }

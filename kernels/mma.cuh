@@ -12,19 +12,26 @@ typedef unsigned int u32;
 
 struct half_t {};              // tags selecting the element type of a kernel variant
 struct bf16_t {};
-struct f64_t {};               // float64 (issue 24): flash_fwd.cu's FP64 tensor-core form
+struct f32_t {};               // float32 and float64 (issue 24): flash_fwd.cu's TF32 and FP64
+struct f64_t {};               // tensor-core forms
 
-// What a dtype tag means to the kernels: the element in memory, the type of the accumulators and
-// the softmax state, and elements per 16-byte copy chunk.
+// What a dtype tag means to the kernels: the element in memory and the type of the accumulators
+// and the softmax state.  kWide: 32- or 64-bit elements, whose products read plain shared-memory
+// loads (no ldmatrix) and keep P in the registers of S (warp_gemm.cuh's _f32/_f64 products).
 template <class T> struct Elem {
     using Storage = u16;
     using Acc = float;
-    static constexpr bool kF64 = false;
+    static constexpr bool kF32 = false, kF64 = false, kWide = false;
+};
+template <> struct Elem<f32_t> {
+    using Storage = float;
+    using Acc = float;
+    static constexpr bool kF32 = true, kF64 = false, kWide = true;
 };
 template <> struct Elem<f64_t> {
     using Storage = double;
     using Acc = double;
-    static constexpr bool kF64 = true;
+    static constexpr bool kF32 = false, kF64 = true, kWide = true;
 };
 
 // Accumulator arithmetic for float and double alike (the score pipeline and the online softmax

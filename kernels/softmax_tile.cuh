@@ -38,14 +38,14 @@ __device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[k
 // the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite);
 // read_mask false: the tile's mask is all True (ScoreMods::tile_state), no mask is read.
 // kRaw: the call has no bias (the host's _raw variants), see kRawScores below.
-// The float64 kernels (T = f64_t) run it in double (Elem<T>::Acc) with kKeepFp32: P stays in s.
+// The float32/float64 kernels (T = f32_t, f64_t) run it in Elem<T>::Acc with kKeepFp32: P stays in s.
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
           bool kMods = false, bool kDropout = false, bool kRaw = false, class A = typename Elem<T>::Acc>
 __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)[2], u32 (&pk)[kNT / 2][4],
                                              A (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
                                              const SeqInfo& seq, const ScoreArgsT<A>& a, int lane,
                                              const ScoreMods* mods = nullptr, bool read_mask = true) {
-    static_assert(!Elem<T>::kF64 || (kKeepFp32 && !kMods), "float64: P stays in s; no bias, mask or dropout yet");
+    static_assert(!Elem<T>::kWide || (kKeepFp32 && !kMods), "float32/float64: P stays in s; no bias, mask or dropout yet");
     // Without softcap, ALiBi and bias the max is taken over raw q.k and the scale folded into the
     // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
     // negative scale and zeroes q for a zero scale, both exact).

@@ -75,6 +75,66 @@ __device__ __forceinline__ void warp_gemm_cb_f64(double (&acc)[kD / 8][4], const
         }
 }
 
+// float32 (mma.m16n8k8 .tf32, mma.cuh): kTerms 1 rounds every operand to TF32 (precision="tf32");
+// 3 splits each into TF32 parts hi + lo and adds lo·hi + hi·lo + hi·hi (3xTF32: float32's
+// accuracy, precision="ieee").  A operand (g = lane / 4, t = lane % 4): rows g, g + 8, columns t,
+// t + 4 of the k step; B: k rows t, t + 4 of column g.
+template <int kTerms>
+__device__ __forceinline__ void tf32_parts(float x, u32& hi, u32& lo) {
+    if constexpr (kTerms == 1)
+        hi = to_tf32(x), lo = 0;
+    else
+        split_tf32(x, hi, lo);
+}
+template <int kTerms>
+__device__ __forceinline__ void mma_tf32_terms(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], float b0, float b1) {
+    u32 bh0, bl0, bh1, bl1;
+    tf32_parts<kTerms>(b0, bh0, bl0);
+    tf32_parts<kTerms>(b1, bh1, bl1);
+    if constexpr (kTerms == 3) {
+        mma_16x8x8_tf32(d, al, bh0, bh1);
+        mma_16x8x8_tf32(d, ah, bl0, bl1);
+    }
+    mma_16x8x8_tf32(d, ah, bh0, bh1);
+}
+
+// acc (16 x kN) += A (16 x kD) · Bᵀ in float32, as warp_gemm_abt.
+template <int kTerms, int kD, int kN, int kStride>
+__device__ __forceinline__ void warp_gemm_abt_f32(float (&acc)[kN / 8][4], const float* sA, const float* sB, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int ks = 0; ks < kD / 8; ++ks) {
+        const float* a = sA + ks * 8 + t;
+        const float av[4] = {a[g * kStride], a[(g + 8) * kStride], a[g * kStride + 4], a[(g + 8) * kStride + 4]};
+        u32 ah[4], al[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tf32_parts<kTerms>(av[i], ah[i], al[i]);
+#pragma unroll
+        for (int nt = 0; nt < kN / 8; ++nt) {
+            const float* b = sB + (nt * 8 + g) * kStride + ks * 8 + t;
+            mma_tf32_terms<kTerms>(acc[nt], ah, al, b[0], b[4]);
+        }
+    }
+}
+
+// acc (16 x kD) += P (16 x kK, C fragments as S left them) · B (kK rows at sB) in float32.  As in
+// warp_gemm_cb_f64, the contraction takes the keys in the order the C fragment holds them: the
+// step of tile nt gives k = t the key 8 nt + 2 t and k = t + 4 the key 8 nt + 2 t + 1.
+template <int kTerms, int kK, int kD, int kStride>
+__device__ __forceinline__ void warp_gemm_cb_f32(float (&acc)[kD / 8][4], const float (&p)[kK / 8][4], const float* sB, int lane) {
+    const int g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (int nt = 0; nt < kK / 8; ++nt) {
+        const float pv[4] = {p[nt][0], p[nt][2], p[nt][1], p[nt][3]};  // (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1)
+        u32 ah[4], al[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) tf32_parts<kTerms>(pv[i], ah[i], al[i]);
+        const float* row = sB + (nt * 8 + 2 * t) * kStride + g;
+#pragma unroll
+        for (int ot = 0; ot < kD / 8; ++ot) mma_tf32_terms<kTerms>(acc[ot], ah, al, row[ot * 8], row[kStride + ot * 8]);
+    }
+}
+
 // C fragments of a (16 x kN) fp32 tile -> A fragments of the same tile in 16 bits.  Tile nt's
 // rows lane/4 and lane/4 + 8 hold keys 8nt.., which are k = 0..7 (nt even) or 8..15 (nt odd) of
 // A fragment nt/2.

@@ -30,6 +30,20 @@ def rng(request):
     return np.random.default_rng(seed)
 
 
+@pytest.fixture
+def kernels_run(monkeypatch):
+    """The names of the kernel variants a test launches, in order (so that a test can check which
+    kernel ran: a feature the GPU lacks would otherwise be a skip, not a failure)."""
+    from cuflash import _fastpath, _kernels
+
+    seen = []
+    get_function = _kernels.get_function
+    monkeypatch.setattr(_kernels, "get_function", lambda variant, *a, **kw: seen.append(variant.name) or get_function(variant, *a, **kw))
+    _fastpath.PLANS.clear()  # (a replayed launch compiles nothing)
+    yield seen
+    _fastpath.PLANS.clear()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A GPU run of a shared test body that needs a feature the CUDA path lacks is a skip, not a pass.

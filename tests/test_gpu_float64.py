@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _fastpath, _gpu, _kernels
+from cuflash import _arrays, _gpu
 from cuflash import reference as R
 
 from .conftest import requires_gpu
@@ -65,17 +65,6 @@ def _check(q, k, v, *, layout="bshd", **opts):
     _assert_f64_rule(out.get(), ref_out, naive_out, "out")
     _assert_f64_rule(lse.get(), ref_lse, naive_lse, "lse")
     return out, lse
-
-
-@pytest.fixture
-def kernels_run(monkeypatch):
-    """The names of the kernel variants a test launches (so that a skip cannot pass for a run)."""
-    seen = []
-    get_function = _kernels.get_function
-    monkeypatch.setattr(_kernels, "get_function", lambda variant, *a, **kw: seen.append(variant.name) or get_function(variant, *a, **kw))
-    _fastpath.PLANS.clear()
-    yield seen
-    _fastpath.PLANS.clear()
 
 
 @pytest.mark.parametrize("headdim", HEADDIMS)

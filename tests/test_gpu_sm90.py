@@ -211,15 +211,12 @@ def test_three_consumer_warpgroups(rng, tile, monkeypatch):
 
 @requires_hopper
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-def test_long_rows_take_the_long_tile(rng, dtype, monkeypatch):
+def test_long_rows_take_the_long_tile(rng, dtype, kernels_run):
     """Rows of SM90_FWD_LONG_ROWS queries or more run d64's three-consumer tile (192 x 96), shorter
     rows and modified scores the 128-row one; both exact, causal (bottom-right, Sq > Sk) and not,
     the last query block partial, and packed sequences whose longest row is long."""
     cp = _arrays.cupy_module()
-    seen = []
-    get_function = _kernels.get_function
-    monkeypatch.setattr(_kernels, "get_function", lambda variant, *a, **kw: seen.append(variant.name) or get_function(variant, *a, **kw))
-    _fastpath.PLANS.clear()
+    seen = kernels_run
     long_q = _kernels.SM90_FWD_LONG_ROWS + 7
     q = _rand(rng, (1, long_q, 2, 64), dtype, 3.0)
     k, v = _rand(rng, (1, 300, 1, 64), dtype), _rand(rng, (1, 300, 1, 64), dtype)
@@ -233,7 +230,6 @@ def test_long_rows_take_the_long_tile(rng, dtype, monkeypatch):
     seen.clear()
     check_varlen(cp, *varlen_inputs(rng, dtype, [long_q, 5], [129, 300], 2, 1, 64), rng=rng, causal=True)
     assert any("_d64_bm192_bn96" in n for n in seen), seen
-    _fastpath.PLANS.clear()
 
 
 @requires_hopper

@@ -1,0 +1,136 @@
+"""The float32 forward on the GPU (issue 24; kernels/flash_fwd.cu's TF32 tensor-core form).
+
+precision=None/"ieee" (3xTF32 products) must meet the exactness rule against naive float32
+attention; precision="tf32" (single TF32 products) against naive attention on TF32-rounded
+operands (cuflash.reference.naive_attention(precision="tf32")); both against the float64 oracle,
+on NaN-poisoned outputs.  float32 GPU arrays are refused until these tests have passed on a GPU
+(cuflash._gpu.FLOAT32_ENABLED); the tests turn it on for themselves.
+"""
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _arrays, _gpu
+from cuflash.reference import assert_exact, attention_ref, naive_attention
+
+from .conftest import requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+HEADDIMS = [1, 8, 32, 40, 59, 64, 100, 128, 160, 256]
+
+
+def _cp():
+    return _arrays.cupy_module()
+
+
+def _rand(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.fixture
+def float32_on(kernels_run, monkeypatch):
+    """float32 GPU arrays taken (FLOAT32_ENABLED), and the kernel variants the test launches."""
+    monkeypatch.setattr(_gpu, "FLOAT32_ENABLED", True)
+    return kernels_run
+
+
+def _check(q, k, v, *, layout="bshd", precision=None, **opts):
+    cp = _cp()
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    shape = list(q.shape)
+    shape[-1] = v.shape[-1]
+    out = cp.full(tuple(shape), np.nan, dtype=np.float32)
+    res, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, layout=layout, precision=precision, **opts)
+    assert res is out and lse.dtype == np.float32
+    ref_out, ref_lse = attention_ref(q, k, v, layout=layout, **opts)
+    naive_out, naive_lse = naive_attention(q, k, v, layout=layout, return_lse=True, precision=precision, **opts)
+    assert_exact(out.get(), ref_out, naive_out, "out")
+    assert_exact(lse.get(), ref_lse, naive_lse, "lse")
+    return out, lse
+
+
+@pytest.mark.parametrize("precision", [None, "tf32"])
+@pytest.mark.parametrize("headdim", HEADDIMS)
+@pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65), (63, 7)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_headdims_and_lengths(rng, precision, headdim, seqlens, causal, float32_on):
+    sq, sk = seqlens
+    q = _rand(rng, (2, sq, 3, headdim), 3.0)
+    k, v = _rand(rng, (2, sk, 3, headdim)), _rand(rng, (2, sk, 3, headdim))
+    _check(q, k, v, causal=causal, precision=precision)
+    suffix = "_tf32" if precision == "tf32" else "_qsmem"
+    assert float32_on and all(n.startswith("cuflash_fwd_fp32_") and n.endswith(suffix) for n in float32_on), float32_on
+
+
+@pytest.mark.parametrize("precision", [None, "tf32"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_rows(rng, precision, causal, float32_on):
+    q, k, v = (_rand(rng, (1, 1000, 2, 128), 2.0 if i == 0 else 1.0) for i in range(3))
+    _check(q, k, v, causal=causal, precision=precision)
+
+
+@pytest.mark.parametrize("opts", [
+    dict(window_size=(5, 3)), dict(window_size=(0, 0), causal=True), dict(softcap=4.0), dict(softcap=2.0, causal=True),
+    dict(softmax_scale=-0.3), dict(softmax_scale=0.0), dict(causal=True, window_size=(20, -1)),
+], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_options(rng, opts, float32_on):
+    q = _rand(rng, (2, 70, 4, 64), 4.0)
+    k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 64))  # GQA: 2 query heads per K/V head
+    _check(q, k, v, **opts)
+    _check(q, k, v, precision="tf32", **opts)
+
+
+def test_seqlens_k_value_headdim_and_empty_rows(rng, float32_on):
+    q = _rand(rng, (3, 33, 2, 64), 3.0)
+    k, v = _rand(rng, (3, 77, 2, 64)), _rand(rng, (3, 77, 2, 40))  # Dv != Dqk
+    k[1, 50:] = np.nan  # past seqlens_k: never read
+    _, lse = _check(q, k, v, seqlens_k=np.array([77, 50, 0], dtype=np.int32))
+    assert bool((lse[2] == -np.inf).all())  # no key: empty rows
+
+
+def test_layout_bhsd_and_strided_inputs(rng, float32_on):
+    q, k, v = (_rand(rng, (2, 3, 100, 64)) for _ in range(3))
+    _check(q, k, v, layout="bhsd", causal=True)
+    cp = _cp()
+    big = _rand(rng, (2, 57, 4, 96))
+    qd = cp.asarray(big)[:, :, ::2, :64]
+    kd, vd = cp.asarray(big[:, :, 1::2, :64]), cp.asarray(big[:, :, 1::2, 32:])
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, causal=True)
+    ref, ref_lse = attention_ref(qd.get(), kd.get(), vd.get(), causal=True)
+    naive, naive_lse = naive_attention(qd.get(), kd.get(), vd.get(), return_lse=True, causal=True)
+    assert_exact(out.get(), ref, naive, "out")
+    assert_exact(lse.get(), ref_lse, naive_lse, "lse")
+
+
+def test_repeated_calls_are_bitwise_identical(rng, float32_on):
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (2, 300, 2, 128))) for _ in range(3))
+    first = cuflash.attention(q, k, v, causal=True)
+    for _ in range(3):
+        assert bool((cuflash.attention(q, k, v, causal=True).view(cp.uint32) == first.view(cp.uint32)).all())
+
+
+def test_not_yet_covered_is_refused_before_running(rng, monkeypatch):
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
+    out = cp.full(q.shape, 7.0, dtype=np.float32)
+    with pytest.raises(_gpu.NotAvailableOnGPU, match="GPU kernels take float16 or bfloat16"):
+        cuflash.attention(q, k, v, out=out)  # FLOAT32_ENABLED off: refused as before
+    monkeypatch.setattr(_gpu, "FLOAT32_ENABLED", True)
+    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
+    k_cache = cp.zeros((1, 32, 2, 64), dtype=np.float32)
+    cases = [
+        (lambda: cuflash.attention(q, k, v, alibi_slopes=cp.ones(2, dtype=cp.float32), out=out), "alibi_slopes"),
+        (lambda: cuflash.attention(q, k, v, mask=cp.ones((20, 20), dtype=bool), out=out), "bias, mask or dropout"),
+        (lambda: cuflash.attention_backward(q, q, k, v, q, cp.zeros((1, 2, 20), dtype=np.float32)), "gradients"),
+        (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"),
+        (lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
+                                                cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"),
+    ]
+    for call, what in cases:
+        with pytest.raises(_gpu.NotAvailableOnGPU, match="float32") as info:
+            call()
+        assert what in str(info.value), (what, str(info.value))
+    assert bool((out == 7.0).all()) and bool((k_cache == 0).all())
