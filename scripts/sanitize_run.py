@@ -4,7 +4,7 @@ CuPy's memory pool is switched off so that each array is its own allocation and 
 out-of-bounds access is reported instead of landing in a neighbouring pool block.
 SANITIZE_PARTS=fwd runs the forward calls only (racecheck on the Hopper forward takes minutes
 for the whole sweep); SANITIZE_PARTS=varlen the packed calls with hostile and well-formed offsets only;
-SANITIZE_PARTS=f64 the float64 forward's calls only.
+SANITIZE_PARTS=wide the float32 and float64 forwards' calls only (named f64 in session 22, before float32).
 """
 
 import os
@@ -30,19 +30,27 @@ def rand(shape, dtype):
     return cp.asarray(rng.standard_normal(shape).astype(dtype))
 
 
-# The float64 forward (issue 24, flash_fwd.cu's FP64 tensor-core form): partial tiles of rows,
-# keys and head dims, the options it takes, GQA, Dv != Dqk.
-for sq, sk, d, dv, opts in ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 128, 40, dict(softcap=3.0)),
-                            (100, 300, 100, 100, dict(window_size=(7, 2))), (33, 97, 1, 1, dict(causal=True, seqlens_k=True))):
-    if VARLEN_ONLY:
-        break
-    if opts.get("seqlens_k"):
-        opts = dict(opts, seqlens_k=cp.asarray(np.array([sk, sk // 3], dtype=np.int32)))
-    q, k, v = rand((2, sq, 4, d), np.float64), rand((2, sk, 2, d), np.float64), rand((2, sk, 2, dv), np.float64)
-    out = cuflash.attention(q, k, v, **opts)
-    assert not bool(cp.isnan(out).any()), (sq, sk, d, opts)
+# The float32 and float64 forwards (issue 24, flash_fwd.cu's TF32 and FP64 tensor-core forms; float32
+# switched on here, as its tests do, until it is on for everyone): partial tiles of rows, keys and
+# head dims, the options they take, GQA, Dv != Dqk, both float32 precisions.
+from cuflash import _gpu  # noqa: E402
+
+_gpu.FLOAT32_ENABLED = True
+wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 128, 40, dict(softcap=3.0)),
+              (100, 300, 100, 100, dict(window_size=(7, 2))), (33, 97, 1, 1, dict(causal=True, seqlens_k=True)),
+              (70, 90, 256, 256, dict(causal=True)))
+for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32, None), (np.float32, "tf32")):
+    for sq, sk, d, dv, opts in wide_cases:
+        if dtype == np.float64 and d > 128:
+            continue
+        if opts.get("seqlens_k"):
+            opts = dict(opts, seqlens_k=cp.asarray(np.array([sk, sk // 3], dtype=np.int32)))
+        q, k, v = rand((2, sq, 4, d), dtype), rand((2, sk, 2, d), dtype), rand((2, sk, 2, dv), dtype)
+        out = cuflash.attention(q, k, v, precision=precision, **opts)
+        assert not bool(cp.isnan(out).any()), (dtype, sq, sk, d, opts)
 cp.cuda.Device().synchronize()
-if os.environ.get("SANITIZE_PARTS") == "f64":
+_gpu.FLOAT32_ENABLED = False
+if os.environ.get("SANITIZE_PARTS") == "wide":
     print("sanitize sweep done")
     sys.exit(0)
 
