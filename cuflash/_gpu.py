@@ -78,6 +78,14 @@ def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
     return name
 
 
+def check_call(p, q, *, packed=False, kvcache=False) -> str:
+    """The forward kernels' dtype name for this call, or NotAvailableOnGPU (before the caller
+    writes anything, even for calls with nothing to compute) when its dtype has none for it."""
+    name = np.dtype(q.dtype).name
+    return _check_gpu_dtype(q, _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed, kvcache=kvcache)
+                            if name in _WIDE_DTYPES else None)
+
+
 def _wide_missing(p, name, headdim, *, packed, kvcache) -> str | None:
     """The first option of a forward call that the float32/float64 kernel lacks, or None."""
     limit = _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
@@ -204,10 +212,8 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
     rows and max_seqlen_* and NaN-fills the rows of bad sequences (the caller wrote 0 and -inf)."""
     cp = _cp()
     kvcache = block_table is not None or cache_batch_idx is not None or seq_bad is not None
-    name = np.dtype(q.dtype).name
-    wide = name in _WIDE_DTYPES
-    dtype = _check_gpu_dtype(q, _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed, kvcache=kvcache)
-                             if wide else None)
+    dtype = check_call(p, q, packed=packed, kvcache=kvcache)
+    wide = dtype in _WIDE_DTYPES
     device = _same_device([q, k, v, out, lse, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, block_table, cache_batch_idx,
                            seq_bad, p.bias, p.mask, p.dropout_seed_array])
     with cp.cuda.Device(device):

@@ -109,19 +109,21 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     d64 128x64, 8 warps, 2 blocks/SM: 185 TF/s; d128 64x128, 4 warps, 2 blocks/SM: 197;
     d256 128x64, 8 warps, Q re-read from shared memory: 194.  float64 (not tuned yet): 64 rows, 32
     keys, Q read from shared memory (its fragments would take 2·D/4 registers), rows padded by 32
-    bytes: 135 KB at d128, within the A100's 163.
+    bytes: 135 KB at d128, within the A100's 163; GPUs of 99 KB (sm_86/89) take 32 x 16 tiles.
+    float32 likewise: 64 x 64 (64 x 32 past d128), smaller where shared memory is short.
     """
-    if dtype == "float64":
-        return TileConfig(64, 32, 4, q_in_regs=False, row_pad=4, itemsize=8)
-    if dtype == "float32":  # (not tuned yet) 4-float row pad: the operands' 32-bit loads hit 32 banks
-        return TileConfig(64, 64 if headdim <= 128 else 32, 4, q_in_regs=False, row_pad=4, itemsize=4)
+    limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
+    if dtype in ("float32", "float64"):  # (not tuned yet) 4-element row pad: the operands' loads spread over the banks
+        item = 8 if dtype == "float64" else 4
+        shapes = ((64, 32, 4), (32, 16, 2)) if item == 8 else ((64, 64 if headdim <= 128 else 32, 4), (64, 32, 4), (32, 32, 2))
+        tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item) for bm, bn, w in shapes]
+        return next((t for t in tiles if t.smem_bytes(headdim) <= limit), tiles[-1])  # (the last fits 99 KB GPUs)
     if headdim <= 64:
         cfg = TileConfig(128, 64, 8, min_blocks=2)
     elif headdim <= 128:
         cfg = TileConfig(64, 128, 4, min_blocks=2)
     else:
         cfg = TileConfig(128, 64, 8, q_in_regs=False)
-    limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
     if cfg.smem_bytes(headdim) > limit:
         cfg = TileConfig(64, 64, 4, q_in_regs=headdim <= 128)
     if cfg.smem_bytes(headdim) > limit:

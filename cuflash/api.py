@@ -83,9 +83,9 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         CuPy's float32 matmul without TF32); "tf32" on operands rounded to TF32 (10-bit mantissa,
         float32 accumulation; the error of a TF32 matmul; the NumPy path rounds likewise; an
         operand within 2^-11 of float32's largest value rounds to infinity, as on the tensor cores).
-        float16/bfloat16 inputs take only None, float64 inputs no "tf32".  float32/float64 inputs
-        run on the NumPy path for now (GPU arrays of those dtypes raise NotImplementedError, also a
-        TypeError)."""
+        float16/bfloat16 inputs take only None, float64 inputs no "tf32".  On the GPU, float64
+        runs :func:`attention`'s forward (FP64 tensor cores); float32 GPU arrays, and float64 for
+        what that kernel lacks yet, raise NotImplementedError (also a TypeError) naming it."""
 
 
 def _doc(fn):
@@ -180,8 +180,9 @@ def attention(
     TypeError
         Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays, a
         non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
-        ``window_size`` that is not a pair.  On GPU arrays, float32/float64 raise ``NotImplementedError``
-        (also a TypeError): the kernels take float16 and bfloat16.
+        ``window_size`` that is not a pair.  On GPU arrays, float32, and float64 with an option its
+        kernel lacks yet (ALiBi, bias/mask/dropout, head dims past 128), raise ``NotImplementedError``
+        (also a TypeError) naming it.
     ValueError
         Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside
         0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k] (NumPy ``seqlens_k``), an ``out``
@@ -237,6 +238,10 @@ def attention(
     )
     p = V.check_modifiers(q, p, bias, mask, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
+    if _arrays.is_gpu(q):  # a dtype without a GPU kernel for this call: refused before any write
+        from . import _gpu
+
+        _gpu.check_call(p, q)
     xp = _arrays.module_of(q)
     out_shape = (p.batch, p.seqlen_q, p.nheads_q, p.headdim_v)
     if layout == "bhsd":
@@ -422,6 +427,10 @@ def attention_backward(
     o_shape = tuple(V.to_bshd(q, layout).shape[:3]) + (p.headdim_v,)
     if layout == "bhsd":
         o_shape = (o_shape[0], o_shape[2], o_shape[1], o_shape[3])
+    if _arrays.is_gpu(q):  # a dtype without GPU gradients: refused before any write
+        from . import _gpu
+
+        _gpu._check_gpu_dtype(q)
     for name, x in (("dout", dout), ("out", out)):
         V.check_out(x, name, o_shape, q.dtype, q)
     V.check_out(lse, "lse", (p.batch, p.nheads_q, p.seqlen_q), lse_dtype(q.dtype), q)
@@ -477,6 +486,10 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     """
     if "out" in options:
         raise TypeError("attention_vjp does not take 'out'")
+    if _arrays.is_gpu(q):  # a dtype without GPU gradients: refused now, not after the forward
+        from . import _gpu
+
+        _gpu._check_gpu_dtype(q)
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)
@@ -591,6 +604,10 @@ def attention_varlen(
     )
     p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
+    if _arrays.is_gpu(q):  # a dtype without a GPU kernel for this call: refused before any write
+        from . import _gpu
+
+        _gpu.check_call(p, q, packed=True)
     xp = _arrays.module_of(q)
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")

@@ -18,7 +18,7 @@ from .conftest import requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-HEADDIMS = [1, 8, 32, 40, 59, 64, 100, 128, 160, 256]
+HEADDIMS = [1, 8, 32, 40, 59, 64, 96, 100, 128, 160, 256]
 
 
 def _cp():
@@ -62,6 +62,17 @@ def test_headdims_and_lengths(rng, precision, headdim, seqlens, causal, float32_
     _check(q, k, v, causal=causal, precision=precision)
     suffix = "_tf32" if precision == "tf32" else "_qsmem"
     assert float32_on and all(n.startswith("cuflash_fwd_fp32_") and n.endswith(suffix) for n in float32_on), float32_on
+
+
+@pytest.mark.parametrize("headdim", [128, 256])
+def test_tiles_of_small_shared_memory_gpus(rng, headdim, float32_on, monkeypatch):
+    """The smaller tiles that GPUs with 99 KB of shared memory a block (sm_86/89) take."""
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: 99 * 1024)
+    q = _rand(rng, (2, 70, 2, headdim), 3.0)
+    k, v = _rand(rng, (2, 129, 2, headdim)), _rand(rng, (2, 129, 2, headdim))
+    _check(q, k, v, causal=True)
+    _check(q, k, v, window_size=(9, 4), softcap=3.0, precision="tf32")
+    assert all(("_bm64_bn32_w4_" if headdim == 128 else "_bm32_bn32_w2_") in n for n in float32_on), float32_on
 
 
 @pytest.mark.parametrize("precision", [None, "tf32"])
@@ -128,6 +139,7 @@ def test_not_yet_covered_is_refused_before_running(rng, monkeypatch):
         (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"),
         (lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
                                                 cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"),
+        (lambda: cuflash.attention_vjp(q, k, v), "gradients"),
     ]
     for call, what in cases:
         with pytest.raises(_gpu.NotAvailableOnGPU, match="float32") as info:

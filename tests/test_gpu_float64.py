@@ -18,7 +18,7 @@ from .conftest import requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
-HEADDIMS = [1, 8, 32, 40, 59, 64, 100, 128]
+HEADDIMS = [1, 8, 32, 40, 59, 64, 72, 96, 100, 128]
 
 
 def _cp():
@@ -76,6 +76,17 @@ def test_headdims_and_lengths(rng, headdim, seqlens, causal, kernels_run):
     k, v = _rand(rng, (2, sk, 3, headdim)), _rand(rng, (2, sk, 3, headdim))
     _check(q, k, v, causal=causal)
     assert kernels_run and all(n.startswith("cuflash_fwd_fp64_") for n in kernels_run), kernels_run
+
+
+@pytest.mark.parametrize("headdim", [64, 96, 128])
+def test_tiles_of_small_shared_memory_gpus(rng, headdim, kernels_run, monkeypatch):
+    """The 32 x 16 tile that GPUs with 99 KB of shared memory a block (sm_86/89) take at d96/d128."""
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: 99 * 1024)
+    q = _rand(rng, (2, 70, 2, headdim), 3.0)
+    k, v = _rand(rng, (2, 129, 2, headdim)), _rand(rng, (2, 129, 2, headdim))
+    _check(q, k, v, causal=True)
+    _check(q, k, v, window_size=(9, 4), softcap=3.0)
+    assert headdim == 64 or all("_bm32_bn16_w2_" in n for n in kernels_run), kernels_run
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -144,8 +155,19 @@ def test_not_yet_covered_is_refused_before_running(rng):
     k_cache = cp.zeros((1, 32, 2, 64))
     cases.append((lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
                                                          cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"))
+    vout = cp.full((20, 2, 64), 7.0)  # varlen with nothing to launch (no key rows) still refuses first
+    cases.append((lambda: cuflash.attention_varlen(qp, kp[:0], vp[:0], cu, cp.zeros(3, dtype=cp.int32), out=vout,
+                                                          max_seqlen_q=11, max_seqlen_k=0),
+                  "varlen"))
+    cases.append((lambda: cuflash.attention(q, k[:, :0], v[:, :0], alibi_slopes=cp.ones(2, dtype=cp.float32), out=out),
+                  "alibi_slopes"))  # no keys: nothing to compute, refused all the same
+    cases.append((lambda: cuflash.attention_vjp(q, k, v), "gradients"))  # refused before its forward runs
+    grads = [cp.full(x.shape, 7.0) for x in (q, k, v)]
+    cases.append((lambda: cuflash.attention_backward(q, q, k[:, :0], v[:, :0], q, cp.zeros((1, 2, 20)), dq=grads[0]),
+                  "gradients"))
     for call, what in cases:
         with pytest.raises(_gpu.NotAvailableOnGPU, match="float64") as info:
             call()
         assert what in str(info.value), (what, str(info.value))
     assert bool((out == 7.0).all()) and bool((k_cache == 0).all())  # nothing written, nothing appended
+    assert bool((vout == 7.0).all()) and bool((grads[0] == 7.0).all())
