@@ -48,13 +48,24 @@ def _smem_limit(device_id: int) -> int:
 # cover so far.  float32 runs once its GPU tests have passed (tests/test_gpu_float32.py turns it on
 # for itself); until then float32 GPU arrays are refused as before.
 FLOAT32_ENABLED = False
+# Their gradients (flash_bwd.cu's float32/float64 forms), likewise until tests/test_gpu_float32.py's
+# and test_gpu_float64.py's backward tests have passed on a GPU.
+WIDE_GRADIENTS_ENABLED = False
 _WIDE_DTYPES = ("float32", "float64")
 
 
+def _wide_limit(name: str, backward: bool) -> int:
+    """The largest head dim of the float32/float64 forward or backward kernels."""
+    if backward:
+        return _kernels.F64_BWD_MAX_HEADDIM if name == "float64" else _kernels.F32_BWD_MAX_HEADDIM
+    return _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
+
+
 def _wide_covers(name: str) -> str:
-    limit = _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
+    grads = (f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True)}"
+             if WIDE_GRADIENTS_ENABLED else "")
     return ("the forward of padded batches (attention) with causal, window_size, softcap, seqlens_k and GQA, "
-            f"head dims up to {limit}")
+            f"head dims up to {_wide_limit(name, False)}{grads}")
 
 
 def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
@@ -78,17 +89,23 @@ def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
     return name
 
 
-def check_call(p, q, *, packed=False, kvcache=False) -> str:
-    """The forward kernels' dtype name for this call, or NotAvailableOnGPU (before the caller
-    writes anything, even for calls with nothing to compute) when its dtype has none for it."""
+def check_call(p, q, *, packed=False, kvcache=False, backward=False) -> str:
+    """The dtype name of the forward (``backward``: backward) kernels for this call, or
+    NotAvailableOnGPU (before the caller writes anything, even for calls with nothing to compute)
+    when its dtype has none for it.  ``p`` None checks the dtype alone (attention_vjp's first step)."""
     name = np.dtype(q.dtype).name
-    return _check_gpu_dtype(q, _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed, kvcache=kvcache)
-                            if name in _WIDE_DTYPES else None)
+    if name not in _WIDE_DTYPES:
+        return _check_gpu_dtype(q, None)
+    if backward and not WIDE_GRADIENTS_ENABLED:
+        return _check_gpu_dtype(q, "gradients")
+    missing = None if p is None else _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed,
+                                                   kvcache=kvcache, backward=backward)
+    return _check_gpu_dtype(q, missing)
 
 
-def _wide_missing(p, name, headdim, *, packed, kvcache) -> str | None:
-    """The first option of a forward call that the float32/float64 kernel lacks, or None."""
-    limit = _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
+def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False) -> str | None:
+    """The first option of a call that the float32/float64 kernels lack, or None."""
+    limit = _wide_limit(name, backward)
     missing = [("varlen (packed) sequences", packed), ("KV caches", kvcache),
                ("alibi_slopes", p.alibi_slopes is not None),
                ("bias, mask or dropout", _mods_level(p) != 0),
@@ -641,7 +658,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
     Bias, mask and dropout run the CUFLASH_MODS kernels of either; ``dlse`` (the
     LSE's gradient) is subtracted from D; ``dbias`` (bias's shape) is written in full."""
     cp = _cp()
-    dtype = _check_gpu_dtype(q)
+    dtype = check_call(p, q, packed=packed, backward=True)
+    wide = dtype in _WIDE_DTYPES
     device = _same_device([dout, q, k, v, out, lse, *grads, p.alibi_slopes, p.seqlens_k, cu_q, cu_k, p.bias, p.mask,
                            p.dropout_seed_array, dlse, dbias])
     with cp.cuda.Device(device):
@@ -650,7 +668,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         qx, kx = _prepare(q, d8), _prepare(k, d8)
         vx, ox, dox = _prepare(v, dv8), _prepare(out, dv8), _prepare(dout, dv8)
         lse = cp.ascontiguousarray(lse)
-        dsum = cp.empty(lse.shape, dtype=cp.float32)
+        dsum = cp.empty(lse.shape, dtype=lse.dtype)  # (float32; float64 for float64 inputs)
         gx = []
         for g_out, dim in zip(grads, (d8, d8, dv8)):
             direct = g_out.shape[-1] == dim and _aligned(g_out)
@@ -658,9 +676,10 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             gx.append(g_out if direct else cp.zeros(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
         mods = _mods_level(p)
-        variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, mods=mods, smem_limit=_smem_limit(device))
-        main = _hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic, mods=mods),
-                               _kernels.sm90_bwd_variant) or variant
+        variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, mods=mods, smem_limit=_smem_limit(device),
+                                       tf32=p.precision == "tf32")
+        main = (_hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic, mods=mods),
+                                _kernels.sm90_bwd_variant) if not wide else None) or variant
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
                         alibi_slopes=p.alibi_slopes)
         indices = dict(seqlens_k=p.seqlens_k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)

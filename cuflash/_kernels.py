@@ -29,6 +29,10 @@ ATTENTION_TAGS = {"float32": "f32_t", "float64": "f64_t"}
 # Forward head-dim buckets with a float64 kernel (issue 24; larger ones need O split over warps:
 # a d256 double accumulator is 256 registers a thread).
 F64_FWD_MAX_HEADDIM = 128
+# Backward head-dim buckets with a float64 / float32 kernel: the dK and dV accumulators of a dK/dV
+# warp are 2 · D/2 values a thread (256 registers for float64 at d128, for float32 at d256).
+F64_BWD_MAX_HEADDIM = 64
+F32_BWD_MAX_HEADDIM = 128
 DEFAULT_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in limit; A100 has 163 KB, sm_86/89 99 KB
 STATIC_SMEM_RESERVE = 512  # bytes the kernels' static shared memory (seqinfo.cuh's flags, page slots) may take
 
@@ -311,31 +315,39 @@ def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
     return 1
 
 
-def bwd_smem_bytes(headdim: int, warps: int) -> int:
-    # Four (16 warps, headdim) tiles padded by 8 elements, plus LSE and D of one query tile.
+def bwd_smem_bytes(headdim: int, warps: int, itemsize: int = 2) -> int:
+    # Four (16 warps, headdim) tiles padded by 16 bytes (by 4 elements for float32/float64: their
+    # 32- and 64-bit loads), plus LSE and D of one query tile (float64's in float64).
     rows = 16 * warps
-    return 4 * rows * (headdim + 8) * 2 + 2 * rows * 4
+    pad = 8 if itemsize == 2 else 4
+    return 4 * rows * (headdim + pad) * itemsize + 2 * rows * max(4, itemsize)
 
 
 @functools.lru_cache(maxsize=None)
 def dsum_variant(dtype: str) -> Variant:
     """The backward's pre-pass D = rowsum(dO * O) (kernels/bwd_dsum.cu), for every backward kernel."""
-    return Variant("bwd_dsum.cu", f"cuflash_bwd_dsum_{_SHORT[dtype]}", (("CUFLASH_DTYPE", DTYPE_TAGS[dtype]),), 256)
+    return Variant("bwd_dsum.cu", f"cuflash_bwd_dsum_{_SHORT[dtype]}", (("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])),),
+                   256)
 
 
 @functools.lru_cache(maxsize=None)
 def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: int = 0,
-                smem_limit: int = DEFAULT_SMEM_LIMIT) -> Variant:
+                smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False) -> Variant:
     """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind; ``mods`` as
-    :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout)."""
+    :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout); ``tf32``
+    (float32) single TF32 products instead of 3xTF32.  float32/float64 run 2 warps (32-row tiles:
+    their accumulators take 2-4 times the registers of the 16-bit ones)."""
     d = headdim_bucket(headdim)
-    warps = bwd_warps(d, smem_limit)
+    itemsize = {"float32": 4, "float64": 8}.get(dtype, 2)
+    warps = bwd_warps(d, smem_limit) if itemsize == 2 else 2
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
+    name += "_tf32" * tf32
     defines = (
-        ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
+        ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
+        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3),
     )
-    return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps))
+    return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps, itemsize))
 
 
 @functools.lru_cache(maxsize=None)
@@ -410,6 +422,11 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for d in HEADDIM_BUCKETS if d <= F64_FWD_MAX_HEADDIM for softcap in (False, True)]
     out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
+    out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)
+            for d in HEADDIM_BUCKETS if d <= F64_BWD_MAX_HEADDIM for softcap in (False, True)]
+    out += [bwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
+            for d in HEADDIM_BUCKETS if d <= F32_BWD_MAX_HEADDIM for softcap in (False, True) for tf32 in (False, True)]
+    out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]
     return out

@@ -427,10 +427,10 @@ def attention_backward(
     o_shape = tuple(V.to_bshd(q, layout).shape[:3]) + (p.headdim_v,)
     if layout == "bhsd":
         o_shape = (o_shape[0], o_shape[2], o_shape[1], o_shape[3])
-    if _arrays.is_gpu(q):  # a dtype without GPU gradients: refused before any write
+    if _arrays.is_gpu(q):  # a dtype without GPU gradients for this call: refused before any write
         from . import _gpu
 
-        _gpu._check_gpu_dtype(q)
+        _gpu.check_call(p, q, backward=True)
     for name, x in (("dout", dout), ("out", out)):
         V.check_out(x, name, o_shape, q.dtype, q)
     V.check_out(lse, "lse", (p.batch, p.nheads_q, p.seqlen_q), lse_dtype(q.dtype), q)
@@ -489,7 +489,7 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     if _arrays.is_gpu(q):  # a dtype without GPU gradients: refused now, not after the forward
         from . import _gpu
 
-        _gpu._check_gpu_dtype(q)
+        _gpu.check_call(None, q, backward=True)
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)
@@ -700,6 +700,10 @@ def attention_varlen_backward(
     )
     p = V.check_modifiers(q, p, None, None, dropout_p, dropout_seed)
     p = V.with_precision(q, p, precision)
+    if _arrays.is_gpu(q):  # a dtype without GPU gradients for this call: refused before any write
+        from . import _gpu
+
+        _gpu.check_call(p, q, packed=True, backward=True)
     o_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     V.check_out(dout, "dout", o_shape, q.dtype, q)
     V.check_out(out, "out", o_shape, q.dtype, q)

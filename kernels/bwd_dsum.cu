@@ -12,19 +12,28 @@
 #define CUFLASH_KERNEL_NAME cuflash_bwd_dsum
 #endif
 
+// float32/float64 tags (f32_t, f64_t, mma.cuh's Elem): their elements read as they are, D in their
+// Acc (float64: a float64 D beside the float64 LSE).
 template <class T>
 __device__ __forceinline__ void bwd_dsum(const FlashParams& p) {
+    using E = typename Elem<T>::Storage;
+    using A = typename Elem<T>::Acc;
     const long long w = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
     const int lane = threadIdx.x % 32;
     if (w >= p.batch * p.seqlen_q * p.nheads_q) return;
     const long long h = w % p.nheads_q, i = (w / p.nheads_q) % p.seqlen_q, b = w / (p.nheads_q * p.seqlen_q);
-    const u16* o = static_cast<const u16*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
-    const u16* d = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
-    float acc = 0.f;
-    for (int c = lane; c < p.headdim_v; c += 32) acc += to_float<T>(o[c]) * to_float<T>(d[c]);
+    const E* o = static_cast<const E*>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + h * p.o_head_stride;
+    const E* d = static_cast<const E*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
+    A acc = 0;
+    for (int c = lane; c < p.headdim_v; c += 32) {
+        if constexpr (Elem<T>::kWide)
+            acc += static_cast<A>(o[c]) * static_cast<A>(d[c]);
+        else
+            acc += to_float<T>(o[c]) * to_float<T>(d[c]);
+    }
 #pragma unroll
     for (int s = 16; s > 0; s /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-    if (lane == 0) p.dsum[b * p.lse_batch_stride + h * p.lse_head_stride + i] = acc;
+    if (lane == 0) reinterpret_cast<A*>(p.dsum)[b * p.lse_batch_stride + h * p.lse_head_stride + i] = acc;
 }
 
 extern "C" __global__ void __launch_bounds__(256) CUFLASH_KERNEL_NAME(const __grid_constant__ FlashParams p) {

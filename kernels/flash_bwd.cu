@@ -19,6 +19,11 @@
 // Z = keep / (1 - p).  The gradient through the LSE needs no kernel: the host subtracts dlse from D.
 // Tiles: kT = 16 kWarps query rows (dq) or key rows (dkdv), kT-wide inner tiles, shared-memory
 // rows padded by 16 bytes.  Not handled here: head dims that are not multiples of 8 (the caller pads).
+// CUFLASH_DTYPE f32_t / f64_t (issue 24): the float32 (TF32 tensor cores, CUFLASH_TF32_TERMS) and
+// float64 (FP64 tensor cores) forms, as flash_fwd.cu's: elements, accumulators, P, dS, the LSE and
+// D in the dtype's Acc, every product through warp_gemm.cuh's _f32/_f64 forms with P and dS kept in
+// the registers they were formed in; rows padded by 4 elements.  Not yet with ALiBi or
+// bias/mask/dropout (the host refuses those).
 #include "mma.cuh"
 #include "params.cuh"
 #include "score_grad.cuh"
@@ -43,20 +48,55 @@
 #ifndef CUFLASH_MODS
 #define CUFLASH_MODS 0  // 1: additive bias and boolean mask (score_mods.cuh); 2: and dropout
 #endif
+#ifndef CUFLASH_TF32_TERMS
+#define CUFLASH_TF32_TERMS 3  // float32: 3 (3xTF32) or 1 (TF32 products)
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd
 #endif
+constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
+
+// The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel
+// parameters at each use.
+template <class A>
+__device__ __forceinline__ const A* stats(const float* x) { return reinterpret_cast<const A*>(x); }
+
+// acc (16 x kN) += A (16 x kD) · Bᵀ and acc (16 x kD) += C (16 x kK, C fragments) · B for the
+// dtype tag T: warp_gemm.cuh's 16-bit products (C converted to A fragments), or its float32 and
+// float64 ones (C used as it is).
+template <class T, int kD, int kN, int kStride, class A, class E>
+__device__ __forceinline__ void gemm_abt(A (&acc)[kN / 8][4], const E* sA, const E* sB, int lane) {
+    if constexpr (Elem<T>::kF64) warp_gemm_abt_f64<kD, kN, kStride>(acc, sA, sB, lane);
+    else if constexpr (Elem<T>::kF32) warp_gemm_abt_f32<kTf32Terms, kD, kN, kStride>(acc, sA, sB, lane);
+    else warp_gemm_abt<T, kD, kN, kStride>(acc, sA, sB, lane);
+}
+template <class T, int kK, int kD, int kStride, class A, class E>
+__device__ __forceinline__ void gemm_cb(A (&acc)[kD / 8][4], const A (&c)[kK / 8][4], const E* sB, int lane) {
+    if constexpr (Elem<T>::kF64) {
+        warp_gemm_cb_f64<kK, kD, kStride>(acc, c, sB, lane);
+    } else if constexpr (Elem<T>::kF32) {
+        warp_gemm_cb_f32<kTf32Terms, kK, kD, kStride>(acc, c, sB, lane);
+    } else {
+        u32 a[kK / 16][4];
+        c_to_a<T, kK>(a, c);
+        warp_gemm_rb<T, kK, kD, kStride>(acc, a, sB, lane);
+    }
+}
 #define CUFLASH_CAT2(a, b) a##b
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
-    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + 8;
+    using E = typename Elem<T>::Storage;
+    using A = typename Elem<T>::Acc;
+    constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
+    static_assert(!Elem<T>::kWide || (!kAlibi && !kMods), "float32/float64: not with these yet");
+    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    u16* sQ = reinterpret_cast<u16*>(smem_raw);  // (kT, kStride), reused to stage dQ
-    u16* sdO = sQ + kT * kStride;                // (kT, kStride)
-    u16* sK = sdO + kT * kStride;                // (kT, kStride)
-    u16* sV = sK + kT * kStride;                 // (kT, kStride)
+    E* sQ = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dQ
+    E* sdO = sQ + kT * kStride;              // (kT, kStride)
+    E* sK = sdO + kT * kStride;              // (kT, kStride)
+    E* sV = sK + kT * kStride;               // (kT, kStride)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
@@ -67,28 +107,28 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     const int m0 = blockIdx.x * kT;
     if (m0 >= seq.sq) return;
     const int rows_valid = min(kT, seq.sq - m0);
-    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+    const int qk_chunks = static_cast<int>(p.headdim_qk / kPer), v_chunks = static_cast<int>(p.headdim_v / kPer);
 
-    const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
-    const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + (seq.q_start + m0) * p.do_row_stride + h * p.do_head_stride;
-    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
-    u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
+    const E* gQ = static_cast<const E*>(p.q) + b * p.q_batch_stride + (seq.q_start + m0) * p.q_row_stride + h * p.q_head_stride;
+    const E* gdO = static_cast<const E*>(p.dout) + b * p.do_batch_stride + (seq.q_start + m0) * p.do_row_stride + h * p.do_head_stride;
+    const E* gK = static_cast<const E*>(p.k) + b * p.k_batch_stride + seq.k_start * p.k_row_stride + hk * p.k_head_stride;
+    const E* gV = static_cast<const E*>(p.v) + b * p.v_batch_stride + seq.k_start * p.v_row_stride + hk * p.v_head_stride;
+    E* gdQ = static_cast<E*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
     const long long stat = seq.lse_row(p, b, h, m0);
 
-    const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
-    const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+    const A scale = static_cast<A>(p.softmax_scale), softcap = static_cast<A>(p.softcap);
+    const A slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
     const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
-    float lse2[2], dsum[2];  // rows lane/4 and lane/4 + 8 of this warp (kMods: natural units)
+    A lse2[2], dsum[2];  // rows lane/4 and lane/4 + 8 of this warp (kMods: natural units)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int r = warp * 16 + lane / 4 + 8 * half;
-        lse2[half] = r >= rows_valid ? __int_as_float(0x7f800000)
-                     : lse_for_prob<kMods>(p.lse[stat + r]);
-        dsum[half] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+        lse2[half] = r >= rows_valid ? static_cast<A>(__int_as_float(0x7f800000))
+                     : lse_for_prob<kMods>(stats<A>(p.lse)[stat + r]);
+        dsum[half] = r < rows_valid ? stats<A>(p.dsum)[stat + r] : static_cast<A>(0);
     }
 
-    float dq[kD / 8][4];
+    A dq[kD / 8][4];
     zero(dq);
     int n_lo, n_hi;
     seq.key_range(m0, m0 + kT, n_lo, n_hi);
@@ -109,7 +149,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         cp_async_wait<0>();
         __syncthreads();  // Q, dO (first time), K and V tiles are in shared memory
 
-        float s[kT / 8][4], dp[kT / 8][4];  // this warp's 16 rows x kT keys
+        A s[kT / 8][4], dp[kT / 8][4];      // this warp's 16 rows x kT keys
         float bm[kT / 8][4];                 // (kMods) their bias, -inf where the mask hides the key: loads in flight during the products
         if constexpr (kMods)
             tile_bias_mask<true>(mods, bm, [&](int nt, int e, int& i, int& j) {
@@ -117,8 +157,8 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
             }, mask_state != 1);
         zero(s);
         zero(dp);
-        warp_gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
-        warp_gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
+        gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
+        gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
         unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
@@ -128,37 +168,39 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
-                float dcap, pr;
+                A dcap, pr;
                 if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                 else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
-                if (masked && !seq.visible(i, j)) pr = 0.f;
-                const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(keep, i, j) : dp[nt][e];
-                const float ds = pr * (dpz - dsum[e / 2]);  // d(loss)/d(final score)
+                if (masked && !seq.visible(i, j)) pr = 0;
+                const A dpz = kDropout ? dp[nt][e] * mods.keep_scale(keep, i, j) : dp[nt][e];
+                const A ds = pr * (dpz - dsum[e / 2]);  // d(loss)/d(final score)
                 if constexpr (kMods) mods.add_dbias(i, j, ds);
                 s[nt][e] = ds * dcap;  // dS, without the softmax scale
             }
         }
-        u32 ds[kT / 16][4];
-        c_to_a<T, kT>(ds, s);
-        warp_gemm_rb<T, kT, kD, kStride>(dq, ds, sK, lane);  // dQ += dS K
+        gemm_cb<T, kT, kD, kStride>(dq, s, sK, lane);  // dQ += dS K
         __syncthreads();  // every warp is done with sK, sV before the next tiles overwrite them
     }
     cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
     __syncthreads();
     store_warp_tile<T, kD, kStride>(dq, seq.poison(scale), sQ + warp * 16 * kStride, gdQ + warp * 16 * p.dq_row_stride,
-                                    p.dq_row_stride, rows_valid - warp * 16, qk_chunks, lane);
+                                    p.dq_row_stride, rows_valid - warp * 16, qk_chunks, lane);  // (seq.poison: NaN for bad sequences)
 }
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
-    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + 8;
+    using E = typename Elem<T>::Storage;
+    using A = typename Elem<T>::Acc;
+    constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
+    static_assert(!Elem<T>::kWide || (!kAlibi && !kMods), "float32/float64: not with these yet");
+    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    u16* sK = reinterpret_cast<u16*>(smem_raw);  // (kT, kStride), reused to stage dK
-    u16* sV = sK + kT * kStride;                 // (kT, kStride), reused to stage dV
-    u16* sQ = sV + kT * kStride;                 // (kT, kStride)
-    u16* sdO = sQ + kT * kStride;                // (kT, kStride)
-    float* sLse2 = reinterpret_cast<float*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units (kMods: natural)
-    float* sDsum = sLse2 + kT;                                    // (kT) D of the query tile
+    E* sK = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dK
+    E* sV = sK + kT * kStride;               // (kT, kStride), reused to stage dV
+    E* sQ = sV + kT * kStride;               // (kT, kStride)
+    E* sdO = sQ + kT * kStride;              // (kT, kStride)
+    A* sLse2 = reinterpret_cast<A*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units (kMods: natural)
+    A* sDsum = sLse2 + kT;                                // (kT) D of the query tile
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
@@ -171,16 +213,16 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     // packed sequences own only their own rows.
     const int write_rows = p.cu_seqlens_k ? seq.sk : static_cast<int>(p.seqlen_k);
     if (n0 >= write_rows) return;
-    const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
+    const int qk_chunks = static_cast<int>(p.headdim_qk / kPer), v_chunks = static_cast<int>(p.headdim_v / kPer);
 
     const long long k_row = seq.k_start + n0;
-    const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + k_row * p.k_row_stride + hk * p.k_head_stride;
-    const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + k_row * p.v_row_stride + hk * p.v_head_stride;
-    u16* gdK = static_cast<u16*>(p.dk) + b * p.dk_batch_stride + k_row * p.dk_row_stride + hk * p.dk_head_stride;
-    u16* gdV = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + k_row * p.dv_row_stride + hk * p.dv_head_stride;
-    const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
+    const E* gK = static_cast<const E*>(p.k) + b * p.k_batch_stride + k_row * p.k_row_stride + hk * p.k_head_stride;
+    const E* gV = static_cast<const E*>(p.v) + b * p.v_batch_stride + k_row * p.v_row_stride + hk * p.v_head_stride;
+    E* gdK = static_cast<E*>(p.dk) + b * p.dk_batch_stride + k_row * p.dk_row_stride + hk * p.dk_head_stride;
+    E* gdV = static_cast<E*>(p.dv) + b * p.dv_batch_stride + k_row * p.dv_row_stride + hk * p.dv_head_stride;
+    const A scale = static_cast<A>(p.softmax_scale), softcap = static_cast<A>(p.softcap);
 
-    float dk[kD / 8][4], dv[kD / 8][4];
+    A dk[kD / 8][4], dv[kD / 8][4];
     zero(dk);
     zero(dv);
     if (n0 < seq.sk) {
@@ -191,10 +233,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
         seq.query_range(n0, n0 + kT, i_lo, i_hi);
         for (int g = 0; g < group; ++g) {  // dK, dV sum over the query heads sharing this K/V head
             const int h = hk * group + g;
-            const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+            const A slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
             const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
-            const u16* gQ = static_cast<const u16*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
-            const u16* gdO = static_cast<const u16*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
+            const E* gQ = static_cast<const E*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
+            const E* gdO = static_cast<const E*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
             const long long stat = seq.lse_row(p, b, h, 0);
             int mb_lo = i_lo / kT, mb_hi = (i_hi + kT - 1) / kT;
             if constexpr (kMods) mods.narrow_query_tiles<kT, kT>(blockIdx.x, mb_lo, mb_hi);  // (the tile map)
@@ -207,14 +249,14 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 load_tile<kT, kD, kThreads>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
                 cp_async_commit();
                 for (int r = tid; r < kT; r += kThreads) {
-                    sLse2[r] = r >= rows_valid ? __int_as_float(0x7f800000)
-                               : lse_for_prob<kMods>(p.lse[stat + m0 + r]);
-                    sDsum[r] = r < rows_valid ? p.dsum[stat + m0 + r] : 0.f;
+                    sLse2[r] = r >= rows_valid ? static_cast<A>(__int_as_float(0x7f800000))
+                               : lse_for_prob<kMods>(stats<A>(p.lse)[stat + m0 + r]);
+                    sDsum[r] = r < rows_valid ? stats<A>(p.dsum)[stat + m0 + r] : static_cast<A>(0);
                 }
                 cp_async_wait<0>();
                 __syncthreads();  // K, V (first time), Q, dO, LSE and D of this tile are in shared memory
 
-                float st[kT / 8][4], dpt[kT / 8][4];  // this warp's 16 keys x kT queries
+                A st[kT / 8][4], dpt[kT / 8][4];      // this warp's 16 keys x kT queries
                 float bm[kT / 8][4];                   // (kMods) their bias or -inf, loaded during the products
                 if constexpr (kMods)
                     tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
@@ -222,8 +264,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     }, mask_state != 1);
                 zero(st);
                 zero(dpt);
-                warp_gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
-                warp_gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
+                gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
                 unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
                 const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
@@ -234,20 +276,25 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     for (int e = 0; e < 4; ++e) {
                         const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
                         const int i = m0 + c;
-                        float dcap, pr;
+                        A dcap, pr;
                         if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], bm[nt][e], dcap);
                         else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
-                        if (masked && !seq.visible(i, j)) pr = 0.f;
-                        const float z = kDropout ? mods.keep_scale(keep[e % 2], i, j) : 1.f;
+                        if (masked && !seq.visible(i, j)) pr = 0;
+                        const A z = kDropout ? mods.keep_scale(keep[e % 2], i, j) : 1.f;
                         st[nt][e] = pr * z;  // (dropout: the P the forward multiplied V by)
                         dpt[nt][e] = pr * (dpt[nt][e] * z - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
                     }
                 }
-                u32 pa[kT / 16][4], dsa[kT / 16][4];
-                c_to_a<T, kT>(pa, st);
-                c_to_a<T, kT>(dsa, dpt);
-                warp_gemm_rb<T, kT, kD, kStride>(dv, pa, sdO, lane);  // dV += Pᵀ dO
-                warp_gemm_rb<T, kT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
+                if constexpr (Elem<T>::kWide) {
+                    gemm_cb<T, kT, kD, kStride>(dv, st, sdO, lane);  // dV += Pᵀ dO
+                    gemm_cb<T, kT, kD, kStride>(dk, dpt, sQ, lane);  // dK += dSᵀ Q
+                } else {  // (both conversions first: the order the 16-bit kernels were tuned with)
+                    u32 pa[kT / 16][4], dsa[kT / 16][4];
+                    c_to_a<T, kT>(pa, st);
+                    c_to_a<T, kT>(dsa, dpt);
+                    warp_gemm_rb<T, kT, kD, kStride>(dv, pa, sdO, lane);  // dV += Pᵀ dO
+                    warp_gemm_rb<T, kT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
+                }
             }
         }
     }
@@ -256,7 +303,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     const int rows_valid = min(kT, write_rows - n0) - warp * 16;
     store_warp_tile<T, kD, kStride>(dk, seq.poison(scale), sK + warp * 16 * kStride, gdK + warp * 16 * p.dk_row_stride,
                                     p.dk_row_stride, rows_valid, qk_chunks, lane);
-    store_warp_tile<T, kD, kStride>(dv, seq.poison(1.f), sV + warp * 16 * kStride, gdV + warp * 16 * p.dv_row_stride,
+    store_warp_tile<T, kD, kStride>(dv, seq.poison(static_cast<A>(1)), sV + warp * 16 * kStride, gdV + warp * 16 * p.dv_row_stride,
                                     p.dv_row_stride, rows_valid, v_chunks, lane);
 }
 

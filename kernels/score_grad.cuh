@@ -7,36 +7,38 @@
 
 constexpr float kLog2e = 1.4426950408889634f;
 
+// A: float, or double in the float64 kernels; the float forms are the single-precision ones.
 // The row's LSE in log2 units, with -inf (no visible key) turned into +inf so that P = 0.
-__device__ __forceinline__ float lse_log2(float lse) {
-    return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse * kLog2e;
+template <class A>
+__device__ __forceinline__ A lse_log2(A lse) {
+    const A inf = static_cast<A>(__int_as_float(0x7f800000));
+    return lse == -inf ? inf : lse * static_cast<A>(1.4426950408889634);
 }
 
 // seqinfo.cuh's final_score (scale, softcap, ALiBi; natural units), and d(final score)/d(scale·q·k)
 // (the softcap derivative) in dcap.
-template <bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ float final_score_dcap(float qk, float scale, float softcap, float slope, int i, int j,
-                                                  int offset, float& dcap) {
-    dcap = 1.f;
-    float s = qk * scale;
+template <bool kSoftcap, bool kAlibi, class A>
+__device__ __forceinline__ A final_score_dcap(A qk, A scale, A softcap, A slope, int i, int j, int offset, A& dcap) {
+    dcap = 1;
+    A s = qk * scale;
     if constexpr (kSoftcap) {
-        const float t = tanhf(s / softcap);
+        const A t = acc::tanh(s / softcap);
         s = softcap * t;
-        dcap = 1.f - t * t;
+        dcap = static_cast<A>(1) - t * t;
     }
-    if constexpr (kAlibi) s -= slope * fabsf(static_cast<float>(i + offset - j));
+    if constexpr (kAlibi) s -= slope * acc::abs(static_cast<A>(i + offset - j));
     return s;
 }
 
 // P for one score, and the softcap derivative in dcap.
-template <bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ float prob(float qk, float scale, float softcap, float slope, int i, int j,
-                                      int offset, float lse2, float& dcap) {
+template <bool kSoftcap, bool kAlibi, class A>
+__device__ __forceinline__ A prob(A qk, A scale, A softcap, A slope, int i, int j, int offset, A lse2, A& dcap) {
+    constexpr A kL2e = static_cast<A>(1.4426950408889634);
     if constexpr (!kSoftcap && !kAlibi) {
-        dcap = 1.f;
-        return exp2f(fmaf(qk, scale * kLog2e, -lse2));  // one FFMA per score
+        dcap = 1;
+        return acc::exp2(acc::fma(qk, scale * kL2e, -lse2));  // one FFMA per score
     }
-    return exp2f(final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) * kLog2e - lse2);
+    return acc::exp2(final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) * kL2e - lse2);
 }
 
 // The row's LSE as prob_mods reads it: natural units (the forward's kNatural rows: a bias near
@@ -46,9 +48,12 @@ __device__ __forceinline__ float lse_natural(float lse) {
 }
 
 // A row's LSE as the backward's P reads it: lse_natural for the kMods kernels, lse_log2 otherwise.
-template <bool kMods>
-__device__ __forceinline__ float lse_for_prob(float lse) {
-    return kMods ? lse_natural(lse) : lse_log2(lse);
+template <bool kMods, class A>
+__device__ __forceinline__ A lse_for_prob(A lse) {
+    if constexpr (kMods)
+        return lse_natural(lse);
+    else
+        return lse_log2(lse);
 }
 
 // P for one score with its bias added after ALiBi, bm from tile_bias_mask (-inf where the boolean

@@ -147,31 +147,39 @@ __device__ __forceinline__ void c_to_a(u32 (&pa)[kN / 16][4], const float (&c)[k
     }
 }
 
-template <int kN>
-__device__ __forceinline__ void zero(float (&c)[kN][4]) {
+template <int kN, class A>
+__device__ __forceinline__ void zero(A (&c)[kN][4]) {
 #pragma unroll
     for (int i = 0; i < kN; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) c[i][e] = 0.f;
+        for (int e = 0; e < 4; ++e) c[i][e] = 0;
 }
 
-// Write a warp's (16 x kD) fp32 C-fragment tile, times `mul`, as 16-bit values: staged in the
-// warp's own 16 rows of shared memory `stage`, then stored 16 bytes at a time to rows < rows_valid
-// and 8-column chunks < chunks_valid of global memory.
-template <class T, int kD, int kStride>
-__device__ __forceinline__ void store_warp_tile(const float (&c)[kD / 8][4], float mul, u16* stage, u16* g,
+// Write a warp's (16 x kD) C-fragment tile (fp32; float32/float64 kernels: their Acc), times
+// `mul`, in the element type E (16-bit T values, or float/double): staged in the warp's own 16
+// rows of shared memory `stage`, then stored 16 bytes at a time to rows < rows_valid and 16-byte
+// chunks < chunks_valid of global memory.
+template <class T, int kD, int kStride, class A, class E>
+__device__ __forceinline__ void store_warp_tile(const A (&c)[kD / 8][4], A mul, E* stage, E* g,
                                                 long long row_stride, int rows_valid, int chunks_valid, int lane) {
+    constexpr int kPer = 16 / sizeof(E), kChunks = kD / kPer;
 #pragma unroll
     for (int ot = 0; ot < kD / 8; ++ot)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
-            *reinterpret_cast<u32*>(stage + (lane / 4 + 8 * half) * kStride + ot * 8 + (lane % 4) * 2) =
-                pack2<T>(c[ot][2 * half] * mul, c[ot][2 * half + 1] * mul);
+        for (int half = 0; half < 2; ++half) {
+            E* at = stage + (lane / 4 + 8 * half) * kStride + ot * 8 + (lane % 4) * 2;
+            if constexpr (sizeof(E) == 8)
+                *reinterpret_cast<double2*>(at) = make_double2(c[ot][2 * half] * mul, c[ot][2 * half + 1] * mul);
+            else if constexpr (sizeof(E) == 4)
+                *reinterpret_cast<float2*>(at) = make_float2(c[ot][2 * half] * mul, c[ot][2 * half + 1] * mul);
+            else
+                *reinterpret_cast<u32*>(at) = pack2<T>(c[ot][2 * half] * mul, c[ot][2 * half + 1] * mul);
+        }
     __syncwarp();
 #pragma unroll
-    for (int i = lane; i < 16 * (kD / 8); i += 32) {
-        const int r = i / (kD / 8), col = i % (kD / 8);
+    for (int i = lane; i < 16 * kChunks; i += 32) {
+        const int r = i / kChunks, col = i % kChunks;
         if (r < rows_valid && col < chunks_valid)
-            *reinterpret_cast<uint4*>(g + r * row_stride + col * 8) = *reinterpret_cast<const uint4*>(stage + r * kStride + col * 8);
+            *reinterpret_cast<uint4*>(g + r * row_stride + col * kPer) = *reinterpret_cast<const uint4*>(stage + r * kStride + col * kPer);
     }
 }

@@ -12,7 +12,7 @@ import pytest
 
 import cuflash
 from cuflash import _arrays, _gpu
-from cuflash.reference import assert_exact, attention_ref, naive_attention
+from cuflash.reference import assert_exact, attention_backward_ref, attention_ref, naive_attention, naive_attention_backward
 
 from .conftest import requires_gpu
 
@@ -146,3 +146,55 @@ def test_not_yet_covered_is_refused_before_running(rng, monkeypatch):
             call()
         assert what in str(info.value), (what, str(info.value))
     assert bool((out == 7.0).all()) and bool((k_cache == 0).all())
+
+
+# The backward (flash_bwd.cu's TF32 form): off for users until these pass on a GPU
+# (_gpu.WIDE_GRADIENTS_ENABLED); the tests switch it on for themselves.
+
+
+@pytest.fixture
+def gradients_on(float32_on, monkeypatch):
+    monkeypatch.setattr(_gpu, "WIDE_GRADIENTS_ENABLED", True)
+    return float32_on
+
+
+def _check_backward(q, k, v, dout, precision=None, **opts):
+    cp = _cp()
+    qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, precision=precision, **opts)
+    grads = [cp.full(x.shape, np.nan, dtype=np.float32) for x in (q, k, v)]
+    cuflash.attention_backward(dod, qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], precision=precision, **opts)
+    ref = attention_backward_ref(dout, q, k, v, **opts)
+    naive = naive_attention_backward(dout, q, k, v, precision=precision, **opts)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
+        assert_exact(g.get(), r, n, name)
+
+
+@pytest.mark.parametrize("precision", [None, "tf32"])
+@pytest.mark.parametrize("headdim", [1, 8, 32, 40, 64, 96, 128])
+@pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_headdims_and_lengths(rng, precision, headdim, seqlens, causal, gradients_on):
+    sq, sk = seqlens
+    q = _rand(rng, (2, sq, 2, headdim), 2.0)
+    k, v = _rand(rng, (2, sk, 2, headdim)), _rand(rng, (2, sk, 2, headdim))
+    _check_backward(q, k, v, _rand(rng, (2, sq, 2, headdim)), precision=precision, causal=causal)
+    assert any(n.startswith("cuflash_bwd_fp32_") for n in gradients_on), gradients_on
+
+
+@pytest.mark.parametrize("opts", [
+    dict(window_size=(5, 3)), dict(softcap=4.0, causal=True), dict(softmax_scale=-0.3),
+    dict(seqlens_k=np.array([90, 41], dtype=np.int32), causal=True),
+], ids=["window", "softcap", "negative-scale", "seqlens_k"])
+def test_backward_options_gqa_and_value_headdim(rng, opts, gradients_on):
+    q = _rand(rng, (2, 70, 4, 64), 3.0)
+    k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
+    _check_backward(q, k, v, _rand(rng, (2, 70, 4, 40)), **opts)
+    _check_backward(q, k, v, _rand(rng, (2, 70, 4, 40)), precision="tf32", **opts)
+
+
+def test_backward_head_dims_past_128_are_refused(rng, gradients_on):
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (1, 10, 1, 160)))
+    with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 128"):
+        cuflash.attention_backward(q, q, q, q, q, cp.zeros((1, 1, 10), dtype=np.float32))

@@ -171,3 +171,76 @@ def test_not_yet_covered_is_refused_before_running(rng):
         assert what in str(info.value), (what, str(info.value))
     assert bool((out == 7.0).all()) and bool((k_cache == 0).all())  # nothing written, nothing appended
     assert bool((vout == 7.0).all()) and bool((grads[0] == 7.0).all())
+
+
+# The backward (flash_bwd.cu's FP64 form): off for users until these pass on a GPU
+# (_gpu.WIDE_GRADIENTS_ENABLED); the tests switch it on for themselves.
+
+BWD_HEADDIMS = [1, 8, 32, 40, 64]
+
+
+@pytest.fixture
+def gradients_on(kernels_run, monkeypatch):
+    monkeypatch.setattr(_gpu, "WIDE_GRADIENTS_ENABLED", True)
+    return kernels_run
+
+
+def _grads_extended(monkeypatch, dout, q, k, v, **opts):
+    """attention_backward_ref's gradients computed in np.longdouble (its own formulas)."""
+    ld = lambda x: R._host(x).astype(np.longdouble)  # noqa: E731
+    prepare = R._prepare
+    with monkeypatch.context() as m:
+        m.setattr(R, "_prepare", lambda q, k, v, layout, options, convert=ld: prepare(q, k, v, layout, options, convert=ld))
+        m.setattr(R, "_f64", ld)
+        return R.attention_backward_ref(dout, q, k, v, **opts)
+
+
+def _check_backward(monkeypatch, q, k, v, dout, **opts):
+    """Gradients on the GPU (NaN-poisoned dq, dk, dv) against the extended-precision reference."""
+    cp = _cp()
+    qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, **opts)
+    grads = [cp.full(x.shape, np.nan) for x in (q, k, v)]
+    res = cuflash.attention_backward(dod, qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], **opts)
+    assert all(a is b for a, b in zip(res, grads))
+    ref = _grads_extended(monkeypatch, dout, q, k, v, **opts)
+    naive = R.naive_attention_backward(dout, q, k, v, **opts)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
+        _assert_f64_rule(g.get(), r, n, name)
+    return grads
+
+
+@pytest.mark.parametrize("headdim", BWD_HEADDIMS)
+@pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_headdims_and_lengths(rng, headdim, seqlens, causal, gradients_on, monkeypatch):
+    sq, sk = seqlens
+    q = _rand(rng, (2, sq, 2, headdim), 2.0)
+    k, v = _rand(rng, (2, sk, 2, headdim)), _rand(rng, (2, sk, 2, headdim))
+    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, sq, 2, headdim)), causal=causal)
+    assert any(n.startswith("cuflash_bwd_fp64_") for n in gradients_on), gradients_on
+    assert any(n.startswith("cuflash_bwd_dsum_fp64") for n in gradients_on), gradients_on
+
+
+@pytest.mark.parametrize("opts", [
+    dict(window_size=(5, 3)), dict(softcap=4.0, causal=True), dict(softmax_scale=-0.3),
+    dict(seqlens_k=np.array([90, 41], dtype=np.int32), causal=True),
+], ids=["window", "softcap", "negative-scale", "seqlens_k"])
+def test_backward_options_gqa_and_value_headdim(rng, opts, gradients_on, monkeypatch):
+    q = _rand(rng, (2, 70, 4, 64), 3.0)
+    k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
+    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 70, 4, 40)), **opts)
+
+
+def test_backward_through_vjp_and_bitwise_repeatable(rng, gradients_on):
+    cp = _cp()
+    q, k, v, dout = (cp.asarray(_rand(rng, (2, 200, 2, 64))) for _ in range(4))
+    out, vjp = cuflash.attention_vjp(q, k, v, causal=True)
+    first = vjp(dout)
+    for g, h in zip(first, cuflash.attention_backward(dout, q, k, v, out, cuflash.attention(q, k, v, causal=True,
+                                                                                          return_lse=True)[1],
+                                                      causal=True)):
+        assert bool((g.view(cp.uint64) == h.view(cp.uint64)).all())
+    with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 64"):
+        qq = cp.asarray(_rand(rng, (1, 10, 1, 96)))
+        cuflash.attention_backward(qq, qq, qq, qq, qq, cp.zeros((1, 1, 10)))
