@@ -4,7 +4,7 @@ CuPy's memory pool is switched off so that each array is its own allocation and 
 out-of-bounds access is reported instead of landing in a neighbouring pool block.
 SANITIZE_PARTS=fwd runs the forward calls only (racecheck on the Hopper forward takes minutes
 for the whole sweep); SANITIZE_PARTS=varlen the packed calls with hostile and well-formed offsets only;
-SANITIZE_PARTS=wide the float32 and float64 forwards' calls only (named f64 in session 22, before float32).
+SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32).
 """
 
 import os
@@ -30,12 +30,13 @@ def rand(shape, dtype):
     return cp.asarray(rng.standard_normal(shape).astype(dtype))
 
 
-# The float32 and float64 forwards (issue 24, flash_fwd.cu's TF32 and FP64 tensor-core forms; float32
-# switched on here, as its tests do, until it is on for everyone): partial tiles of rows, keys and
-# head dims, the options they take, GQA, Dv != Dqk, both float32 precisions.
+# The float32 and float64 forwards and backwards (issue 24, flash_fwd.cu's and flash_bwd.cu's TF32
+# and FP64 tensor-core forms; float32 and the gradients switched on here, as their tests do, until
+# they are on for everyone): partial tiles of rows, keys and head dims, the options they take, GQA,
+# Dv != Dqk, both float32 precisions.
 from cuflash import _gpu  # noqa: E402
 
-_gpu.FLOAT32_ENABLED = True
+_gpu.FLOAT32_ENABLED = _gpu.WIDE_GRADIENTS_ENABLED = True
 wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 128, 40, dict(softcap=3.0)),
               (100, 300, 100, 100, dict(window_size=(7, 2))), (33, 97, 1, 1, dict(causal=True, seqlens_k=True)),
               (70, 90, 256, 256, dict(causal=True)))
@@ -46,10 +47,13 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
         if opts.get("seqlens_k"):
             opts = dict(opts, seqlens_k=cp.asarray(np.array([sk, sk // 3], dtype=np.int32)))
         q, k, v = rand((2, sq, 4, d), dtype), rand((2, sk, 2, d), dtype), rand((2, sk, 2, dv), dtype)
-        out = cuflash.attention(q, k, v, precision=precision, **opts)
+        out, lse = cuflash.attention(q, k, v, precision=precision, return_lse=True, **opts)
         assert not bool(cp.isnan(out).any()), (dtype, sq, sk, d, opts)
+        if d <= (64 if dtype == np.float64 else 128) and not FORWARD_ONLY:
+            grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision, **opts)
+            assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, opts)
 cp.cuda.Device().synchronize()
-_gpu.FLOAT32_ENABLED = False
+_gpu.FLOAT32_ENABLED = _gpu.WIDE_GRADIENTS_ENABLED = False
 if os.environ.get("SANITIZE_PARTS") == "wide":
     print("sanitize sweep done")
     sys.exit(0)
