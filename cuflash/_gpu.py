@@ -89,18 +89,21 @@ def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
     return name
 
 
-def check_call(p, q, *, packed=False, kvcache=False, backward=False) -> str:
+def check_call(p, q, *, packed=False, kvcache=False, backward=False, headdim=0) -> str:
     """The dtype name of the forward (``backward``: backward) kernels for this call, or
     NotAvailableOnGPU (before the caller writes anything, even for calls with nothing to compute)
-    when its dtype has none for it.  ``p`` None checks the dtype alone (attention_vjp's first step)."""
+    when its dtype has none for it.  ``p`` None checks the dtype and ``headdim`` alone
+    (attention_vjp's first step, before its forward runs)."""
     name = np.dtype(q.dtype).name
     if name not in _WIDE_DTYPES:
         return _check_gpu_dtype(q, None)
     if backward and not WIDE_GRADIENTS_ENABLED:
         return _check_gpu_dtype(q, "gradients")
-    missing = None if p is None else _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed,
-                                                   kvcache=kvcache, backward=backward)
-    return _check_gpu_dtype(q, missing)
+    if p is None:
+        limit = _wide_limit(name, backward)
+        return _check_gpu_dtype(q, f"head dims past {limit}" if headdim > limit else None)
+    return _check_gpu_dtype(q, _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed,
+                                             kvcache=kvcache, backward=backward))
 
 
 def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False) -> str | None:

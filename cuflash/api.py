@@ -489,7 +489,7 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
     if _arrays.is_gpu(q):  # a dtype without GPU gradients: refused now, not after the forward
         from . import _gpu
 
-        _gpu.check_call(None, q, backward=True)
+        _gpu.check_call(None, q, backward=True, headdim=max(q.shape[-1], getattr(v, "shape", q.shape)[-1]))
     return_lse = V.check_bool(return_lse, "return_lse")
     deterministic = V.check_bool(options.pop("deterministic", False), "deterministic")
     out, lse = attention(q, k, v, return_lse=True, **options)

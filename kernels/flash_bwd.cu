@@ -2,7 +2,8 @@
 //
 // Dao, "FlashAttention-2", ICLR 2024, Algorithm 2, split into kernels so that no output is
 // accumulated with atomics (the result is bitwise repeatable with or without `deterministic`):
-//   (bwd_dsum.cu, shared with the Hopper backward: D_i = rowsum(dO_i ∘ O_i), fp32, laid out like the LSE)
+//   (bwd_dsum.cu, shared with the Hopper backward: D_i = rowsum(dO_i ∘ O_i), fp32 (float64 for
+//   float64), laid out like the LSE)
 //   _dq   : one block per (query block, head, batch); warps own 16 query rows.  For each key
 //           tile: S = Q Kᵀ, P = exp(S - LSE), dP = dO Vᵀ, dS = P ∘ (dP - D), dQ += dS K.
 //   _dkdv : one block per (key block, key/value head, batch); warps own 16 key rows.  For each
@@ -137,14 +138,14 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         mods.narrow_key_tiles<kT, kT>(blockIdx.x, lo, hi);
         n_lo = max(n_lo, lo * kT), n_hi = min(n_hi, hi * kT);
     }
-    load_tile<kT, kD, kThreads>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
-    load_tile<kT, kD, kThreads>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
+    load_tile<kT, kD, kThreads, kStride>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
+    load_tile<kT, kD, kThreads, kStride>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
     cp_async_commit();
     for (int n0 = n_lo / kT * kT; n0 < n_hi; n0 += kT) {
         const int mask_state = kMods ? mods.tile_state<kT, kT>(blockIdx.x, n0 / kT) : 2;
         if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile: it adds nothing
-        load_tile<kT, kD, kThreads>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
-        load_tile<kT, kD, kThreads>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();  // Q, dO (first time), K and V tiles are in shared memory
@@ -226,8 +227,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     zero(dk);
     zero(dv);
     if (n0 < seq.sk) {
-        load_tile<kT, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
-        load_tile<kT, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
         cp_async_commit();
         int i_lo, i_hi;
         seq.query_range(n0, n0 + kT, i_lo, i_hi);
@@ -245,8 +246,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile
                 const int rows_valid = min(kT, seq.sq - m0);
                 __syncthreads();  // every warp is done with the previous query tile
-                load_tile<kT, kD, kThreads>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
-                load_tile<kT, kD, kThreads>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
+                load_tile<kT, kD, kThreads, kStride>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
+                load_tile<kT, kD, kThreads, kStride>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
                 cp_async_commit();
                 for (int r = tid; r < kT; r += kThreads) {
                     sLse2[r] = r >= rows_valid ? static_cast<A>(__int_as_float(0x7f800000))

@@ -3,12 +3,12 @@
 #include "mma.cuh"
 
 // Copy a (kRows x kD) tile whose rows start `row_stride` elements apart into shared memory rows
-// kStride elements apart (padded so that ldmatrix reads avoid bank conflicts); rows >= rows_valid
+// kStride elements apart (no default: the kernels' pads differ by element size) (padded so that ldmatrix reads avoid bank conflicts); rows >= rows_valid
 // and 16-byte chunks >= chunks_valid (8 columns of 16-bit elements E, 2 of double) become zeros.  kFetchLine: see cp_async_16.  When the
 // threads divide the row chunks evenly, thread t always copies column chunk t % kChunks of rows
 // t / kChunks + i * kRowStep: addresses are a base plus a constant step, with no division or
 // 64-bit multiply per chunk.
-template <int kRows, int kD, int kThreads, int kStride = kD + 8, bool kFetchLine = false, class E>
+template <int kRows, int kD, int kThreads, int kStride, bool kFetchLine = false, class E>
 __device__ __forceinline__ void load_tile(E* smem, const E* g, long long row_stride, int rows_valid,
                                           int chunks_valid, int tid) {
     constexpr int kPer = 16 / sizeof(E), kChunks = kD / kPer;
@@ -37,7 +37,7 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, long long row_str
 // load_tile for tiles whose rows are not evenly spaced: row r starts at row_ptr(r) (paged K/V,
 // or query rows that interleave tokens and heads).  row_ptr is called only for valid rows;
 // `fallback` is any readable address, given to the zero-filling copies of the others.
-template <int kRows, int kD, int kThreads, int kStride = kD + 8, bool kFetchLine = false, class RowPtr, class E>
+template <int kRows, int kD, int kThreads, int kStride, bool kFetchLine = false, class RowPtr, class E>
 __device__ __forceinline__ void load_tile_rows(E* smem, RowPtr row_ptr, const E* fallback, int rows_valid,
                                                int chunks_valid, int tid) {
     constexpr int kPer = 16 / sizeof(E), kChunks = kD / kPer;

@@ -179,7 +179,9 @@ def test_backward_headdims_and_lengths(rng, precision, headdim, seqlens, causal,
     q = _rand(rng, (2, sq, 2, headdim), 2.0)
     k, v = _rand(rng, (2, sk, 2, headdim)), _rand(rng, (2, sk, 2, headdim))
     _check_backward(q, k, v, _rand(rng, (2, sq, 2, headdim)), precision=precision, causal=causal)
-    assert any(n.startswith("cuflash_bwd_fp32_") for n in gradients_on), gradients_on
+    backward = [n for n in gradients_on if n.startswith("cuflash_bwd_fp32_")]
+    assert backward and all(n.endswith("_tf32") == (precision == "tf32") for n in backward), gradients_on
+    assert "cuflash_bwd_dsum_fp32" in gradients_on, gradients_on
 
 
 @pytest.mark.parametrize("opts", [
@@ -193,8 +195,24 @@ def test_backward_options_gqa_and_value_headdim(rng, opts, gradients_on):
     _check_backward(q, k, v, _rand(rng, (2, 70, 4, 40)), precision="tf32", **opts)
 
 
+def test_backward_with_dlse(rng, gradients_on):
+    """The LSE's gradient joins D (dsum -= dlse) in float32 too."""
+    cp = _cp()
+    q, k, v, dout = (_rand(rng, (2, 50, 2, 64)) for _ in range(4))
+    dlse = _rand(rng, (2, 2, 50))
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, causal=True)
+    grads = cuflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, dlse=cp.asarray(dlse), causal=True)
+    ref = attention_backward_ref(dout, q, k, v, dlse=dlse, causal=True)
+    naive = naive_attention_backward(dout, q, k, v, dlse=dlse, causal=True)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
+        assert_exact(g.get(), r, n, name)
+
+
 def test_backward_head_dims_past_128_are_refused(rng, gradients_on):
     cp = _cp()
     q = cp.asarray(_rand(rng, (1, 10, 1, 160)))
     with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 128"):
         cuflash.attention_backward(q, q, q, q, q, cp.zeros((1, 1, 10), dtype=np.float32))
+    with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 128"):
+        cuflash.attention_vjp(q, q, q)  # before its forward runs

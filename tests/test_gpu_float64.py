@@ -241,6 +241,22 @@ def test_backward_through_vjp_and_bitwise_repeatable(rng, gradients_on):
                                                                                           return_lse=True)[1],
                                                       causal=True)):
         assert bool((g.view(cp.uint64) == h.view(cp.uint64)).all())
+    qq = cp.asarray(_rand(rng, (1, 10, 1, 96)))
     with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 64"):
-        qq = cp.asarray(_rand(rng, (1, 10, 1, 96)))
         cuflash.attention_backward(qq, qq, qq, qq, qq, cp.zeros((1, 1, 10)))
+    with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 64"):
+        cuflash.attention_vjp(qq, qq, qq)  # before its forward runs
+
+
+def test_backward_with_dlse(rng, gradients_on, monkeypatch):
+    """The LSE's gradient joins D (dsum -= dlse) in float64."""
+    cp = _cp()
+    q, k, v, dout = (_rand(rng, (2, 50, 2, 64)) for _ in range(4))
+    dlse = _rand(rng, (2, 2, 50))
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out, lse = cuflash.attention(qd, kd, vd, return_lse=True, causal=True)
+    grads = cuflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, dlse=cp.asarray(dlse), causal=True)
+    ref = _grads_extended(monkeypatch, dout, q, k, v, dlse=dlse, causal=True)
+    naive = R.naive_attention_backward(dout, q, k, v, dlse=dlse, causal=True)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
+        _assert_f64_rule(g.get(), r, n, name)
