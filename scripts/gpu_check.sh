@@ -2,7 +2,7 @@
 # GPU checks in one device call: tests, compute-sanitizer (memcheck, racecheck, synccheck), benchmarks.
 # Logs go to $OUT (or ./gpu_check_out), 8 files at most (the device tool returns 8); the last lines
 # printed are the summary.
-#   scripts/gpu_check.sh [warm|tests|sanitize|raceprobe|host|bench|backward|decode|varlen|modifiers|paper|firstcall|ab|smoke|tune|ring|ncu]...
+#   scripts/gpu_check.sh [warm|tests|sanitize|raceprobe|host|bench|backward|decode|varlen|modifiers|paper|firstcall|ab|smoke|tune|tune_wide|ring|ncu]...
 # (warm: every kernel variant compiled into CuPy's cache at once, before a long test run)
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/; shell quoting kept, e.g. 'tests/x.py -k "a or b"'), PYTEST_WORKERS (pytest-xdist workers, 6), WARM_MATCH
@@ -86,6 +86,13 @@ for stage in $stages; do
         timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 192 --seqlen 1024,4096,16384 --sm90 96x2,80x2,64x2; } >"$OUT/tune.log" 2>&1
       rc=$?; summary+=("tune rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune.log" ;;
+    tune_wide)  # float64 / float32 forward tiles (issue 24, docs/perf-notes.md f1): 8 warps sharing K/V, smaller key tiles
+      { timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 64,128 --seqlen 4096 \
+          --configs 64x32x4x1x0,128x32x8x1x0,64x16x4x1x0,128x16x8x1x0,32x16x2x1x0
+        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp32 --headdims 64,128 --seqlen 4096 \
+          --configs 64x64x4x1x0,128x64x8x1x0,64x32x4x1x0,128x32x8x1x0; } >"$OUT/tune_wide.log" 2>&1
+      rc=$?; summary+=("tune_wide rc=$rc ($(elapsed))")
+      tail -n 30 "$OUT/tune_wide.log" ;;
     smoke)  # the Hopper kernels' exactness rows and their ablation columns (docs/perf-notes.md h7-h9)
       timeout ${SMOKE_TIMEOUT:-200} $PY scripts/sm90_smoke.py fwd >"$OUT/smoke.log" 2>&1
       rc=$?; summary+=("smoke rc=$rc ($(elapsed))")

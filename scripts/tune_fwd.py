@@ -71,10 +71,13 @@ def tune_decode(configs):
         del k, v
 
 
-def standard_inputs(d, seqlen):
-    """bf16 q, k, v of the standard sweep (b * s = 16k tokens, h * d = 2048)."""
+DTYPES = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32, "fp64": np.float64}
+
+
+def standard_inputs(d, seqlen, dtype="bf16"):
+    """q, k, v of the standard sweep (b * s = 16k tokens, h * d = 2048)."""
     b, h = 16384 // seqlen, 2048 // d
-    return tuple(cp.asarray(np.random.default_rng(i).standard_normal((b, seqlen, h, d), dtype=np.float32)).astype(ml_dtypes.bfloat16)
+    return tuple(cp.asarray(np.random.default_rng(i).standard_normal((b, seqlen, h, d), dtype=np.float32)).astype(DTYPES[dtype])
                  for i in range(3))
 
 
@@ -101,14 +104,22 @@ def main():
     ap.add_argument("--seqlen", default="4096", help="comma-separated lengths")
     ap.add_argument("--sm90", help="Hopper forward tiles to time instead, e.g. 176x2,96x2x3 (keys per tile x stages [x consumer warpgroups, 2])")
     ap.add_argument("--decode", help="decode tiles to time instead, e.g. 16x64x1,16x128x1")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
+                    help="the --configs forward's dtype: bf16, or fp32/fp64 (flash_fwd.cu's TF32/FP64 forms, issue 24)")
     args = ap.parse_args()
+    if args.dtype == "fp32":
+        from cuflash import _gpu
+
+        _gpu.FLOAT32_ENABLED = True  # (timing its kernels before it is on for users)
+    dtype_name = {"bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}[args.dtype]
+    itemsize = np.dtype(DTYPES[args.dtype]).itemsize
     if args.decode:
         return tune_decode(args.decode)
     seqlens = list(map(int, args.seqlen.split(",")))
     _kernels.SM90_FWD_LONG_ROWS = 1 << 62  # every row length on SM90_FWD_TILES, the table under test
     for d in map(int, args.headdims.split(",")):
         for seqlen in seqlens:
-            qkv = standard_inputs(d, seqlen)  # one set of inputs for every configuration
+            qkv = standard_inputs(d, seqlen, args.dtype)  # one set of inputs for every configuration
             for causal in (False, True):
                 if args.sm90:
                     for cfg in args.sm90.split(","):
@@ -117,11 +128,12 @@ def main():
                     continue
                 for cfg in args.configs.split(","):
                     bm, bn, w, mb, qr = map(int, cfg.split("x"))
-                    tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr))
-                    if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024:
+                    wide = dict(row_pad=4, itemsize=itemsize) if itemsize > 2 else {}
+                    tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr), **wide)
+                    if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024 - _kernels.STATIC_SMEM_RESERVE:
                         continue
                     run_config(qkv, causal, cfg, overridden(vars(_kernels), "fwd_tile", tile_function(tile)),
-                               lambda: _kernels.fwd_variant("bfloat16", d, softcap=False, alibi=False))
+                               lambda: _kernels.fwd_variant(dtype_name, d, softcap=False, alibi=False))
 
 
 if __name__ == "__main__":
