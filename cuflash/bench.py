@@ -804,7 +804,7 @@ def main(argv=None, progress=_plain_progress):
         env = environment()
         if args.suite == "modifiers":
             if not set((args.dtypes or "bf16").split(",")) <= {"bf16", "fp16"}:
-                ap.error(f"--dtypes {args.dtypes}: the modifiers suite runs bf16 and fp16 (no float32/float64 GPU kernels yet)")
+                ap.error(f"--dtypes {args.dtypes}: the modifiers suite runs bf16 and fp16 (the float32/float64 GPU kernels take no bias, mask or dropout yet)")
             rows = modifiers_suite(headdims=tuple(map(int, (args.headdims or "128").split(","))),
                                    dtypes=tuple((args.dtypes or "bf16").split(",")), backward=args.backward,
                                    peers={} if args.no_peers else None, progress=progress)

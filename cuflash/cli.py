@@ -450,8 +450,9 @@ def _check_sweep(dtypes, headdims, seqlens):
                                                "modifiers suites).")
 @click.option("--dtypes", default="bf16,fp16", show_default=True,
               help="Comma list of bf16, fp16, fp32, fp64 (bfloat16, float16, float32, float64 also accepted); "
-                   "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate (cuflash has no "
-                   "float32/float64 GPU kernels yet: its own rows say so).")
+                   "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate; cuflash's float64 "
+                   "forward runs on the FP64 tensor cores (its float32 kernels and float32/float64 "
+                   "gradients are not on yet: those rows say so).")
 @click.option("--headdims", default="64,128,256", show_default=True,
               help="Comma list of head dims to sweep (standard suite; the modifiers suite runs 128 unless "
                    "given), each 1 to 256.")
@@ -478,8 +479,8 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
             raise click.UsageError(f"{options}: not for --suite {suite}, which runs fixed configurations (--backward, "
                                    "--dtypes, --headdims: standard and modifiers suites)")
         if suite == "modifiers" and not set(dtypes.split(",")) <= {"bf16", "fp16"}:
-            raise click.UsageError(f"--dtypes {dtypes}: the modifiers suite runs bf16 and fp16 (cuflash's GPU "
-                                   "kernels take no float32/float64 yet)")
+            raise click.UsageError(f"--dtypes {dtypes}: the modifiers suite runs bf16 and fp16 (cuflash's "
+                                   "float32/float64 GPU kernels take no bias, mask or dropout yet)")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):  # fail now, not after the sweep
         if path is not None:
             _check_writable(path, option)
