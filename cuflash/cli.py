@@ -120,7 +120,7 @@ def kernel_family(major: int, minor: int, nvrtc, disabled: bool | None = None) -
     return (f"Hopper kernels (wgmma, sm_90a) for the forward at head dims {_kernels.SM90_FWD_MIN_HEADDIM}-"
             f"{max(_kernels.SM90_FWD_TILES)} "
             f"and the backward at {_headdim_spans(_hopper_backward_buckets())}; sm_80 kernels for other head dims "
-            f"and for decoding (<= 16 query rows, paged caches)")
+            f"and for decoding (<= 16 query rows, paged caches) and float64 (FP64 tensor cores)")
 
 
 def _hopper_backward_buckets() -> set:
