@@ -200,14 +200,14 @@ def sm90_disabled() -> bool:
 # Keys per tile: any multiple of 16 with a wgmma shape in wgmma.cuh (64, 80, 96, 128, 176: FA3
 # uses 176 at d128 and 80 at d256); three consumers (192 query rows) as FA3 at d64 fit from 160
 # registers per thread.  `scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS` compares others.
-# Measured: docs/perf-notes.md, h7 and h15 (d256: 80 keys 5-12 % over 64 since the uniform
+# Measured: docs/perf-notes.md, h7 and h15 (d256: 80 keys 4-12 % over 64 since the uniform
 # descriptors; its K/V ring then fills shared memory, so O is staged in sQ).
 SM90_FWD_TILES = {64: (128, 2, 2), 128: (128, 2, 2), 192: (96, 2, 2), 256: (80, 2, 2)}
 # Keys per tile where a score modifier (softcap, ALiBi, bias, masks, dropout) takes registers:
 # d256's 80-key tile then spills 44-240 bytes (NVRTC 13.0), its 64-key tile none.
 SM90_FWD_MODS_BLOCK_N = {256: 64}
 # Tiles for rows of SM90_FWD_LONG_ROWS queries or more, without score modifiers: d64's three
-# consumers (192 rows, FA3's d64 shape) gain 4-7 % at 16k rows, tie at 2k-4k and lose 7-9 % at 1k
+# consumers (192 rows, FA3's d64 shape) gain 3-7 % at 16k rows, tie at 2k-4k and lose 7-9 % at 1k
 # (docs/perf-notes.md h15), where the 128-row tile wastes less of the last block.
 SM90_FWD_LONG_TILES = {64: (96, 2, 3)}
 SM90_FWD_LONG_ROWS = 8192
