@@ -62,27 +62,6 @@ constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 template <class A>
 __device__ __forceinline__ const A* stats(const float* x) { return reinterpret_cast<const A*>(x); }
 
-// acc (16 x kN) += A (16 x kD) · Bᵀ and acc (16 x kD) += C (16 x kK, C fragments) · B for the
-// dtype tag T: warp_gemm.cuh's 16-bit products (C converted to A fragments), or its float32 and
-// float64 ones (C used as it is).
-template <class T, int kD, int kN, int kStride, class A, class E>
-__device__ __forceinline__ void gemm_abt(A (&acc)[kN / 8][4], const E* sA, const E* sB, int lane) {
-    if constexpr (Elem<T>::kF64) warp_gemm_abt_f64<kD, kN, kStride>(acc, sA, sB, lane);
-    else if constexpr (Elem<T>::kF32) warp_gemm_abt_f32<kTf32Terms, kD, kN, kStride>(acc, sA, sB, lane);
-    else warp_gemm_abt<T, kD, kN, kStride>(acc, sA, sB, lane);
-}
-template <class T, int kK, int kD, int kStride, class A, class E>
-__device__ __forceinline__ void gemm_cb(A (&acc)[kD / 8][4], const A (&c)[kK / 8][4], const E* sB, int lane) {
-    if constexpr (Elem<T>::kF64) {
-        warp_gemm_cb_f64<kK, kD, kStride>(acc, c, sB, lane);
-    } else if constexpr (Elem<T>::kF32) {
-        warp_gemm_cb_f32<kTf32Terms, kK, kD, kStride>(acc, c, sB, lane);
-    } else {
-        u32 a[kK / 16][4];
-        c_to_a<T, kK>(a, c);
-        warp_gemm_rb<T, kK, kD, kStride>(acc, a, sB, lane);
-    }
-}
 #define CUFLASH_CAT2(a, b) a##b
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
 
@@ -158,8 +137,8 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
             }, mask_state != 1);
         zero(s);
         zero(dp);
-        gemm_abt<T, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
-        gemm_abt<T, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
+        gemm_abt<T, kTf32Terms, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
+        gemm_abt<T, kTf32Terms, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
         unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
@@ -179,7 +158,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                 s[nt][e] = ds * dcap;  // dS, without the softmax scale
             }
         }
-        gemm_cb<T, kT, kD, kStride>(dq, s, sK, lane);  // dQ += dS K
+        gemm_cb<T, kTf32Terms, kT, kD, kStride>(dq, s, sK, lane);  // dQ += dS K
         __syncthreads();  // every warp is done with sK, sV before the next tiles overwrite them
     }
     cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
@@ -265,8 +244,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     }, mask_state != 1);
                 zero(st);
                 zero(dpt);
-                gemm_abt<T, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
-                gemm_abt<T, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                gemm_abt<T, kTf32Terms, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
+                gemm_abt<T, kTf32Terms, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
                 unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
                 const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
@@ -287,8 +266,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     }
                 }
                 if constexpr (Elem<T>::kWide) {
-                    gemm_cb<T, kT, kD, kStride>(dv, st, sdO, lane);  // dV += Pᵀ dO
-                    gemm_cb<T, kT, kD, kStride>(dk, dpt, sQ, lane);  // dK += dSᵀ Q
+                    gemm_cb<T, kTf32Terms, kT, kD, kStride>(dv, st, sdO, lane);  // dV += Pᵀ dO
+                    gemm_cb<T, kTf32Terms, kT, kD, kStride>(dk, dpt, sQ, lane);  // dK += dSᵀ Q
                 } else {  // (both conversions first: the order the 16-bit kernels were tuned with)
                     u32 pa[kT / 16][4], dsa[kT / 16][4];
                     c_to_a<T, kT>(pa, st);

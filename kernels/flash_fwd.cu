@@ -415,13 +415,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-            if constexpr (kF64) {
+            if constexpr (kWide) {  // (plain shared-memory operands: warp_gemm.cuh)
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) warp_gemm_abt_f64<kD, kBNW, kStride>(s[mt], sQw + mt * 16 * kStride, sKw, lane);
-            } else if constexpr (kF32) {
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt)
-                    warp_gemm_abt_f32<kTf32Terms, kD, kBNW, kStride>(s[mt], sQw + mt * 16 * kStride, sKw, lane);
+                for (int mt = 0; mt < kMT; ++mt) gemm_abt<T, kTf32Terms, kD, kBNW, kStride>(s[mt], sQw + mt * 16 * kStride, sKw, lane);
             } else {
 #pragma unroll
             for (int ks = 0; ks < kKS; ++ks) {
@@ -484,12 +480,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             __syncthreads();  // V_nb has landed for every thread's copies
 
             // O += P V, with P's registers as the A operand.
-            if constexpr (kF64) {
+            if constexpr (kWide) {  // (P as S left it: warp_gemm.cuh)
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) warp_gemm_cb_f64<kBNW, kD, kStride>(o[mt], s[mt], sVw, lane);
-            } else if constexpr (kF32) {
-#pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) warp_gemm_cb_f32<kTf32Terms, kBNW, kD, kStride>(o[mt], s[mt], sVw, lane);
+                for (int mt = 0; mt < kMT; ++mt) gemm_cb<T, kTf32Terms, kBNW, kD, kStride>(o[mt], s[mt], sVw, lane);
             } else {
 #pragma unroll
             for (int kk = 0; kk < kBNW / 16; ++kk) {

@@ -155,6 +155,28 @@ __device__ __forceinline__ void zero(A (&c)[kN][4]) {
         for (int e = 0; e < 4; ++e) c[i][e] = 0;
 }
 
+// acc (16 x kN) += A (16 x kD) · Bᵀ and acc (16 x kD) += C (16 x kK, C fragments) · B for the
+// dtype tag T: the 16-bit products above (C converted to A fragments), or the float32 (kTerms TF32
+// products, warp_gemm_abt_f32) and float64 ones (C used as it is).
+template <class T, int kTerms, int kD, int kN, int kStride, class A, class E>
+__device__ __forceinline__ void gemm_abt(A (&acc)[kN / 8][4], const E* sA, const E* sB, int lane) {
+    if constexpr (Elem<T>::kF64) warp_gemm_abt_f64<kD, kN, kStride>(acc, sA, sB, lane);
+    else if constexpr (Elem<T>::kF32) warp_gemm_abt_f32<kTerms, kD, kN, kStride>(acc, sA, sB, lane);
+    else warp_gemm_abt<T, kD, kN, kStride>(acc, sA, sB, lane);
+}
+template <class T, int kTerms, int kK, int kD, int kStride, class A, class E>
+__device__ __forceinline__ void gemm_cb(A (&acc)[kD / 8][4], const A (&c)[kK / 8][4], const E* sB, int lane) {
+    if constexpr (Elem<T>::kF64) {
+        warp_gemm_cb_f64<kK, kD, kStride>(acc, c, sB, lane);
+    } else if constexpr (Elem<T>::kF32) {
+        warp_gemm_cb_f32<kTerms, kK, kD, kStride>(acc, c, sB, lane);
+    } else {
+        u32 a[kK / 16][4];
+        c_to_a<T, kK>(a, c);
+        warp_gemm_rb<T, kK, kD, kStride>(acc, a, sB, lane);
+    }
+}
+
 // Write a warp's (16 x kD) C-fragment tile (fp32; float32/float64 kernels: their Acc), times
 // `mul`, in the element type E (16-bit T values, or float/double): staged in the warp's own 16
 // rows of shared memory `stage`, then stored 16 bytes at a time to rows < rows_valid and 16-byte
