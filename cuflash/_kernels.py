@@ -26,8 +26,10 @@ _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "
 # The attention kernels' tag where it is not the C type (mma.cuh's Elem: float64 is f64_t, the FP64
 # tensor-core form of flash_fwd.cu, float32 f32_t its TF32 one).
 ATTENTION_TAGS = {"float32": "f32_t", "float64": "f64_t"}
-# Forward head-dim buckets with a float64 kernel (issue 24; larger ones need O split over warps:
-# a d256 double accumulator is 256 registers a thread).
+# Forward head-dim buckets the float64 kernel serves (issue 24).  Past d128 it splits O's columns
+# over two warps (a d256 double accumulator would be 256 registers a thread: TileConfig.col_split);
+# those variants are built but not served until tests/test_gpu_float64.py's (which raise this
+# limit for themselves) have passed on a GPU.
 F64_FWD_MAX_HEADDIM = 128
 # Backward head-dim buckets with a float64 / float32 kernel: the dK and dV accumulators of a dK/dV
 # warp are 2 · D/2 values a thread (256 registers for float64 at d128, for float32 at d256).
@@ -92,7 +94,8 @@ class TileConfig:
     min_blocks: int = 1  # blocks per SM the register allocation must allow
     q_in_regs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
     row_pad: int = 8  # elements of padding per shared-memory row: 16 or 32 bytes (kernels/flash_fwd.cu)
-    itemsize: int = 2  # bytes per element: 2, or 8 (float64)
+    itemsize: int = 2  # bytes per element: 2, or 4/8 (float32/float64)
+    col_split: int = 1  # warps sharing each 16-row slab, each with its share of O's columns (float64 past d128)
 
     def smem_bytes(self, headdim: int) -> int:
         # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements.
@@ -119,8 +122,12 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
     if dtype in ("float32", "float64"):  # (not tuned yet) 4-element row pad: the operands' loads spread over the banks
         item = 8 if dtype == "float64" else 4
-        shapes = ((64, 32, 4), (32, 16, 2)) if item == 8 else ((64, 64 if headdim <= 128 else 32, 4), (64, 32, 4), (32, 32, 2))
-        tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item) for bm, bn, w in shapes]
+        split = 2 if item == 8 and headdim > 128 else 1  # (float64's O: D/2 doubles a thread without it)
+        if item == 8:
+            shapes = ((64, 32, 4), (32, 16, 2)) if split == 1 else ((32, 32, 4), (32, 16, 4), (16, 16, 2))
+        else:
+            shapes = ((64, 64 if headdim <= 128 else 32, 4), (64, 32, 4), (32, 32, 2))
+        tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split) for bm, bn, w in shapes]
         return next((t for t in tiles if t.smem_bytes(headdim) <= limit), tiles[-1])  # (the last fits 99 KB GPUs)
     if headdim <= 64:
         cfg = TileConfig(128, 64, 8, min_blocks=2)
@@ -173,13 +180,13 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit, dtype)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
-    name += "_tf32" * tf32
+    name += "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
     defines = (
         ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
-        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3),
+        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_COL_SPLIT", t.col_split),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -418,8 +425,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
-    out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24: forward only yet)
-            for d in HEADDIM_BUCKETS if d <= F64_FWD_MAX_HEADDIM for softcap in (False, True)]
+    out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24; past
+            for d in HEADDIM_BUCKETS for softcap in (False, True)]  # F64_FWD_MAX_HEADDIM: built, not yet served)
     out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
     out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)

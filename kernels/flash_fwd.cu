@@ -79,10 +79,16 @@
 #ifndef CUFLASH_TF32_TERMS
 #define CUFLASH_TF32_TERMS 3  // float32: 3 (3xTF32, float32's accuracy) or 1 (TF32 products)
 #endif
+#ifndef CUFLASH_COL_SPLIT
+#define CUFLASH_COL_SPLIT 1  // float32/float64: warps per 16-row slab, each owning that share of O's columns
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
 #endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
+// kColSplit 2 (float64 past d128: its O accumulator would be D/2 doubles a thread): two warps take
+// the same 16 query rows, both form S and P for them, and each accumulates half of O's columns.
+constexpr int kColSplit = CUFLASH_COL_SPLIT;
 
 // Merge the softmax states of warps that saw different keys of the same rows into warp 0:
 // with M the largest running max of a row and f_w = 2^(m_w - M), warp 0 ends with m = M,
@@ -247,15 +253,17 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr bool kF64 = Elem<T>::kF64, kF32 = Elem<T>::kF32, kWide = Elem<T>::kWide;
     constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static_assert(!kWide || (!kSplitKV && !kAlibi && !kMods && !kQInRegs), "float32/float64: not with these yet");
-    static_assert(!kF64 || kD <= 128, "float64: O of a 256-wide head takes 256 registers a thread");
+    static_assert(kColSplit == 1 || (kWide && !kSplitKV), "a column split: float32/float64 one-pass kernels only");
+    static_assert(!kF64 || kD / kColSplit <= 128, "float64: O of a 256-wide head takes 256 registers a thread");
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
-    constexpr int kRowWarps = kSplitKV ? 1 : kWarps, kKeyWarps = kSplitKV ? kWarps : 1;
+    constexpr int kRowWarps = kSplitKV ? 1 : kWarps / kColSplit, kKeyWarps = kSplitKV ? kWarps : 1;
     constexpr int kMT = kBM / (16 * kRowWarps);  // 16-row MMA tiles per warp
     constexpr int kBNW = kBN / kKeyWarps;        // keys of a tile per warp
     constexpr int kNT = kBNW / 8;                // 8-key column tiles of S
     constexpr int kKS = kD / 16;                 // 16-wide steps over the head dim
     constexpr int kOT = kD / 8;                  // 8-wide column tiles of O
+    constexpr int kOW = kOT / kColSplit;         // of them, this warp's (its share of the columns)
     constexpr int kStride = kD + kRowPad;        // padded shared-memory row, in elements
     static_assert(kBM % (16 * kRowWarps) == 0 && kBNW % 16 == 0 && kD % 32 == 0, "bad tile shape");
     static_assert(kRowPad * sizeof(E) == 16 || kRowPad * sizeof(E) == 32, "rows padded by 16 or 32 bytes");
@@ -268,7 +276,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     E* sV = sK + kBN * kStride;              // (kBN, kStride)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-    const int row_warp = kSplitKV ? 0 : warp, key_warp = kSplitKV ? warp : 0;
+    const int row_warp = kSplitKV ? 0 : warp / kColSplit, key_warp = kSplitKV ? warp : 0;
+    const int col0 = (warp % kColSplit) * kOW * 8;  // this warp's first column of O (kColSplit > 1)
     const int g = kSplitKV ? static_cast<int>(p.pack_gqa) : 1;  // query heads per row group
     const long long heads = p.nheads_q / g;                     // heads as the grid sees them
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
@@ -360,11 +369,11 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     const ScoreArgsT<A> score_args = {static_cast<A>(p.softmax_scale), static_cast<A>(p.softmax_scale * 1.4426950408889634),
                                       static_cast<A>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
 
-    A o[kMT][kOT][4];  // O accumulator, C-fragment layout, fp32 (float64: double)
+    A o[kMT][kOW][4];  // O accumulator (this warp's columns), C-fragment layout, fp32 (float64: double)
 #pragma unroll
     for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-        for (int ot = 0; ot < kOT; ++ot)
+        for (int ot = 0; ot < kOW; ++ot)
 #pragma unroll
             for (int e = 0; e < 4; ++e) o[mt][ot][e] = 0.f;
     RowStateT<A> row[kMT][2];  // rows lane/4 and lane/4 + 8 of each MMA tile
@@ -471,7 +480,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
-                    for (int ot = 0; ot < kOT; ++ot)
+                    for (int ot = 0; ot < kOW; ++ot)
 #pragma unroll
                         for (int e = 0; e < 4; ++e) o[mt][ot][e] *= alpha[mt][e / 2];
             }
@@ -482,7 +491,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             // O += P V, with P's registers as the A operand.
             if constexpr (kWide) {  // (P as S left it: warp_gemm.cuh)
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) gemm_cb<T, kTf32Terms, kBNW, kD, kStride>(o[mt], s[mt], sVw, lane);
+                for (int mt = 0; mt < kMT; ++mt) gemm_cb<T, kTf32Terms, kBNW, kOW * 8, kStride>(o[mt], s[mt], sVw + col0, lane);
             } else {
 #pragma unroll
             for (int kk = 0; kk < kBNW / 16; ++kk) {
@@ -553,24 +562,25 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                             * static_cast<A>(kDropout ? mods.out_scale() : 1.f);  // (dropout's 1 / (1 - p))
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
             const int i = (row_warp * kMT) * 16 + r;      // row within the block
-            if (lane % 4 == 0 && i < rows_valid) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;
+            if (lane % 4 == 0 && i < rows_valid && col0 == 0) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;
 #pragma unroll
-            for (int ot = 0; ot < kOT; ++ot) {
+            for (int ot = 0; ot < kOW; ++ot) {
                 const A lo = RowStateT<A>::normalize(o[mt][ot][half * 2], inv_l), hi = RowStateT<A>::normalize(o[mt][ot][half * 2 + 1], inv_l);
+                E* at = sO + r * kStride + col0 + ot * 8 + (lane % 4) * 2;
                 if constexpr (kF64)
-                    *reinterpret_cast<double2*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = make_double2(lo, hi);
+                    *reinterpret_cast<double2*>(at) = make_double2(lo, hi);
                 else if constexpr (kF32)
-                    *reinterpret_cast<float2*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = make_float2(lo, hi);
+                    *reinterpret_cast<float2*>(at) = make_float2(lo, hi);
                 else
-                    *reinterpret_cast<u32*>(sO + r * kStride + ot * 8 + (lane % 4) * 2) = pack2<T>(lo, hi);
+                    *reinterpret_cast<u32*>(at) = pack2<T>(lo, hi);
             }
         }
     }
-    __syncwarp();
-    constexpr int kChunks = kD / kPer;
+    __syncwarp();  // (a column split's other warp writes and stores only its own columns of these rows)
+    constexpr int kChunks = kOW * 8 / kPer;
 #pragma unroll
     for (int c = lane; c < kMT * 16 * kChunks; c += 32) {
-        const int r = c / kChunks, col = c % kChunks;
+        const int r = c / kChunks, col = col0 / kPer + c % kChunks;
         const int i = row_warp * kMT * 16 + r;
         if (i < rows_valid && col < v_chunks)
             *reinterpret_cast<uint4*>(gO + q_offset(i, p.o_row_stride, p.o_head_stride) + col * kPer) =

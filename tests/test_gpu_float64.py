@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _gpu
+from cuflash import _arrays, _gpu, _kernels
 from cuflash import reference as R
 
 from .conftest import requires_gpu
@@ -87,6 +87,22 @@ def test_tiles_of_small_shared_memory_gpus(rng, headdim, kernels_run, monkeypatc
     _check(q, k, v, causal=True)
     _check(q, k, v, window_size=(9, 4), softcap=3.0)
     assert headdim == 64 or all("_bm32_bn16_w2_" in n for n in kernels_run), kernels_run
+
+
+@pytest.mark.parametrize("headdim", [129, 160, 192, 200, 256])
+@pytest.mark.parametrize("smem_kb", [227, 99])
+def test_head_dims_past_128_split_o_over_two_warps(rng, headdim, smem_kb, kernels_run, monkeypatch):
+    """Past d128 two warps share each 16-row slab, each with half of O's columns (TileConfig.col_split;
+    served once these pass: the test raises F64_FWD_MAX_HEADDIM for itself), on the H200's shared
+    memory and on a 99 KB GPU's tiles."""
+    monkeypatch.setattr(_kernels, "F64_FWD_MAX_HEADDIM", 256)
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
+    q = _rand(rng, (2, 77, 2, headdim), 2.0)
+    k, v = _rand(rng, (2, 130, 1, headdim)), _rand(rng, (2, 130, 1, headdim))
+    _check(q, k, v, causal=True)
+    _check(q, k, v, softcap=3.0, window_size=(40, 7))
+    _check(q, k, _rand(rng, (2, 130, 1, 136)))  # Dv != Dqk
+    assert kernels_run and all("_cs2" in n for n in kernels_run), kernels_run
 
 
 @pytest.mark.parametrize("causal", [False, True])
