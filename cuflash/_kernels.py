@@ -90,7 +90,7 @@ class Variant:
 class TileConfig:
     block_m: int  # query rows per thread block
     block_n: int  # keys per inner-loop tile
-    warps: int  # query rows per warp = block_m / warps (16 or 32); split-KV: warps splitting each tile's keys
+    warps: int  # query rows per warp = block_m / warps (16 or 32; col_split warps share them); split-KV: warps splitting each tile's keys
     min_blocks: int = 1  # blocks per SM the register allocation must allow
     q_in_regs: bool = True  # keep Q fragments in registers (else re-read from shared memory)
     row_pad: int = 8  # elements of padding per shared-memory row: 16 or 32 bytes (kernels/flash_fwd.cu)
@@ -116,7 +116,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     d64 128x64, 8 warps, 2 blocks/SM: 185 TF/s; d128 64x128, 4 warps, 2 blocks/SM: 197;
     d256 128x64, 8 warps, Q re-read from shared memory: 194.  float64 (not tuned yet): 64 rows, 32
     keys, Q read from shared memory (its fragments would take 2·D/4 registers), rows padded by 32
-    bytes: 135 KB at d128, within the A100's 163; GPUs of 99 KB (sm_86/89) take 32 x 16 tiles.
+    bytes: 135 KB at d128, within the A100's 163; GPUs of 99 KB (sm_86/89) take 32 x 16 tiles; past
+    d128 two warps share each 16-row slab (col_split, each with half of O's columns).
     float32 likewise: 64 x 64 (64 x 32 past d128), smaller where shared memory is short.
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones

@@ -253,7 +253,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr bool kF64 = Elem<T>::kF64, kF32 = Elem<T>::kF32, kWide = Elem<T>::kWide;
     constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static_assert(!kWide || (!kSplitKV && !kAlibi && !kMods && !kQInRegs), "float32/float64: not with these yet");
-    static_assert(kColSplit == 1 || (kWide && !kSplitKV), "a column split: float32/float64 one-pass kernels only");
+    static_assert(kColSplit == 1 || (kWide && !kSplitKV && kWarps % kColSplit == 0),
+                  "a column split: float32/float64 one-pass kernels, whole pairs of warps");
     static_assert(!kF64 || kD / kColSplit <= 128, "float64: O of a 256-wide head takes 256 registers a thread");
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.

@@ -37,13 +37,14 @@ VARIANTS = _kernels.all_variants()
 
 
 def _one_per_source(variants):
-    """Per kernel file, element type, split-KV or not, dQ scheme and with or without modifiers, the
-    variant with the most switches on and the largest head dim: the one that exercises the most code."""
+    """Per kernel file, element type, split-KV or not, dQ scheme, column split (float64 past d128) and
+    with or without modifiers, the variant with the most switches on and the largest head dim: the
+    one that exercises the most code."""
     best = {}
     for v in variants:
         d = dict(v.defines)
         key = (v.filename, d.get("CUFLASH_DTYPE"), d.get("CUFLASH_SPLITKV", 0), d.get("CUFLASH_DETERMINISTIC", 0),
-               d.get("CUFLASH_MODS", 0) > 0)  # (the kernels without modifiers too, not only the fullest form)
+               d.get("CUFLASH_COL_SPLIT", 1), d.get("CUFLASH_MODS", 0) > 0)  # (the kernels without modifiers too, not only the fullest form)
         rank = (d.get("CUFLASH_SOFTCAP", 0) + d.get("CUFLASH_ALIBI", 0) + d.get("CUFLASH_MODS", 0), d.get("CUFLASH_HEADDIM", 0))
         if key not in best or rank > best[key][0]:
             best[key] = (rank, v)
