@@ -694,7 +694,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         dbias_acc, dbias_of = _dbias_accumulator(prm, p, dbias, deterministic)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm))
-        tile = main.threads // 2  # rows per block: 16 per warp (flash_bwd.cu), 64 per warpgroup (Hopper)
+        # rows per block: 16 per warp (flash_bwd.cu; a column split's pairs share them), 64 per warpgroup (Hopper)
+        tile = main.threads // 2 // dict(main.defines).get("CUFLASH_COL_SPLIT", 1)
         key_tile = 64 if dict(main.defines).get("CUFLASH_COL_SPLIT") else tile  # (the warpgroups split columns)
         dq_grid = ((p.seqlen_q + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_q))
         dkdv_grid = ((p.seqlen_k + key_tile - 1) // key_tile, *_grid_yz(p.batch * p.nheads_k))

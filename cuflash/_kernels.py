@@ -31,8 +31,10 @@ ATTENTION_TAGS = {"float32": "f32_t", "float64": "f64_t"}
 # those variants are built but not served until tests/test_gpu_float64.py's (which raise this
 # limit for themselves) have passed on a GPU.
 F64_FWD_MAX_HEADDIM = 128
-# Backward head-dim buckets with a float64 / float32 kernel: the dK and dV accumulators of a dK/dV
-# warp are 2 · D/2 values a thread (256 registers for float64 at d128, for float32 at d256).
+# Backward head-dim buckets the float64 / float32 kernels serve: the dK and dV accumulators of a
+# dK/dV warp are 2 · D/2 values a thread (256 registers for float64 at d128, for float32 at d256),
+# so past d64 / d128 two warps split the columns (bwd_variant's col_split); those forms (float64 to
+# d128, float32 to d256) are built but not served until their GPU tests pass (the tests raise these).
 F64_BWD_MAX_HEADDIM = 64
 F32_BWD_MAX_HEADDIM = 128
 DEFAULT_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in limit; A100 has 163 KB, sm_86/89 99 KB
@@ -343,19 +345,26 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
                 smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False) -> Variant:
     """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind; ``mods`` as
     :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout); ``tf32``
-    (float32) single TF32 products instead of 3xTF32.  float32/float64 run 2 warps (32-row tiles:
-    their accumulators take 2-4 times the registers of the 16-bit ones)."""
+    (float32) single TF32 products instead of 3xTF32.  float32/float64 run two 16-row slabs (32-row
+    tiles; one where shared memory is short: their accumulators take 2-4 times the registers of the
+    16-bit ones), each slab one warp, or two that split the output's columns (col_split)."""
     d = headdim_bucket(headdim)
     itemsize = {"float32": 4, "float64": 8}.get(dtype, 2)
-    warps = bwd_warps(d, smem_limit) if itemsize == 2 else 2
+    # float64 past d64 and float32 past d128: two warps per 16-row slab, each with half of the
+    # output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers)
+    col_split = 2 if itemsize > 2 and d > (64 if itemsize == 8 else 128) else 1
+    if itemsize == 2:
+        warps = bwd_warps(d, smem_limit)
+    else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
+        warps = col_split * (2 if bwd_smem_bytes(d, 2, itemsize) + STATIC_SMEM_RESERVE <= smem_limit else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
-    name += "_tf32" * tf32
+    name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1)
     defines = (
         ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
-        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3),
+        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_COL_SPLIT", col_split),
     )
-    return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps, itemsize))
+    return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps // col_split, itemsize))
 
 
 @functools.lru_cache(maxsize=None)
@@ -430,10 +439,10 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for d in HEADDIM_BUCKETS for softcap in (False, True)]  # F64_FWD_MAX_HEADDIM: built, not yet served)
     out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
-    out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)
-            for d in HEADDIM_BUCKETS if d <= F64_BWD_MAX_HEADDIM for softcap in (False, True)]
+    out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (past the limits below:
+            for d in HEADDIM_BUCKETS if d <= 128 for softcap in (False, True)]  # built, not yet served)
     out += [bwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
-            for d in HEADDIM_BUCKETS if d <= F32_BWD_MAX_HEADDIM for softcap in (False, True) for tf32 in (False, True)]
+            for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]

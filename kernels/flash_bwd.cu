@@ -55,7 +55,15 @@
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd
 #endif
+#ifndef CUFLASH_COL_SPLIT
+#define CUFLASH_COL_SPLIT 1
+#endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
+// kColSplit 2 (float64 past d64, float32 past d128: dK and dV, or dQ, would not fit in registers):
+// two warps take the same 16 rows, both form S, P, dP and dS for them, and each accumulates and
+// stores half of the output's columns (flash_fwd.cu's column split).  `warp` below is the 16-row
+// slab; col0 the warp's first output column.
+constexpr int kColSplit = CUFLASH_COL_SPLIT;
 
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel
 // parameters at each use.
@@ -71,14 +79,17 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     using A = typename Elem<T>::Acc;
     constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static_assert(!Elem<T>::kWide || (!kAlibi && !kMods), "float32/float64: not with these yet");
-    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
+    static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole pairs");
+    constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
+    constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
     extern __shared__ __align__(16) unsigned char smem_raw[];
     E* sQ = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dQ
     E* sdO = sQ + kT * kStride;              // (kT, kStride)
     E* sK = sdO + kT * kStride;              // (kT, kStride)
     E* sV = sK + kT * kStride;               // (kT, kStride)
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, warp = tid / 32 / kColSplit, lane = tid % 32;
+    const int col0 = (tid / 32 % kColSplit) * kDW;
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_q) return;
     const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
@@ -108,7 +119,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         dsum[half] = r < rows_valid ? stats<A>(p.dsum)[stat + r] : static_cast<A>(0);
     }
 
-    A dq[kD / 8][4];
+    A dq[kDW / 8][4];
     zero(dq);
     int n_lo, n_hi;
     seq.key_range(m0, m0 + kT, n_lo, n_hi);
@@ -158,13 +169,13 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                 s[nt][e] = ds * dcap;  // dS, without the softmax scale
             }
         }
-        gemm_cb<T, kTf32Terms, kT, kD, kStride>(dq, s, sK, lane);  // dQ += dS K
+        gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dq, s, sK + col0, lane);  // dQ += dS K
         __syncthreads();  // every warp is done with sK, sV before the next tiles overwrite them
     }
     cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
     __syncthreads();
-    store_warp_tile<T, kD, kStride>(dq, seq.poison(scale), sQ + warp * 16 * kStride, gdQ + warp * 16 * p.dq_row_stride,
-                                    p.dq_row_stride, rows_valid - warp * 16, qk_chunks, lane);  // (seq.poison: NaN for bad sequences)
+    store_warp_tile<T, kDW, kStride>(dq, seq.poison(scale), sQ + warp * 16 * kStride + col0, gdQ + warp * 16 * p.dq_row_stride + col0,
+                                     p.dq_row_stride, rows_valid - warp * 16, qk_chunks - col0 / kPer, lane);  // (seq.poison: NaN for bad sequences)
 }
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
@@ -173,7 +184,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     using A = typename Elem<T>::Acc;
     constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static_assert(!Elem<T>::kWide || (!kAlibi && !kMods), "float32/float64: not with these yet");
-    constexpr int kT = 16 * kWarps, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
+    static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole pairs");
+    constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
+    constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
     extern __shared__ __align__(16) unsigned char smem_raw[];
     E* sK = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dK
     E* sV = sK + kT * kStride;               // (kT, kStride), reused to stage dV
@@ -182,7 +195,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     A* sLse2 = reinterpret_cast<A*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units (kMods: natural)
     A* sDsum = sLse2 + kT;                                // (kT) D of the query tile
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+    const int tid = threadIdx.x, warp = tid / 32 / kColSplit, lane = tid % 32;
+    const int col0 = (tid / 32 % kColSplit) * kDW;
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_k) return;
     const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
@@ -202,7 +216,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     E* gdV = static_cast<E*>(p.dv) + b * p.dv_batch_stride + k_row * p.dv_row_stride + hk * p.dv_head_stride;
     const A scale = static_cast<A>(p.softmax_scale), softcap = static_cast<A>(p.softcap);
 
-    A dk[kD / 8][4], dv[kD / 8][4];
+    A dk[kDW / 8][4], dv[kDW / 8][4];
     zero(dk);
     zero(dv);
     if (n0 < seq.sk) {
@@ -266,8 +280,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     }
                 }
                 if constexpr (Elem<T>::kWide) {
-                    gemm_cb<T, kTf32Terms, kT, kD, kStride>(dv, st, sdO, lane);  // dV += Pᵀ dO
-                    gemm_cb<T, kTf32Terms, kT, kD, kStride>(dk, dpt, sQ, lane);  // dK += dSᵀ Q
+                    gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dv, st, sdO + col0, lane);  // dV += Pᵀ dO
+                    gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dk, dpt, sQ + col0, lane);  // dK += dSᵀ Q
                 } else {  // (both conversions first: the order the 16-bit kernels were tuned with)
                     u32 pa[kT / 16][4], dsa[kT / 16][4];
                     c_to_a<T, kT>(pa, st);
@@ -281,10 +295,10 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     cp_async_wait<0>();
     __syncthreads();  // all copies landed and every warp is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kT, write_rows - n0) - warp * 16;
-    store_warp_tile<T, kD, kStride>(dk, seq.poison(scale), sK + warp * 16 * kStride, gdK + warp * 16 * p.dk_row_stride,
-                                    p.dk_row_stride, rows_valid, qk_chunks, lane);
-    store_warp_tile<T, kD, kStride>(dv, seq.poison(static_cast<A>(1)), sV + warp * 16 * kStride, gdV + warp * 16 * p.dv_row_stride,
-                                    p.dv_row_stride, rows_valid, v_chunks, lane);
+    store_warp_tile<T, kDW, kStride>(dk, seq.poison(scale), sK + warp * 16 * kStride + col0, gdK + warp * 16 * p.dk_row_stride + col0,
+                                     p.dk_row_stride, rows_valid, qk_chunks - col0 / kPer, lane);
+    store_warp_tile<T, kDW, kStride>(dv, seq.poison(static_cast<A>(1)), sV + warp * 16 * kStride + col0,
+                                     gdV + warp * 16 * p.dv_row_stride + col0, p.dv_row_stride, rows_valid, v_chunks - col0 / kPer, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _gpu
+from cuflash import _arrays, _gpu, _kernels
 from cuflash.reference import assert_exact, attention_backward_ref, attention_ref, naive_attention, naive_attention_backward
 
 from .conftest import requires_gpu
@@ -207,6 +207,21 @@ def test_backward_with_dlse(rng, gradients_on):
     naive = naive_attention_backward(dout, q, k, v, dlse=dlse, causal=True)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
         assert_exact(g.get(), r, n, name)
+
+
+@pytest.mark.parametrize("headdim", [136, 160, 256])
+@pytest.mark.parametrize("smem_kb", [227, 99])
+def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, gradients_on, monkeypatch):
+    """Past d128 two warps share each 16-row slab, each with half of the output's columns
+    (bwd_variant's col_split; served once this passes: it raises the limit for itself)."""
+    monkeypatch.setattr(_kernels, "F32_BWD_MAX_HEADDIM", 256)
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
+    q = _rand(rng, (2, 45, 2, headdim), 2.0)
+    k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
+    _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
+    _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), precision="tf32", softcap=3.0, window_size=(20, 5))
+    backward = [n for n in gradients_on if n.startswith("cuflash_bwd_fp32_")]
+    assert backward and all(n.endswith("_cs2") for n in backward), backward
 
 
 def test_backward_head_dims_past_128_are_refused(rng, gradients_on):

@@ -251,6 +251,22 @@ def test_backward_options_gqa_and_value_headdim(rng, opts, gradients_on, monkeyp
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 70, 4, 40)), **opts)
 
 
+@pytest.mark.parametrize("headdim", [72, 96, 128])
+@pytest.mark.parametrize("smem_kb", [227, 99])
+def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, gradients_on, monkeypatch):
+    """Past d64 two warps share each 16-row slab of the dQ and dK/dV kernels, each with half of the
+    output's columns (bwd_variant's col_split; served once this passes: it raises the limit for
+    itself), with 2 slabs a block, and 1 on a 99 KB GPU."""
+    monkeypatch.setattr(_kernels, "F64_BWD_MAX_HEADDIM", 128)
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
+    q = _rand(rng, (2, 45, 2, headdim), 2.0)
+    k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
+    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
+    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), softcap=3.0, window_size=(20, 5))
+    backward = [n for n in gradients_on if n.startswith("cuflash_bwd_fp64_")]
+    assert backward and all(n.endswith("_cs2") and ("_w2_" if smem_kb == 99 else "_w4_") in n for n in backward), backward
+
+
 def test_backward_through_vjp_and_bitwise_repeatable(rng, gradients_on):
     cp = _cp()
     q, k, v, dout = (cp.asarray(_rand(rng, (2, 200, 2, 64))) for _ in range(4))
