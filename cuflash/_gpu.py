@@ -694,9 +694,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         dbias_acc, dbias_of = _dbias_accumulator(prm, p, dbias, deterministic)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm))
-        # rows per block: 16 per warp (flash_bwd.cu; a column split's pairs share them), 64 per warpgroup (Hopper)
-        tile = main.threads // 2 // dict(main.defines).get("CUFLASH_COL_SPLIT", 1)
-        key_tile = 64 if dict(main.defines).get("CUFLASH_COL_SPLIT") else tile  # (the warpgroups split columns)
+        tile, key_tile = bwd_tiles(main)
         dq_grid = ((p.seqlen_q + tile - 1) // tile, *_grid_yz(p.batch * p.nheads_q))
         dkdv_grid = ((p.seqlen_k + key_tile - 1) // key_tile, *_grid_yz(p.batch * p.nheads_k))
         smem = main.smem_bytes
@@ -742,6 +740,15 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             dbias[...] = dbias_of().reshape(dbias.shape)
         if q_sign != 1.0:
             grads[0][...] = grads[0] * q_sign  # -dq, or 0 (NaN rows of bad metadata stay NaN)
+
+
+def bwd_tiles(variant) -> tuple:
+    """(query rows, key rows) per block of a backward variant's grids: flash_bwd.cu 16 per warp,
+    or per pair of warps with a column split (CUFLASH_SLAB_WARPS 2); the Hopper kernels 64 per
+    warpgroup, with 64 keys in all at d256, whose warpgroups split the columns (CUFLASH_COL_SPLIT)."""
+    defines = dict(variant.defines)
+    tile = variant.threads // 2 // defines.get("CUFLASH_SLAB_WARPS", 1)
+    return tile, (64 if defines.get("CUFLASH_COL_SPLIT") else tile)
 
 
 def _dbias_accumulator(prm, p, dbias, deterministic):

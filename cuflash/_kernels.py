@@ -189,7 +189,7 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
-        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_COL_SPLIT", t.col_split),
+        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
@@ -362,7 +362,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     defines = (
         ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
-        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_COL_SPLIT", col_split),
+        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
     )
     return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps // col_split, itemsize))
 

@@ -18,7 +18,7 @@
 // (query, key) pair once); 2 also dropout, its keep-mask regenerated from the forward's seed
 // (FlashAttention, Dao et al. 2022, Algorithm 4): dV += (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D), with
 // Z = keep / (1 - p).  The gradient through the LSE needs no kernel: the host subtracts dlse from D.
-// Tiles: kT = 16 kWarps query rows (dq) or key rows (dkdv), kT-wide inner tiles, shared-memory
+// Tiles: kT = 16 kWarps / kColSplit query rows (dq) or key rows (dkdv), kT-wide inner tiles, shared-memory
 // rows padded by 16 bytes.  Not handled here: head dims that are not multiples of 8 (the caller pads).
 // CUFLASH_DTYPE f32_t / f64_t (issue 24): the float32 (TF32 tensor cores, CUFLASH_TF32_TERMS) and
 // float64 (FP64 tensor cores) forms, as flash_fwd.cu's: elements, accumulators, P, dS, the LSE and
@@ -55,15 +55,15 @@
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd
 #endif
-#ifndef CUFLASH_COL_SPLIT
-#define CUFLASH_COL_SPLIT 1
+#ifndef CUFLASH_SLAB_WARPS
+#define CUFLASH_SLAB_WARPS 1
 #endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // kColSplit 2 (float64 past d64, float32 past d128: dK and dV, or dQ, would not fit in registers):
 // two warps take the same 16 rows, both form S, P, dP and dS for them, and each accumulates and
 // stores half of the output's columns (flash_fwd.cu's column split).  `warp` below is the 16-row
 // slab; col0 the warp's first output column.
-constexpr int kColSplit = CUFLASH_COL_SPLIT;
+constexpr int kColSplit = CUFLASH_SLAB_WARPS;
 
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel
 // parameters at each use.

@@ -79,8 +79,8 @@
 #ifndef CUFLASH_TF32_TERMS
 #define CUFLASH_TF32_TERMS 3  // float32: 3 (3xTF32, float32's accuracy) or 1 (TF32 products)
 #endif
-#ifndef CUFLASH_COL_SPLIT
-#define CUFLASH_COL_SPLIT 1  // float32/float64: warps per 16-row slab, each owning that share of O's columns
+#ifndef CUFLASH_SLAB_WARPS
+#define CUFLASH_SLAB_WARPS 1  // float32/float64: warps per 16-row slab, each owning that share of O's columns
 #endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
@@ -88,7 +88,7 @@
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // kColSplit 2 (float64 past d128: its O accumulator would be D/2 doubles a thread): two warps take
 // the same 16 query rows, both form S and P for them, and each accumulates half of O's columns.
-constexpr int kColSplit = CUFLASH_COL_SPLIT;
+constexpr int kColSplit = CUFLASH_SLAB_WARPS;
 
 // Merge the softmax states of warps that saw different keys of the same rows into warp 0:
 // with M the largest running max of a row and f_w = 2^(m_w - M), warp 0 ends with m = M,

@@ -44,7 +44,7 @@ def _one_per_source(variants):
     for v in variants:
         d = dict(v.defines)
         key = (v.filename, d.get("CUFLASH_DTYPE"), d.get("CUFLASH_SPLITKV", 0), d.get("CUFLASH_DETERMINISTIC", 0),
-               d.get("CUFLASH_COL_SPLIT", 1), d.get("CUFLASH_MODS", 0) > 0)  # (the kernels without modifiers too, not only the fullest form)
+               d.get("CUFLASH_SLAB_WARPS", 1), d.get("CUFLASH_MODS", 0) > 0)  # (the kernels without modifiers too, not only the fullest form)
         rank = (d.get("CUFLASH_SOFTCAP", 0) + d.get("CUFLASH_ALIBI", 0) + d.get("CUFLASH_MODS", 0), d.get("CUFLASH_HEADDIM", 0))
         if key not in best or rank > best[key][0]:
             best[key] = (rank, v)
@@ -224,3 +224,24 @@ def test_hopper_backward_module_holds_only_the_kernels_its_scheme_launches(deter
     entries = {s: (v.name + s).encode() + b"\0" in cubin for s in ("_dq", "_dkdv", "_dkdv_dq", "_dq_convert")}
     want = {"_dq", "_dkdv"} if deterministic else {"_dkdv_dq", "_dq_convert"}
     assert {s for s, found in entries.items() if found} == want
+
+
+def test_backward_grids_match_the_kernels_tiles():
+    """_gpu.bwd_tiles, the rows per block of both backward grids, against each kernel's own tile:
+    flash_bwd.cu's kT = 16 warps / CUFLASH_SLAB_WARPS, the Hopper kernels' 64 per warpgroup (64
+    keys at d256, whose warpgroups split the columns).  (A division by the Hopper kernels'
+    CUFLASH_COL_SPLIT 0 once broke every Hopper backward here.)"""
+    from cuflash import _gpu
+
+    for d in (64, 128):
+        v = _kernels.sm90_bwd_variant("bfloat16", d, softcap=False, alibi=False)
+        assert _gpu.bwd_tiles(v) == (v.threads // 2, v.threads // 2)
+    v = _kernels.sm90_bwd_variant("bfloat16", 256, softcap=False, alibi=False)
+    assert _gpu.bwd_tiles(v) == (v.threads // 2, 64)
+    v = _kernels.bwd_variant("float16", 64, softcap=False, alibi=False)
+    assert _gpu.bwd_tiles(v) == (16 * dict(v.defines)["CUFLASH_WARPS"],) * 2
+    cases = [("float64", 64, 227, 32), ("float64", 128, 227, 32), ("float64", 128, 99, 16), ("float32", 128, 227, 32),
+             ("float32", 256, 227, 32), ("float32", 256, 99, 16)]
+    for dtype, d, smem_kb, rows in cases:
+        v = _kernels.bwd_variant(dtype, d, softcap=False, alibi=False, smem_limit=smem_kb * 1024)
+        assert _gpu.bwd_tiles(v) == (rows, rows), (v.name, _gpu.bwd_tiles(v))
