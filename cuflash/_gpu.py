@@ -51,7 +51,7 @@ FLOAT32_ENABLED = False
 # Their gradients (flash_bwd.cu's float32/float64 forms), likewise until tests/test_gpu_float32.py's
 # and test_gpu_float64.py's backward tests have passed on a GPU.
 WIDE_GRADIENTS_ENABLED = False
-_WIDE_DTYPES = ("float32", "float64")
+_WIDE_DTYPES = tuple(_kernels.WIDE_ITEMSIZE)
 
 
 def _wide_limit(name: str, backward: bool) -> int:

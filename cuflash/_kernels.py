@@ -26,6 +26,13 @@ _SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "
 # The attention kernels' tag where it is not the C type (mma.cuh's Elem: float64 is f64_t, the FP64
 # tensor-core form of flash_fwd.cu, float32 f32_t its TF32 one).
 ATTENTION_TAGS = {"float32": "f32_t", "float64": "f64_t"}
+# Bytes per element of the dtypes whose kernels are not 16-bit (shared-memory sizes, chunk counts).
+WIDE_ITEMSIZE = {"float32": 4, "float64": 8}
+
+
+def attention_tag(dtype: str) -> str:
+    """CUFLASH_DTYPE of the attention kernels (flash_fwd.cu, flash_bwd.cu, bwd_dsum.cu) for ``dtype``."""
+    return ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])
 # Forward head-dim buckets the float64 kernel serves (issue 24).  Past d128 it splits O's columns
 # over two warps (a d256 double accumulator would be 256 registers a thread: TileConfig.col_split);
 # those variants are built but not served until tests/test_gpu_float64.py's (which raise this
@@ -123,8 +130,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     float32 likewise: 64 x 64 (64 x 32 past d128), smaller where shared memory is short.
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
-    if dtype in ("float32", "float64"):  # (not tuned yet) 4-element row pad: the operands' loads spread over the banks
-        item = 8 if dtype == "float64" else 4
+    if dtype in WIDE_ITEMSIZE:  # (not tuned yet) 4-element row pad: the operands' loads spread over the banks
+        item = WIDE_ITEMSIZE[dtype]
         split = 2 if item == 8 and headdim > 128 else 1  # (float64's O: D/2 doubles a thread without it)
         if item == 8:
             shapes = ((64, 32, 4), (32, 16, 2)) if split == 1 else ((32, 32, 4), (32, 16, 4), (16, 16, 2))
@@ -185,7 +192,7 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
     name += "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
     defines = (
-        ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
+        ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
@@ -336,7 +343,7 @@ def bwd_smem_bytes(headdim: int, warps: int, itemsize: int = 2) -> int:
 @functools.lru_cache(maxsize=None)
 def dsum_variant(dtype: str) -> Variant:
     """The backward's pre-pass D = rowsum(dO * O) (kernels/bwd_dsum.cu), for every backward kernel."""
-    return Variant("bwd_dsum.cu", f"cuflash_bwd_dsum_{_SHORT[dtype]}", (("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])),),
+    return Variant("bwd_dsum.cu", f"cuflash_bwd_dsum_{_SHORT[dtype]}", (("CUFLASH_DTYPE", attention_tag(dtype)),),
                    256)
 
 
@@ -349,7 +356,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     tiles; one where shared memory is short: their accumulators take 2-4 times the registers of the
     16-bit ones), each slab one warp, or two that split the output's columns (col_split)."""
     d = headdim_bucket(headdim)
-    itemsize = {"float32": 4, "float64": 8}.get(dtype, 2)
+    itemsize = WIDE_ITEMSIZE.get(dtype, 2)
     # float64 past d64 and float32 past d128: two warps per 16-row slab, each with half of the
     # output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers)
     col_split = 2 if itemsize > 2 and d > (64 if itemsize == 8 else 128) else 1
@@ -360,7 +367,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
     name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1)
     defines = (
-        ("CUFLASH_DTYPE", ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
+        ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
     )

@@ -65,6 +65,20 @@ constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // slab; col0 the warp's first output column.
 constexpr int kColSplit = CUFLASH_SLAB_WARPS;
 
+// The tile geometry both kernels share: element and accumulator types (Elem), 16-byte chunk size,
+// kT rows per block (16 a slab; a column split's warps share theirs), threads, the padded
+// shared-memory row, and the output columns a warp accumulates.
+template <class T, int kD, int kWarps, bool kModifiers>
+struct BwdShape {
+    using E = typename Elem<T>::Storage;
+    using A = typename Elem<T>::Acc;
+    static_assert(!Elem<T>::kWide || !kModifiers, "float32/float64: no ALiBi, bias, mask or dropout yet");
+    static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole pairs");
+    static constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
+    static constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
+    static constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
+};
+
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel
 // parameters at each use.
 template <class A>
@@ -75,13 +89,10 @@ __device__ __forceinline__ const A* stats(const float* x) { return reinterpret_c
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
-    using E = typename Elem<T>::Storage;
-    using A = typename Elem<T>::Acc;
-    constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
-    static_assert(!Elem<T>::kWide || (!kAlibi && !kMods), "float32/float64: not with these yet");
-    static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole pairs");
-    constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
-    constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
+    using Shape = BwdShape<T, kD, kWarps, kAlibi || kMods>;
+    using E = typename Shape::E;
+    using A = typename Shape::A;
+    constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     E* sQ = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dQ
     E* sdO = sQ + kT * kStride;              // (kT, kStride)
@@ -180,13 +191,10 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
-    using E = typename Elem<T>::Storage;
-    using A = typename Elem<T>::Acc;
-    constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
-    static_assert(!Elem<T>::kWide || (!kAlibi && !kMods), "float32/float64: not with these yet");
-    static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole pairs");
-    constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
-    constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
+    using Shape = BwdShape<T, kD, kWarps, kAlibi || kMods>;
+    using E = typename Shape::E;
+    using A = typename Shape::A;
+    constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     E* sK = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dK
     E* sV = sK + kT * kStride;               // (kT, kStride), reused to stage dV
