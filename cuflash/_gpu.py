@@ -44,13 +44,8 @@ def _smem_limit(device_id: int) -> int:
     return _cp().cuda.Device(device_id).attributes["MaxSharedMemoryPerBlockOptin"]
 
 
-# The float32/float64 forms of flash_fwd.cu (issue 24: TF32 and FP64 tensor cores) and what they
-# cover so far.  float32 runs once its GPU tests have passed (tests/test_gpu_float32.py turns it on
-# for itself); until then float32 GPU arrays are refused as before.
-FLOAT32_ENABLED = False
-# Their gradients (flash_bwd.cu's float32/float64 forms), likewise until tests/test_gpu_float32.py's
-# and test_gpu_float64.py's backward tests have passed on a GPU.
-WIDE_GRADIENTS_ENABLED = False
+# The float32/float64 forms of flash_fwd.cu and flash_bwd.cu (issue 24: TF32 and FP64 tensor cores)
+# and what they cover so far (_wide_limit, _wide_missing).
 _WIDE_DTYPES = tuple(_kernels.WIDE_ITEMSIZE)
 
 
@@ -62,18 +57,17 @@ def _wide_limit(name: str, backward: bool) -> int:
 
 
 def _wide_covers(name: str) -> str:
-    grads = (f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True)}"
-             if WIDE_GRADIENTS_ENABLED else "")
+    grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True)}"
     return ("the forward of padded batches (attention) with causal, window_size, softcap, seqlens_k and GQA, "
             f"head dims up to {_wide_limit(name, False)}{grads}")
 
 
 def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
-    """q's dtype name where a GPU kernel takes it: float16 and bfloat16, and float64 (float32 when
-    FLOAT32_ENABLED) when ``wide_missing`` is None.  Otherwise NotAvailableOnGPU; for those dtypes
+    """q's dtype name where a GPU kernel takes it: float16 and bfloat16, and float32 and float64
+    when ``wide_missing`` is None.  Otherwise NotAvailableOnGPU; for those dtypes
     it names ``wide_missing``, what the call needs that their kernel does not have yet."""
     name = np.dtype(q.dtype).name
-    wide = name == "float64" or (name == "float32" and FLOAT32_ENABLED)
+    wide = name in _WIDE_DTYPES
     if wide and wide_missing is None:
         return name
     if wide:
@@ -97,8 +91,6 @@ def check_call(p, q, *, packed=False, kvcache=False, backward=False, headdim=0) 
     name = np.dtype(q.dtype).name
     if name not in _WIDE_DTYPES:
         return _check_gpu_dtype(q, None)
-    if backward and not WIDE_GRADIENTS_ENABLED:
-        return _check_gpu_dtype(q, "gradients")
     if p is None:
         limit = _wide_limit(name, backward)
         return _check_gpu_dtype(q, f"head dims past {limit}" if headdim > limit else None)
@@ -716,6 +708,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
 
         if not tail_only:  # D = rowsum(dO * O) over every stored row; packed rows are one long sequence here.
             pre = FlashParams.from_buffer_copy(prm)
+            pre.tf32_operands = int(dtype == "float32" and p.precision == "tf32")
             if packed:
                 pre.batch, pre.seqlen_q = 1, q.shape[0]
             rows = pre.batch * pre.seqlen_q * pre.nheads_q

@@ -33,17 +33,15 @@ WIDE_ITEMSIZE = {"float32": 4, "float64": 8}
 def attention_tag(dtype: str) -> str:
     """CUFLASH_DTYPE of the attention kernels (flash_fwd.cu, flash_bwd.cu, bwd_dsum.cu) for ``dtype``."""
     return ATTENTION_TAGS.get(dtype, DTYPE_TAGS[dtype])
-# Forward head-dim buckets the float64 kernel serves (issue 24).  Past d128 it splits O's columns
-# over two warps (a d256 double accumulator would be 256 registers a thread: TileConfig.col_split);
-# those variants are built but not served until tests/test_gpu_float64.py's (which raise this
-# limit for themselves) have passed on a GPU.
-F64_FWD_MAX_HEADDIM = 128
+# Forward head-dim buckets the float64 kernel serves (issue 24): all; past d128 it splits O's columns
+# over two warps (a d256 double accumulator would be 256 registers a thread: TileConfig.col_split).
+F64_FWD_MAX_HEADDIM = 256
 # Backward head-dim buckets the float64 / float32 kernels serve: the dK and dV accumulators of a
 # dK/dV warp are 2 · D/2 values a thread (256 registers for float64 at d128, for float32 at d256),
-# so past d64 / d128 two warps split the columns (bwd_variant's col_split); those forms (float64 to
-# d128, float32 to d256) are built but not served until their GPU tests pass (the tests raise these).
-F64_BWD_MAX_HEADDIM = 64
-F32_BWD_MAX_HEADDIM = 128
+# so past d64 / d128 two warps split the columns (bwd_variant's col_split).  float64 stops at d128
+# (past it a split in two would still hold 256 registers a thread).
+F64_BWD_MAX_HEADDIM = 128
+F32_BWD_MAX_HEADDIM = 256
 DEFAULT_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in limit; A100 has 163 KB, sm_86/89 99 KB
 STATIC_SMEM_RESERVE = 512  # bytes the kernels' static shared memory (seqinfo.cuh's flags, page slots) may take
 
@@ -442,12 +440,12 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
-    out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24; past
-            for d in HEADDIM_BUCKETS for softcap in (False, True)]  # F64_FWD_MAX_HEADDIM: built, not yet served)
+    out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24)
+            for d in HEADDIM_BUCKETS for softcap in (False, True)]
     out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
-    out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (past the limits below:
-            for d in HEADDIM_BUCKETS if d <= 128 for softcap in (False, True)]  # built, not yet served)
+    out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)
+            for d in HEADDIM_BUCKETS if d <= F64_BWD_MAX_HEADDIM for softcap in (False, True)]
     out += [bwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]

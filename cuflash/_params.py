@@ -38,6 +38,7 @@ _INTEGERS = (
     "mask_tile_m", "mask_tile_n", "mask_tiles_rows", "mask_tiles_cols", "mask_tiles_heads",
     "dropout_seed", "dropout_offset", "dropout_threshold", "dropout_first_batch",
     "dbias_batch_stride", "dbias_head_stride", "dbias_row_stride", "dbias_col_stride",
+    "tf32_operands",
 )
 _REALS = ("softmax_scale", "softcap", "dropout_scale")
 

@@ -83,9 +83,12 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         CuPy's float32 matmul without TF32); "tf32" on operands rounded to TF32 (10-bit mantissa,
         float32 accumulation; the error of a TF32 matmul; the NumPy path rounds likewise; an
         operand within 2^-11 of float32's largest value rounds to infinity, as on the tensor cores).
-        float16/bfloat16 inputs take only None, float64 inputs no "tf32".  On the GPU, float64
-        runs :func:`attention`'s forward (FP64 tensor cores); float32 GPU arrays, and float64 for
-        what that kernel lacks yet, raise NotImplementedError (also a TypeError) naming it."""
+        float16/bfloat16 inputs take only None, float64 inputs no "tf32".  On the GPU, float32
+        (TF32 tensor cores; None: 3xTF32 split products, Henry et al. 2019, "Leveraging the
+        bfloat16 artificial intelligence datatype", adapted to TF32) and float64 (FP64 tensor
+        cores) run :func:`attention` and its gradients on padded batches; what those kernels lack
+        yet (varlen, KV caches, ALiBi, bias/mask/dropout, float64 gradients past head dim 128)
+        raises NotImplementedError (also a TypeError) naming it."""
 
 
 def _doc(fn):

@@ -13,7 +13,9 @@
 #endif
 
 // float32/float64 tags (f32_t, f64_t, mma.cuh's Elem): their elements read as they are, D in their
-// Acc (float64: a float64 D beside the float64 LSE).
+// Acc (float64: a float64 D beside the float64 LSE).  float32 with p.tf32_operands (precision="tf32"):
+// dO and O rounded to TF32 first, the operands the backward's dP = dO V^T takes, so that dS = P (dP -
+// D) is 0 where it is exactly (a row with one key: O = V) rather than a TF32 rounding of dO.V.
 template <class T>
 __device__ __forceinline__ void bwd_dsum(const FlashParams& p) {
     using E = typename Elem<T>::Storage;
@@ -26,7 +28,11 @@ __device__ __forceinline__ void bwd_dsum(const FlashParams& p) {
     const E* d = static_cast<const E*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
     A acc = 0;
     for (int c = lane; c < p.headdim_v; c += 32) {
-        if constexpr (Elem<T>::kWide)
+        if constexpr (Elem<T>::kF32) {
+            float oc = o[c], dc = d[c];
+            if (p.tf32_operands) oc = __uint_as_float(to_tf32(oc)), dc = __uint_as_float(to_tf32(dc));
+            acc += oc * dc;
+        } else if constexpr (Elem<T>::kWide)
             acc += static_cast<A>(o[c]) * static_cast<A>(d[c]);
         else
             acc += to_float<T>(o[c]) * to_float<T>(d[c]);

@@ -86,16 +86,25 @@ __device__ __forceinline__ void tf32_parts(float x, u32& hi, u32& lo) {
     else
         split_tf32(x, hi, lo);
 }
+// 3xTF32: the k step's three products go into an accumulator of their own, added to d with FADD
+// (rounded to nearest).  Added in the tensor core, each step's sum was cut to d's magnitude with
+// truncation (the tensor cores' fp32 accumulation rounds toward zero): over a d256 row or a
+// 1000-key P V that bias grew to 1.0-1.5x the exactness rule's bound against naive float32.
 template <int kTerms>
 __device__ __forceinline__ void mma_tf32_terms(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], float b0, float b1) {
     u32 bh0, bl0, bh1, bl1;
     tf32_parts<kTerms>(b0, bh0, bl0);
     tf32_parts<kTerms>(b1, bh1, bl1);
     if constexpr (kTerms == 3) {
-        mma_16x8x8_tf32(d, al, bh0, bh1);
-        mma_16x8x8_tf32(d, ah, bl0, bl1);
+        float step[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_16x8x8_tf32(step, al, bh0, bh1);
+        mma_16x8x8_tf32(step, ah, bl0, bl1);
+        mma_16x8x8_tf32(step, ah, bh0, bh1);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] += step[e];
+    } else {
+        mma_16x8x8_tf32(d, ah, bh0, bh1);
     }
-    mma_16x8x8_tf32(d, ah, bh0, bh1);
 }
 
 // acc (16 x kN) += A (16 x kD) · Bᵀ in float32, as warp_gemm_abt.

@@ -31,12 +31,10 @@ def rand(shape, dtype):
 
 
 # The float32 and float64 forwards and backwards (issue 24, flash_fwd.cu's and flash_bwd.cu's TF32
-# and FP64 tensor-core forms; float32 and the gradients switched on here, as their tests do, until
-# they are on for everyone): partial tiles of rows, keys and head dims, the options they take, GQA,
+# and FP64 tensor-core forms): partial tiles of rows, keys and head dims, the options they take, GQA,
 # Dv != Dqk, both float32 precisions.
 from cuflash import _gpu  # noqa: E402
 
-_gpu.FLOAT32_ENABLED = _gpu.WIDE_GRADIENTS_ENABLED = True
 wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 128, 40, dict(softcap=3.0)),
               (100, 300, 100, 100, dict(window_size=(7, 2))), (33, 97, 1, 1, dict(causal=True, seqlens_k=True)),
               (70, 90, 256, 256, dict(causal=True)))
@@ -54,7 +52,6 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
             grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision, **opts)
             assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, opts)
 cp.cuda.Device().synchronize()
-_gpu.FLOAT32_ENABLED = _gpu.WIDE_GRADIENTS_ENABLED = False
 if os.environ.get("SANITIZE_PARTS") == "wide":
     print("sanitize sweep done")
     sys.exit(0)

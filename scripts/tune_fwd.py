@@ -107,10 +107,6 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES),
                     help="the --configs forward's dtype: bf16, or fp32/fp64 (flash_fwd.cu's TF32/FP64 forms, issue 24)")
     args = ap.parse_args()
-    if args.dtype == "fp32":
-        from cuflash import _gpu
-
-        _gpu.FLOAT32_ENABLED = True  # (timing its kernels before it is on for users)
     dtype_name = {"bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}[args.dtype]
     itemsize = np.dtype(DTYPES[args.dtype]).itemsize
     if args.decode:

@@ -1,17 +1,16 @@
-"""The float32 forward on the GPU (issue 24; kernels/flash_fwd.cu's TF32 tensor-core form).
+"""float32 attention on the GPU (issue 24; kernels/flash_fwd.cu's and flash_bwd.cu's TF32 tensor-core forms).
 
 precision=None/"ieee" (3xTF32 products) must meet the exactness rule against naive float32
 attention; precision="tf32" (single TF32 products) against naive attention on TF32-rounded
 operands (cuflash.reference.naive_attention(precision="tf32")); both against the float64 oracle,
-on NaN-poisoned outputs.  float32 GPU arrays are refused until these tests have passed on a GPU
-(cuflash._gpu.FLOAT32_ENABLED); the tests turn it on for themselves.
+on NaN-poisoned outputs.
 """
 
 import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _gpu, _kernels
+from cuflash import _arrays, _gpu
 from cuflash.reference import assert_exact, attention_backward_ref, attention_ref, naive_attention, naive_attention_backward
 
 from .conftest import requires_gpu
@@ -30,9 +29,8 @@ def _rand(rng, shape, scale=1.0):
 
 
 @pytest.fixture
-def float32_on(kernels_run, monkeypatch):
-    """float32 GPU arrays taken (FLOAT32_ENABLED), and the kernel variants the test launches."""
-    monkeypatch.setattr(_gpu, "FLOAT32_ENABLED", True)
+def float32_on(kernels_run):
+    """The kernel variants the test launches."""
     return kernels_run
 
 
@@ -127,19 +125,14 @@ def test_not_yet_covered_is_refused_before_running(rng, monkeypatch):
     cp = _cp()
     q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
     out = cp.full(q.shape, 7.0, dtype=np.float32)
-    with pytest.raises(_gpu.NotAvailableOnGPU, match="GPU kernels take float16 or bfloat16"):
-        cuflash.attention(q, k, v, out=out)  # FLOAT32_ENABLED off: refused as before
-    monkeypatch.setattr(_gpu, "FLOAT32_ENABLED", True)
     cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
     k_cache = cp.zeros((1, 32, 2, 64), dtype=np.float32)
     cases = [
         (lambda: cuflash.attention(q, k, v, alibi_slopes=cp.ones(2, dtype=cp.float32), out=out), "alibi_slopes"),
         (lambda: cuflash.attention(q, k, v, mask=cp.ones((20, 20), dtype=bool), out=out), "bias, mask or dropout"),
-        (lambda: cuflash.attention_backward(q, q, k, v, q, cp.zeros((1, 2, 20), dtype=np.float32)), "gradients"),
         (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"),
         (lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
                                                 cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"),
-        (lambda: cuflash.attention_vjp(q, k, v), "gradients"),
     ]
     for call, what in cases:
         with pytest.raises(_gpu.NotAvailableOnGPU, match="float32") as info:
@@ -148,13 +141,11 @@ def test_not_yet_covered_is_refused_before_running(rng, monkeypatch):
     assert bool((out == 7.0).all()) and bool((k_cache == 0).all())
 
 
-# The backward (flash_bwd.cu's TF32 form): off for users until these pass on a GPU
-# (_gpu.WIDE_GRADIENTS_ENABLED); the tests switch it on for themselves.
+# The backward (flash_bwd.cu's TF32 form).
 
 
 @pytest.fixture
-def gradients_on(float32_on, monkeypatch):
-    monkeypatch.setattr(_gpu, "WIDE_GRADIENTS_ENABLED", True)
+def gradients_on(float32_on):
     return float32_on
 
 
@@ -213,8 +204,7 @@ def test_backward_with_dlse(rng, gradients_on):
 @pytest.mark.parametrize("smem_kb", [227, 99])
 def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, gradients_on, monkeypatch):
     """Past d128 two warps share each 16-row slab, each with half of the output's columns
-    (bwd_variant's col_split; served once this passes: it raises the limit for itself)."""
-    monkeypatch.setattr(_kernels, "F32_BWD_MAX_HEADDIM", 256)
+    (bwd_variant's col_split)."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
     q = _rand(rng, (2, 45, 2, headdim), 2.0)
     k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
@@ -222,12 +212,3 @@ def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, gradients_on, 
     _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), precision="tf32", softcap=3.0, window_size=(20, 5))
     backward = [n for n in gradients_on if n.startswith("cuflash_bwd_fp32_")]
     assert backward and all(n.endswith("_cs2") for n in backward), backward
-
-
-def test_backward_head_dims_past_128_are_refused(rng, gradients_on):
-    cp = _cp()
-    q = cp.asarray(_rand(rng, (1, 10, 1, 160)))
-    with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 128"):
-        cuflash.attention_backward(q, q, q, q, q, cp.zeros((1, 1, 10), dtype=np.float32))
-    with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 128"):
-        cuflash.attention_vjp(q, q, q)  # before its forward runs
