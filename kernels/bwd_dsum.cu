@@ -14,8 +14,10 @@
 
 // float32/float64 tags (f32_t, f64_t, mma.cuh's Elem): their elements read as they are, D in their
 // Acc (float64: a float64 D beside the float64 LSE).  float32 with p.tf32_operands (precision="tf32"):
-// dO and O rounded to TF32 first, the operands the backward's dP = dO V^T takes, so that dS = P (dP -
-// D) is 0 where it is exactly (a row with one key: O = V) rather than a TF32 rounding of dO.V.
+// dO rounded to TF32 first, as the backward's dP = dO V^T takes it, so that D = sum_j P_j dP_j where
+// the forward's O = sum_j P_j V_j holds V rounded likewise, and dS = P (dP - D) is 0 where it is
+// exactly (a row with one key) rather than a TF32 rounding of dO.V.  (Rounding O as well was worse:
+// at head dim 1 D is one product, and O's own rounding gave dQ 1.1-1.8x the exactness bound.)
 template <class T>
 __device__ __forceinline__ void bwd_dsum(const FlashParams& p) {
     using E = typename Elem<T>::Storage;
@@ -29,8 +31,9 @@ __device__ __forceinline__ void bwd_dsum(const FlashParams& p) {
     A acc = 0;
     for (int c = lane; c < p.headdim_v; c += 32) {
         if constexpr (Elem<T>::kF32) {
-            float oc = o[c], dc = d[c];
-            if (p.tf32_operands) oc = __uint_as_float(to_tf32(oc)), dc = __uint_as_float(to_tf32(dc));
+            const float oc = o[c];
+            float dc = d[c];
+            if (p.tf32_operands) dc = __uint_as_float(to_tf32(dc));
             acc += oc * dc;
         } else if constexpr (Elem<T>::kWide)
             acc += static_cast<A>(o[c]) * static_cast<A>(d[c]);

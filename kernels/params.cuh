@@ -100,8 +100,8 @@ struct FlashParams {
     // times dropout_scale = 1 / (1 - p) with its 1 / l.
     long long dropout_seed, dropout_offset, dropout_threshold, dropout_first_batch;
     long long dbias_batch_stride, dbias_head_stride, dbias_row_stride, dbias_col_stride;
-    // float32 backward with precision="tf32" (bwd_dsum.cu): D from dO and O rounded to TF32, as the
-    // main kernel's dP = dO V^T has them, so that dP - D cancels where it should (1: on).
+    // float32 backward with precision="tf32" (bwd_dsum.cu): D from dO rounded to TF32, as the main
+    // kernel's dP = dO V^T has it, so that dP - D cancels where it should (1: on).
     long long tf32_operands;
 
     double softmax_scale;          // multiplies q.k
