@@ -125,7 +125,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     keys, Q read from shared memory (its fragments would take 2·D/4 registers), rows padded by 32
     bytes: 135 KB at d128, within the A100's 163; GPUs of 99 KB (sm_86/89) take 32 x 16 tiles; past
     d128 two warps share each 16-row slab (col_split, each with half of O's columns).
-    float32 likewise: 64 x 64 (64 x 32 past d128), smaller where shared memory is short.
+    float32 likewise: 64 x 64 to d64, 64 x 32 past it, smaller where shared memory is short (3xTF32, seqlen
+    4k, session 23: d128 64 x 32 39 TF/s non-causal, 36 causal; 64 x 64 32 and 25, spilling 32 bytes).
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
     if dtype in WIDE_ITEMSIZE:  # (not tuned yet) 4-element row pad: the operands' loads spread over the banks
@@ -134,7 +135,7 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
         if item == 8:
             shapes = ((64, 32, 4), (32, 16, 2)) if split == 1 else ((32, 32, 4), (32, 16, 4), (16, 16, 2))
         else:
-            shapes = ((64, 64 if headdim <= 128 else 32, 4), (64, 32, 4), (32, 32, 2))
+            shapes = ((64, 64 if headdim <= 64 else 32, 4), (64, 32, 4), (32, 32, 2))
         tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split) for bm, bn, w in shapes]
         return next((t for t in tiles if t.smem_bytes(headdim) <= limit), tiles[-1])  # (the last fits 99 KB GPUs)
     if headdim <= 64:
