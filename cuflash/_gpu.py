@@ -62,7 +62,7 @@ def _wide_covers(name: str) -> str:
             f"head dims up to {_wide_limit(name, False)}{grads}")
 
 
-def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
+def _check_gpu_dtype(q, wide_missing: str | None):
     """q's dtype name where a GPU kernel takes it: float16 and bfloat16, and float32 and float64
     when ``wide_missing`` is None.  Otherwise NotAvailableOnGPU; for those dtypes
     it names ``wide_missing``, what the call needs that their kernel does not have yet."""
@@ -77,8 +77,7 @@ def _check_gpu_dtype(q, wide_missing: str | None = "gradients"):
         )
     if name not in ("float16", "bfloat16"):
         raise NotAvailableOnGPU(
-            f"q has dtype {name}; GPU kernels take float16 or bfloat16 (use NumPy arrays for the "
-            f"float32/float64 CPU path, or cast with .astype)"
+            f"q has dtype {name}; GPU kernels take float16, bfloat16, float32 or float64 (cast with .astype)"
         )
     return name
 

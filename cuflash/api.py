@@ -169,8 +169,8 @@ def attention(
     Returns
     -------
     out : array of shape (batch, seqlen_q, nheads, headdim_v)
-        q's dtype and layout; accumulated in float32 (float64 on the CPU path for float32 and
-        float64 inputs).  The accumulator holds sums of weights times v before the division by
+        q's dtype and layout; accumulated in float32 (float64 for float64 inputs, and on the CPU
+        path for float32 ones).  The accumulator holds sums of weights times v before the division by
         the row sum (FlashAttention's online softmax), so v values near the accumulator's
         largest (3.4e38 in float32, e.g. bfloat16 v ~ 1e38) can overflow it: NaN or inf rows
         where the exact result is finite.
@@ -183,9 +183,9 @@ def attention(
     TypeError
         Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays, a
         non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
-        ``window_size`` that is not a pair.  On GPU arrays, float32, and float64 with an option its
-        kernel lacks yet (ALiBi, bias/mask/dropout, head dims past 128), raise ``NotImplementedError``
-        (also a TypeError) naming it.
+        ``window_size`` that is not a pair.  On GPU arrays, float32 and float64 with an option their
+        kernels lack yet (varlen, KV caches, ALiBi, bias/mask/dropout; float64 gradients past head
+        dim 128) raise ``NotImplementedError`` (also a TypeError) naming it.
     ValueError
         Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside
         0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k] (NumPy ``seqlens_k``), an ``out``

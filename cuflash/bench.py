@@ -232,7 +232,7 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
     try:
         out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
         grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-    except NotImplementedError as exc:  # NotAvailableOnGPU: float32/float64 kernels (issue 24)
+    except NotImplementedError as exc:  # NotAvailableOnGPU: what the float32/float64 kernels lack (issue 24)
         row["cuflash"], row["cuflash_error"] = None, _error_text(exc)
     else:
         for g in grads:
@@ -259,7 +259,7 @@ def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidde
     row = dict(dtype=dtype_name, headdim=headdim, seqlen=seqlen, batch=batch, nheads=nheads, causal=causal)
     try:
         out = cuflash.attention(q, k, v, causal=causal)
-    except NotImplementedError as exc:  # NotAvailableOnGPU: float32/float64 kernels (issue 24)
+    except NotImplementedError as exc:  # NotAvailableOnGPU: what the float32/float64 kernels lack (issue 24)
         row["cuflash"], row["cuflash_error"] = None, _error_text(exc)
     else:
         check_against_plain(q, k, v, causal, out)

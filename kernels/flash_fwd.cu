@@ -14,15 +14,15 @@
 // that the many warps of a decode SM hide (docs/perf-notes.md, d7).  V_j is loaded while S_j is
 // computed and K_{j+1} while the softmax of S_j runs.  Head dims below kD are zero-filled on load
 // and never stored.
-// Not handled here: head dims that are not multiples of 8 (the caller pads), float32 inputs.
+// Not handled here: head dims that are not multiples of 8 (the caller pads).
 //
 // CUFLASH_DTYPE f64_t builds the float64 form (issue 24): elements and accumulators in double,
 // both products on the FP64 tensor cores (mma.m8n8k4, warp_gemm.cuh: the same 16-row C fragments,
 // so the score pipeline and the online softmax are the same code in double), P kept in the
 // registers of S, the LSE in double.  f32_t the float32 form: float32 elements, products on the
 // TF32 tensor cores (mma.m16n8k8), CUFLASH_TF32_TERMS 3 (3xTF32) or 1 (TF32), P kept in S's
-// registers.  Not yet with split-KV, ALiBi, bias/mask/dropout, or (float64) head dims past 128
-// (the host refuses those).
+// registers.  Not yet with split-KV, ALiBi or bias/mask/dropout (the host refuses those); float64
+// past d128 splits O's columns over two warps (CUFLASH_SLAB_WARPS 2).
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
 // each query block is cut into p.num_splits parts run by separate blocks (grid x = query blocks x

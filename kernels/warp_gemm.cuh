@@ -92,6 +92,7 @@ __device__ __forceinline__ void tf32_parts(float x, u32& hi, u32& lo) {
 // 1000-key P V that bias grew to 1.0-1.5x the exactness rule's bound against naive float32.
 template <int kTerms>
 __device__ __forceinline__ void mma_tf32_terms(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], float b0, float b1) {
+    static_assert(kTerms == 1 || kTerms == 3, "TF32 products: 1 term or 3 (3xTF32)");
     u32 bh0, bl0, bh1, bl1;
     tf32_parts<kTerms>(b0, bh0, bl0);
     tf32_parts<kTerms>(b1, bh1, bl1);

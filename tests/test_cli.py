@@ -178,7 +178,7 @@ def test_bench_refuses_sweep_options_on_fixed_suites():
     assert result.exit_code == 2 and "--backward" in result.output
     result = CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers", "--seqlens", "4096"])
     assert result.exit_code == 2 and "--seqlens" in result.output
-    # The modifiers suite sweeps head dims and the 16-bit dtypes; float32/float64 have no GPU kernels yet.
+    # The modifiers suite sweeps head dims and the 16-bit dtypes; float32/float64 have no bias/mask/dropout kernels yet.
     result = CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers", "--dtypes", "fp32"])
     assert result.exit_code == 2 and "bf16 and fp16" in result.output
 

@@ -14,6 +14,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from cuflash import _kernels
@@ -111,9 +112,31 @@ def test_variant_names_are_unique_and_spell_the_switches():
 
 
 def test_tile_table_respects_shared_memory_limits():
-    for limit in (99 * 1024, 163 * 1024, 227 * 1024):
-        for d in _kernels.HEADDIM_BUCKETS:
-            assert _kernels.fwd_tile(d, limit).smem_bytes(d) + _kernels.STATIC_SMEM_RESERVE <= limit
+    for dtype in ("float16", "float32", "float64"):
+        for limit in (99 * 1024, 163 * 1024, 227 * 1024):
+            for d in _kernels.HEADDIM_BUCKETS:
+                assert _kernels.fwd_tile(d, limit, dtype).smem_bytes(d) + _kernels.STATIC_SMEM_RESERVE <= limit
+
+
+def test_float32_forward_tiles():
+    """float32 (3xTF32) takes 64 keys a tile to d64 and 32 past it: at d128 64 keys spilled (32 ->
+    39 TF/s with 32, H200, session 23)."""
+    assert _kernels.fwd_tile(64, dtype="float32").block_n == 64
+    assert all(_kernels.fwd_tile(d, dtype="float32").block_n == 32 for d in _kernels.HEADDIM_BUCKETS if d > 64)
+
+
+def test_wide_dtype_limits_are_checked_before_any_kernel():
+    """What the float32/float64 GPU kernels cover (_gpu.check_call with p None: dtype and head dim
+    alone, as attention_vjp asks first): every head dim to 256, float64 gradients to 128."""
+    from cuflash import _gpu
+
+    for name in ("float32", "float64"):
+        q = np.empty((1, 1, 1, 256), dtype=name)
+        assert _gpu.check_call(None, q, headdim=256) == name
+        assert _gpu.check_call(None, q, backward=True, headdim=128) == name
+    assert _gpu.check_call(None, np.empty((1, 1, 1, 256), np.float32), backward=True, headdim=256) == "float32"
+    with pytest.raises(_gpu.NotAvailableOnGPU, match="head dims past 128"):
+        _gpu.check_call(None, np.empty((1, 1, 1, 160), np.float64), backward=True, headdim=160)
 
 
 def test_headdim_bucket():

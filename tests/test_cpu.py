@@ -484,7 +484,7 @@ def _split_keys(xp, q, k, v, cut, layout="bshd", **opts):
     return parts
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])  # (GPU: float64 runs, float32 is not on yet)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_merge_states_two_halves(xp, rng, layout, dtype):
     q, k, v = make_qkv(rng, dtype, 2, 9, 50, 3, 3, 16)

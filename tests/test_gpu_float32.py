@@ -121,7 +121,7 @@ def test_repeated_calls_are_bitwise_identical(rng, float32_on):
         assert bool((cuflash.attention(q, k, v, causal=True).view(cp.uint32) == first.view(cp.uint32)).all())
 
 
-def test_not_yet_covered_is_refused_before_running(rng, monkeypatch):
+def test_not_yet_covered_is_refused_before_running(rng):
     cp = _cp()
     q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
     out = cp.full(q.shape, 7.0, dtype=np.float32)

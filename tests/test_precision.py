@@ -1,7 +1,7 @@
 """The precision= option (issue 24): which values each dtype takes, TF32 rounding, and the NumPy
 path's "tf32" arithmetic against naive attention on TF32-rounded operands (the exactness rule).
-The float32/float64 GPU kernels come with issue 24's kernels; here the GPU path only has to refuse
-what the dtype does not take, on first and on warm calls."""
+The float32/float64 GPU kernels are tested in test_gpu_float32.py / test_gpu_float64.py; here the
+GPU path only has to refuse what the dtype does not take, on first and on warm calls."""
 
 import ml_dtypes
 import numpy as np
