@@ -129,7 +129,7 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     4k, session 23: d128 64 x 32 39 TF/s non-causal, 36 causal; 64 x 64 32 and 25, spilling 32 bytes).
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
-    if dtype in WIDE_ITEMSIZE:  # (not tuned yet) 4-element row pad: the operands' loads spread over the banks
+    if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks (float64 tiles not tuned yet)
         item = WIDE_ITEMSIZE[dtype]
         split = 2 if item == 8 and headdim > 128 else 1  # (float64's O: D/2 doubles a thread without it)
         if item == 8:

@@ -30,14 +30,13 @@ __device__ __forceinline__ void bwd_dsum(const FlashParams& p) {
     const E* d = static_cast<const E*>(p.dout) + b * p.do_batch_stride + i * p.do_row_stride + h * p.do_head_stride;
     A acc = 0;
     for (int c = lane; c < p.headdim_v; c += 32) {
-        if constexpr (Elem<T>::kF32) {
-            const float oc = o[c];
-            float dc = d[c];
-            if (p.tf32_operands) dc = __uint_as_float(to_tf32(dc));
-            acc += oc * dc;
-        } else if constexpr (Elem<T>::kWide)
-            acc += static_cast<A>(o[c]) * static_cast<A>(d[c]);
-        else
+        if constexpr (Elem<T>::kWide) {
+            A dc = static_cast<A>(d[c]);
+            if constexpr (Elem<T>::kF32) {
+                if (p.tf32_operands) dc = __uint_as_float(to_tf32(dc));
+            }
+            acc += static_cast<A>(o[c]) * dc;
+        } else
             acc += to_float<T>(o[c]) * to_float<T>(d[c]);
     }
 #pragma unroll

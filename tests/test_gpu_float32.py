@@ -28,12 +28,6 @@ def _rand(rng, shape, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32)
 
 
-@pytest.fixture
-def float32_on(kernels_run):
-    """The kernel variants the test launches."""
-    return kernels_run
-
-
 def _check(q, k, v, *, layout="bshd", precision=None, **opts):
     cp = _cp()
     qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
@@ -53,29 +47,29 @@ def _check(q, k, v, *, layout="bshd", precision=None, **opts):
 @pytest.mark.parametrize("headdim", HEADDIMS)
 @pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65), (63, 7)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_headdims_and_lengths(rng, precision, headdim, seqlens, causal, float32_on):
+def test_headdims_and_lengths(rng, precision, headdim, seqlens, causal, kernels_run):
     sq, sk = seqlens
     q = _rand(rng, (2, sq, 3, headdim), 3.0)
     k, v = _rand(rng, (2, sk, 3, headdim)), _rand(rng, (2, sk, 3, headdim))
     _check(q, k, v, causal=causal, precision=precision)
     suffix = "_tf32" if precision == "tf32" else "_qsmem"
-    assert float32_on and all(n.startswith("cuflash_fwd_fp32_") and n.endswith(suffix) for n in float32_on), float32_on
+    assert kernels_run and all(n.startswith("cuflash_fwd_fp32_") and n.endswith(suffix) for n in kernels_run), kernels_run
 
 
 @pytest.mark.parametrize("headdim", [128, 256])
-def test_tiles_of_small_shared_memory_gpus(rng, headdim, float32_on, monkeypatch):
+def test_tiles_of_small_shared_memory_gpus(rng, headdim, kernels_run, monkeypatch):
     """The smaller tiles that GPUs with 99 KB of shared memory a block (sm_86/89) take."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: 99 * 1024)
     q = _rand(rng, (2, 70, 2, headdim), 3.0)
     k, v = _rand(rng, (2, 129, 2, headdim)), _rand(rng, (2, 129, 2, headdim))
     _check(q, k, v, causal=True)
     _check(q, k, v, window_size=(9, 4), softcap=3.0, precision="tf32")
-    assert all(("_bm64_bn32_w4_" if headdim == 128 else "_bm32_bn32_w2_") in n for n in float32_on), float32_on
+    assert all(("_bm64_bn32_w4_" if headdim == 128 else "_bm32_bn32_w2_") in n for n in kernels_run), kernels_run
 
 
 @pytest.mark.parametrize("precision", [None, "tf32"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_long_rows(rng, precision, causal, float32_on):
+def test_long_rows(rng, precision, causal, kernels_run):
     q, k, v = (_rand(rng, (1, 1000, 2, 128), 2.0 if i == 0 else 1.0) for i in range(3))
     _check(q, k, v, causal=causal, precision=precision)
 
@@ -84,14 +78,14 @@ def test_long_rows(rng, precision, causal, float32_on):
     dict(window_size=(5, 3)), dict(window_size=(0, 0), causal=True), dict(softcap=4.0), dict(softcap=2.0, causal=True),
     dict(softmax_scale=-0.3), dict(softmax_scale=0.0), dict(causal=True, window_size=(20, -1)),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_options(rng, opts, float32_on):
+def test_options(rng, opts, kernels_run):
     q = _rand(rng, (2, 70, 4, 64), 4.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 64))  # GQA: 2 query heads per K/V head
     _check(q, k, v, **opts)
     _check(q, k, v, precision="tf32", **opts)
 
 
-def test_seqlens_k_value_headdim_and_empty_rows(rng, float32_on):
+def test_seqlens_k_value_headdim_and_empty_rows(rng, kernels_run):
     q = _rand(rng, (3, 33, 2, 64), 3.0)
     k, v = _rand(rng, (3, 77, 2, 64)), _rand(rng, (3, 77, 2, 40))  # Dv != Dqk
     k[1, 50:] = np.nan  # past seqlens_k: never read
@@ -99,7 +93,7 @@ def test_seqlens_k_value_headdim_and_empty_rows(rng, float32_on):
     assert bool((lse[2] == -np.inf).all())  # no key: empty rows
 
 
-def test_layout_bhsd_and_strided_inputs(rng, float32_on):
+def test_layout_bhsd_and_strided_inputs(rng, kernels_run):
     q, k, v = (_rand(rng, (2, 3, 100, 64)) for _ in range(3))
     _check(q, k, v, layout="bhsd", causal=True)
     cp = _cp()
@@ -113,7 +107,7 @@ def test_layout_bhsd_and_strided_inputs(rng, float32_on):
     assert_exact(lse.get(), ref_lse, naive_lse, "lse")
 
 
-def test_repeated_calls_are_bitwise_identical(rng, float32_on):
+def test_repeated_calls_are_bitwise_identical(rng, kernels_run):
     cp = _cp()
     q, k, v = (cp.asarray(_rand(rng, (2, 300, 2, 128))) for _ in range(3))
     first = cuflash.attention(q, k, v, causal=True)
@@ -144,11 +138,6 @@ def test_not_yet_covered_is_refused_before_running(rng):
 # The backward (flash_bwd.cu's TF32 form).
 
 
-@pytest.fixture
-def gradients_on(float32_on):
-    return float32_on
-
-
 def _check_backward(q, k, v, dout, precision=None, **opts):
     cp = _cp()
     qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
@@ -165,28 +154,28 @@ def _check_backward(q, k, v, dout, precision=None, **opts):
 @pytest.mark.parametrize("headdim", [1, 8, 32, 40, 64, 96, 128])
 @pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_headdims_and_lengths(rng, precision, headdim, seqlens, causal, gradients_on):
+def test_backward_headdims_and_lengths(rng, precision, headdim, seqlens, causal, kernels_run):
     sq, sk = seqlens
     q = _rand(rng, (2, sq, 2, headdim), 2.0)
     k, v = _rand(rng, (2, sk, 2, headdim)), _rand(rng, (2, sk, 2, headdim))
     _check_backward(q, k, v, _rand(rng, (2, sq, 2, headdim)), precision=precision, causal=causal)
-    backward = [n for n in gradients_on if n.startswith("cuflash_bwd_fp32_")]
-    assert backward and all(n.endswith("_tf32") == (precision == "tf32") for n in backward), gradients_on
-    assert "cuflash_bwd_dsum_fp32" in gradients_on, gradients_on
+    backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp32_")]
+    assert backward and all(n.endswith("_tf32") == (precision == "tf32") for n in backward), kernels_run
+    assert "cuflash_bwd_dsum_fp32" in kernels_run, kernels_run
 
 
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(softcap=4.0, causal=True), dict(softmax_scale=-0.3),
     dict(seqlens_k=np.array([90, 41], dtype=np.int32), causal=True),
 ], ids=["window", "softcap", "negative-scale", "seqlens_k"])
-def test_backward_options_gqa_and_value_headdim(rng, opts, gradients_on):
+def test_backward_options_gqa_and_value_headdim(rng, opts, kernels_run):
     q = _rand(rng, (2, 70, 4, 64), 3.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
     _check_backward(q, k, v, _rand(rng, (2, 70, 4, 40)), **opts)
     _check_backward(q, k, v, _rand(rng, (2, 70, 4, 40)), precision="tf32", **opts)
 
 
-def test_backward_with_dlse(rng, gradients_on):
+def test_backward_with_dlse(rng, kernels_run):
     """The LSE's gradient joins D (dsum -= dlse) in float32 too."""
     cp = _cp()
     q, k, v, dout = (_rand(rng, (2, 50, 2, 64)) for _ in range(4))
@@ -202,7 +191,7 @@ def test_backward_with_dlse(rng, gradients_on):
 
 @pytest.mark.parametrize("headdim", [136, 160, 256])
 @pytest.mark.parametrize("smem_kb", [227, 99])
-def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, gradients_on, monkeypatch):
+def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, kernels_run, monkeypatch):
     """Past d128 two warps share each 16-row slab, each with half of the output's columns
     (bwd_variant's col_split)."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
@@ -210,5 +199,5 @@ def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, gradients_on, 
     k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
     _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
     _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), precision="tf32", softcap=3.0, window_size=(20, 5))
-    backward = [n for n in gradients_on if n.startswith("cuflash_bwd_fp32_")]
+    backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp32_")]
     assert backward and all(n.endswith("_cs2") for n in backward), backward

@@ -201,12 +201,6 @@ def test_not_yet_covered_is_refused_before_running(rng):
 BWD_HEADDIMS = [1, 8, 32, 40, 64]
 
 
-@pytest.fixture
-def gradients_on(kernels_run):
-    """The kernel variants the test launches."""
-    return kernels_run
-
-
 def _grads_extended(monkeypatch, dout, q, k, v, **opts):
     """attention_backward_ref's gradients computed in np.longdouble (its own formulas)."""
     ld = lambda x: R._host(x).astype(np.longdouble)  # noqa: E731
@@ -236,20 +230,20 @@ def _check_backward(monkeypatch, q, k, v, dout, **opts):
 @pytest.mark.parametrize("headdim", BWD_HEADDIMS)
 @pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_headdims_and_lengths(rng, headdim, seqlens, causal, gradients_on, monkeypatch):
+def test_backward_headdims_and_lengths(rng, headdim, seqlens, causal, kernels_run, monkeypatch):
     sq, sk = seqlens
     q = _rand(rng, (2, sq, 2, headdim), 2.0)
     k, v = _rand(rng, (2, sk, 2, headdim)), _rand(rng, (2, sk, 2, headdim))
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, sq, 2, headdim)), causal=causal)
-    assert any(n.startswith("cuflash_bwd_fp64_") for n in gradients_on), gradients_on
-    assert any(n.startswith("cuflash_bwd_dsum_fp64") for n in gradients_on), gradients_on
+    assert any(n.startswith("cuflash_bwd_fp64_") for n in kernels_run), kernels_run
+    assert any(n.startswith("cuflash_bwd_dsum_fp64") for n in kernels_run), kernels_run
 
 
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(softcap=4.0, causal=True), dict(softmax_scale=-0.3),
     dict(seqlens_k=np.array([90, 41], dtype=np.int32), causal=True),
 ], ids=["window", "softcap", "negative-scale", "seqlens_k"])
-def test_backward_options_gqa_and_value_headdim(rng, opts, gradients_on, monkeypatch):
+def test_backward_options_gqa_and_value_headdim(rng, opts, kernels_run, monkeypatch):
     q = _rand(rng, (2, 70, 4, 64), 3.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 70, 4, 40)), **opts)
@@ -257,7 +251,7 @@ def test_backward_options_gqa_and_value_headdim(rng, opts, gradients_on, monkeyp
 
 @pytest.mark.parametrize("headdim", [72, 96, 128])
 @pytest.mark.parametrize("smem_kb", [227, 99])
-def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, gradients_on, monkeypatch):
+def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, kernels_run, monkeypatch):
     """Past d64 two warps share each 16-row slab of the dQ and dK/dV kernels, each with half of the
     output's columns (bwd_variant's col_split), with 2 slabs a block, and 1 on a 99 KB GPU."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
@@ -265,11 +259,11 @@ def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, gradients_on, m
     k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), softcap=3.0, window_size=(20, 5))
-    backward = [n for n in gradients_on if n.startswith("cuflash_bwd_fp64_")]
+    backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp64_")]
     assert backward and all(n.endswith("_cs2") and ("_w2_" if smem_kb == 99 else "_w4_") in n for n in backward), backward
 
 
-def test_backward_through_vjp_and_bitwise_repeatable(rng, gradients_on):
+def test_backward_through_vjp_and_bitwise_repeatable(rng, kernels_run):
     cp = _cp()
     q, k, v, dout = (cp.asarray(_rand(rng, (2, 200, 2, 64))) for _ in range(4))
     out, vjp = cuflash.attention_vjp(q, k, v, causal=True)
@@ -285,7 +279,7 @@ def test_backward_through_vjp_and_bitwise_repeatable(rng, gradients_on):
         cuflash.attention_vjp(qq, qq, qq)  # before its forward runs
 
 
-def test_backward_with_dlse(rng, gradients_on, monkeypatch):
+def test_backward_with_dlse(rng, kernels_run, monkeypatch):
     """The LSE's gradient joins D (dsum -= dlse) in float64."""
     cp = _cp()
     q, k, v, dout = (_rand(rng, (2, 50, 2, 64)) for _ in range(4))
