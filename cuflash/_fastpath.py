@@ -100,8 +100,8 @@ class Plan:
             setattr(prm, field, None if a is None else a.data.ptr)
         prm.out, prm.lse = out.data.ptr, lse.data.ptr
         launches = self.launches
-        if self.has_maps:  # tensor maps re-pointed at this call's q, k, v
-            pointers = dict(q=qp, k=kp, v=vp)
+        if self.has_maps:  # tensor maps re-pointed at this call's q, k, v and out
+            pointers = dict(q=qp, k=kp, v=vp, out=out.data.ptr)
             try:
                 launches = [(fn, grid, block, smem, *(m.repointed(pointers) for m in extra))
                             for fn, grid, block, smem, *extra in launches]
@@ -118,7 +118,7 @@ def remember(key, record, fields, inputs, out, out_given, lse_shape):
     given = tuple(None if a is None else a.data.ptr for a in (*inputs, out))
     if used != given or any(s < 0 for a in (*inputs[:3], out) for s in a.strides):
         return
-    by_name = dict(zip(fields, given))
+    by_name = dict(zip((*fields, "out"), given))
     for launch in record["launches"]:  # tensor maps must read the given arrays too (not copies)
         if any(m.pointers != tuple(by_name.get(n) for n in m.names) for m in launch[4:]):
             return

@@ -231,7 +231,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         d8, dv8 = _round8(p.headdim_qk), _round8(p.headdim_v)
         q, scale, _ = _positive_scale(p, q)
         qx, kx, vx = _prepare(q, d8), _prepare(k, d8), _prepare(v, dv8)
-        direct = out.shape[-1] == dv8 and _aligned(out)
+        direct = out.shape[-1] == dv8 and _aligned(out) and min(out.strides) >= 0  # (the map of O takes no negative stride)
         ox = out if direct else (cp.zeros if tail_only else cp.empty)(out.shape[:-1] + (dv8,), dtype=out.dtype)
         # (float32/float64: no split-KV form yet, every row count runs the one-pass kernel)
         decode = not packed and not wide and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
@@ -270,7 +270,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             if variant.filename == "flash_fwd_sm90.cu":  # tiles in the scheduler's order, + the tensor maps of Q, K, V
                 kv_bytes = p.seqlen_k * (d8 + dv8) * 2 // (p.nheads_q // p.nheads_k)  # per pair: a GQA group shares K/V
                 prm.tile_heads, grid = _sm90_tile_grid(device, m_blocks, p.batch * p.nheads_q, kv_bytes, packed)
-                maps = _fwd_maps(qx, kx, vx, packed, block_m, dict(variant.defines)["CUFLASH_BLOCK_N"])
+                maps = _fwd_maps(qx, kx, vx, ox, packed, block_m, dict(variant.defines)["CUFLASH_BLOCK_N"])
                 # A persistent grid takes its tiles from a counter (the split kernel's, kept per stream)
                 accum = (0, 0, 1) if grid[0] < m_blocks * p.batch * p.nheads_q else None
                 launches = [(fn, grid, (variant.threads,), variant.smem_bytes, maps)]
@@ -430,8 +430,9 @@ def _l2_bytes(device_id: int) -> int:
     return _cp().cuda.Device(device_id).attributes["L2CacheSize"]
 
 
-def _fwd_maps(q, k, v, packed, block_m, block_n):
-    """Tensor maps of Q (block_m-row boxes), K and V (block_n-row boxes) for the warp-specialised
+def _fwd_maps(q, k, v, out, packed, block_m, block_n):
+    """Tensor maps of Q (block_m-row boxes), K and V (block_n-row boxes) and O (64-row boxes, one
+    consumer warpgroup's rows; a packed call stores O without it) for the warp-specialised
     forward: its FwdMaps struct as a :class:`cuflash._tma.MapsArg`."""
     from . import _tma
 
@@ -440,8 +441,9 @@ def _fwd_maps(q, k, v, packed, block_m, block_n):
         return x if all(s > 0 or n == 1 for s, n in zip(x.strides, x.shape)) else _cp().ascontiguousarray(x)
 
     q, k, v = as4(q), as4(k), as4(v)
-    maps = [_tma.tile_map(q, block_m), _tma.tile_map(k, block_n), _tma.tile_map(v, block_n)]
-    return _tma.MapsArg(maps, ("q", "k", "v"), (q, k, v))
+    out = out[None] if packed else out  # (written: never a copy; its head dim is contiguous, rows 16-byte aligned)
+    maps = [_tma.tile_map(q, block_m), _tma.tile_map(k, block_n), _tma.tile_map(v, block_n), _tma.tile_map(out, 64)]
+    return _tma.MapsArg(maps, ("q", "k", "v", "out"), (q, k, v, out))
 
 
 def execute(prm, launches, accum):

@@ -121,19 +121,23 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
 
     Measured on the H200 with scripts/tune_fwd.py (bf16, seqlen 4k; see docs/perf-notes.md):
     d64 128x64, 8 warps, 2 blocks/SM: 185 TF/s; d128 64x128, 4 warps, 2 blocks/SM: 197;
-    d256 128x64, 8 warps, Q re-read from shared memory: 194.  float64 (not tuned yet): 64 rows, 32
-    keys, Q read from shared memory (its fragments would take 2·D/4 registers), rows padded by 32
-    bytes: 135 KB at d128, within the A100's 163; GPUs of 99 KB (sm_86/89) take 32 x 16 tiles; past
-    d128 two warps share each 16-row slab (col_split, each with half of O's columns).
+    d256 128x64, 8 warps, Q re-read from shared memory: 194.  float64: Q read from shared memory
+    (its fragments would take 2·D/4 registers), rows padded by 32 bytes; to d64 64 rows x 32 keys
+    (23 TF/s, seqlen 4k, session 24), to d128 128 x 16 with 8 warps (23 non-causal, 21 causal; 64 x
+    32 spilled 224 bytes: 14), 64 x 16 where 169 KB do not fit (the A100: 163), 32 x 16 on GPUs of
+    99 KB (sm_86/89); past d128 (not tuned) two warps share each 16-row slab (col_split, each with
+    half of O's columns).
     float32 likewise: 64 x 64 to d64, 64 x 32 past it, smaller where shared memory is short (3xTF32, seqlen
     4k, session 23: d128 64 x 32 39 TF/s non-causal, 36 causal; 64 x 64 32 and 25, spilling 32 bytes).
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
-    if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks (float64 tiles not tuned yet)
+    if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks
         item = WIDE_ITEMSIZE[dtype]
         split = 2 if item == 8 and headdim > 128 else 1  # (float64's O: D/2 doubles a thread without it)
-        if item == 8:
-            shapes = ((64, 32, 4), (32, 16, 2)) if split == 1 else ((32, 32, 4), (32, 16, 4), (16, 16, 2))
+        if item == 8 and split == 2:
+            shapes = ((32, 32, 4), (32, 16, 4), (16, 16, 2))
+        elif item == 8:  # (past d64 the 32-key tiles spill 224 bytes: 14 TF/s against 16 keys' 21-23, session 24)
+            shapes = ((64, 32, 4), (32, 16, 2)) if headdim <= 64 else ((128, 16, 8), (64, 16, 4), (32, 16, 2))
         else:
             shapes = ((64, 64 if headdim <= 64 else 32, 4), (64, 32, 4), (32, 32, 2))
         tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split) for bm, bn, w in shapes]

@@ -202,6 +202,7 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
         const bool early_release = kSeparateO && kOverlap && nb_lo < nb_hi;
         auto release_q = [&] {
             __syncwarp();  // (every lane read bars.seq; lane 0 frees it)
+            if (!kSeparateO && wtid == 0) bulk_wait_read<0>();  // O staged in sQ: read out by the copy engine
             if (lane == 0) mbar_arrive(&q_empty);
         };
 
@@ -327,11 +328,12 @@ __device__ __forceinline__ void flash_fwd_sm90(const FlashParams& p, const FwdMa
             }
         }
 
-        store_o<T, kBM, kMods>(p, seq, b, h, m0, o, row, kSeparateO ? sO : sQ, wg, r_lo, wtid, lane, consumer_barrier,
+        store_o<T, kBM, kMods>(p, maps.o, seq, b, h, m0, o, row, kSeparateO ? sO : sQ, wg, r_lo, wtid, lane, consumer_barrier,
                                 kDropout ? mods.out_scale() : 1.f);
         if (!early_release) release_q();
     }
     if (wg == 0) take_turn();  // absorbs the last consumer's last arrival
+    if (wtid == 0) bulk_wait<0>();  // the last tile's O stored before shared memory goes
 }
 
 // One block per SM: 128 threads per warpgroup (the producer's and the consumers'); ptxas gives

@@ -23,9 +23,10 @@
 #include "sm90_scheduler.cuh"
 
 // The tensor maps of one launch (cuflash/_tma.py): Q, K and V as (headdim, rows, heads, batch)
-// boxes of (64, rows, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
+// boxes of (64, rows, 1, 1); packed (varlen) arrays are one batch entry of all their rows.  O
+// (boxes of 64 rows, one consumer warpgroup's) is written through its map by sm90_fwd_epilogue.cuh.
 struct FwdMaps {
-    TensorMap q, k, v;
+    TensorMap q, k, v, o;
 };
 
 // What both roles derive from a tile: its sequence, its K/V head and its key tiles [nb_lo,

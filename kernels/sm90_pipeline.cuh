@@ -86,6 +86,25 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* dst, const TensorMa
         tma_load_4d(dst + panel * kRows * 128, map, bar, panel * 64, row, head, batch);
 }
 
+// The reverse copy: the box at (c0 innermost, c1, c2, c3) of a 4-D map from shared memory at src
+// (1024-byte aligned, the 128-byte swizzle) to global memory; elements outside the tensor are not
+// written.  One thread issues it, into its open bulk group (bulk_commit closes the group); the
+// copy engine reads src after the call returns: the issuing thread waits with bulk_wait_read
+// before src is written again, and with bulk_wait before the block exits.
+__device__ __forceinline__ void tma_store_4d(const TensorMap& map, const void* src, int c0, int c1, int c2, int c3) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];"
+                 :: "l"(reinterpret_cast<u64>(&map)), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Until this thread's bulk groups but the newest kPending have read their shared memory (_read) or are done.
+template <int kPending> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" :: "n"(kPending) : "memory");
+}
+template <int kPending> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" :: "n"(kPending) : "memory");
+}
+
 // --- warpgroup coordination ------------------------------------------------------------------
 
 // Named barriers 1..15 (0 is __syncthreads): `threads` is a multiple of 32, the same at every use.

@@ -328,3 +328,47 @@ def test_both_backward_kernels_with_bias_mask_dropout(rng, backward_kernels, hea
     naives = R.naive_attention_backward(dout, q, k, v, **ref_opts)
     for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), grads, refs, naives):
         R.assert_exact(_arrays.to_numpy(g).astype(np.float64), r, n.astype(g.dtype) if name == "dbias" else n, name)
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim, dv", [(64, 64), (96, 96), (128, 40), (192, 192), (256, 256), (64, 128)])
+@pytest.mark.parametrize("seqlen_q", [1, 65, 129, 200])
+def test_o_stored_by_the_copy_engine_stays_inside_its_view(rng, headdim, dv, seqlen_q):
+    """The Hopper forward stores O with TMA boxes of 64 rows x 64 columns through a map of the
+    output (sm90_fwd_epilogue.cuh): rows past seqlen_q, columns past headdim_v and the rows of other
+    heads and batch entries around a strided out= view must stay as they were (NaN here), at every
+    head dim, including boxes that start past the last row (the second warpgroup's at one row)."""
+    cp = _arrays.cupy_module()
+    batch, heads = 2, 3
+    q = _rand(rng, (batch, seqlen_q, heads, headdim), ml_dtypes.bfloat16)
+    k, v = _rand(rng, (batch, 90, heads, headdim), ml_dtypes.bfloat16), _rand(rng, (batch, 90, heads, dv), ml_dtypes.bfloat16)
+    dv_pad = -(-dv // 8) * 8
+    big = cp.full((batch + 1, seqlen_q + 70, heads + 2, dv_pad + 64), np.nan, dtype=q.dtype)
+    out = big[1:, 3: 3 + seqlen_q, 1: 1 + heads, :dv]
+    mask = cp.zeros(big.shape, dtype=bool)
+    mask[1:, 3: 3 + seqlen_q, 1: 1 + heads, :dv] = True
+    for causal in (False, True):
+        big[...] = np.nan
+        res = cuflash.attention(*(cp.asarray(x) for x in (q, k, v)), out=out, causal=causal)
+        assert res is out
+        ref = R.attention_ref(q, k, v, causal=causal)[0]
+        naive = R.naive_attention(q, k, v, causal=causal)
+        R.assert_exact(out.get(), ref, naive, f"out causal={causal}")
+        assert bool(cp.isnan(big[~mask]).all()), "written outside the out= view"
+
+
+@requires_hopper
+def test_warm_calls_store_o_into_each_calls_own_output(rng):
+    """A warm call re-points the map of O (cuflash/_fastpath.py): each call's result lands in its
+    own output, earlier results stay as they were."""
+    cp = _arrays.cupy_module()
+    _fastpath.PLANS.clear()
+    q, k, v = (cp.asarray(_rand(rng, (2, 300, 4, 128), ml_dtypes.bfloat16)) for _ in range(3))
+    outs = [cuflash.attention(q * (i + 1), k, v) for i in range(3)]
+    bufs = [cp.full(q.shape, np.nan, dtype=q.dtype) for _ in range(3)]
+    for i, b in enumerate(bufs):
+        assert cuflash.attention(q * (i + 1), k, v, out=b) is b
+    assert len(_fastpath.PLANS) >= 2  # (the calls with and without out= took plans)
+    for a, b in zip(outs, bufs):
+        assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
+    assert not any(cp.array_equal(outs[0], o) for o in outs[1:])
