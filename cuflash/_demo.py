@@ -47,13 +47,15 @@ def _matmul_dtype(xp, q, k, v):
 
 
 def plain_attention(xp, q, k, v, causal: bool):
-    """softmax(q kᵀ / sqrt(d)) v with the full score matrix, (B, S, H, D) in, accumulating in fp32."""
+    """softmax(q kᵀ / sqrt(d)) v with the full score matrix, (B, S, H, D) in, the softmax in fp32
+    (float64 inputs: in float64)."""
     q, k, v = _matmul_dtype(xp, q, k, v)
+    acc = np.promote_types(q.dtype, np.float32)
     qh, kh, vh = (x.swapaxes(1, 2) for x in (q, k, v))
-    s = xp.matmul(qh, kh.swapaxes(-1, -2)).astype(np.float32) * np.float32(1 / math.sqrt(q.shape[-1]))
+    s = xp.matmul(qh, kh.swapaxes(-1, -2)).astype(acc) * acc.type(1 / math.sqrt(q.shape[-1]))
     if causal:
         n = s.shape[-1]
-        s = xp.where(xp.tri(n, dtype=bool), s, np.float32(-np.inf))
+        s = xp.where(xp.tri(n, dtype=bool), s, acc.type(-np.inf))
     s -= s.max(axis=-1, keepdims=True)
     p = xp.exp(s)
     p /= p.sum(axis=-1, keepdims=True)
@@ -61,21 +63,23 @@ def plain_attention(xp, q, k, v, causal: bool):
 
 
 def plain_attention_backward(xp, q, k, v, dout, causal: bool):
-    """Gradients of :func:`plain_attention` the standard way: P recomputed in full, fp32 softmax.
+    """Gradients of :func:`plain_attention` the standard way: P recomputed in full, fp32 softmax
+    (float64 inputs: float64).
 
     dV = Pᵀ dO, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P)), dQ = dS K / sqrt(d), dK = dSᵀ Q / sqrt(d).
     """
-    scale = np.float32(1 / math.sqrt(q.shape[-1]))
+    acc = np.promote_types(q.dtype, np.float32)
+    scale = acc.type(1 / math.sqrt(q.shape[-1]))
     (q, k, v), dout = _matmul_dtype(xp, q, k, v), _matmul_dtype(xp, dout, dout, dout)[0]
     qh, kh, vh, doh = (x.swapaxes(1, 2) for x in (q, k, v, dout))
-    s = xp.matmul(qh, kh.swapaxes(-1, -2)).astype(np.float32) * scale
+    s = xp.matmul(qh, kh.swapaxes(-1, -2)).astype(acc) * scale
     if causal:
         n = s.shape[-1]
-        s = xp.where(xp.tri(n, dtype=bool), s, np.float32(-np.inf))
+        s = xp.where(xp.tri(n, dtype=bool), s, acc.type(-np.inf))
     p = xp.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
     dv = xp.matmul(p.astype(q.dtype).swapaxes(-1, -2), doh)
-    dp = xp.matmul(doh, vh.swapaxes(-1, -2)).astype(np.float32)
+    dp = xp.matmul(doh, vh.swapaxes(-1, -2)).astype(acc)
     ds = (p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * scale).astype(q.dtype)
     dq, dk = xp.matmul(ds, kh), xp.matmul(ds.swapaxes(-1, -2), qh)
     return tuple(x.swapaxes(1, 2) for x in (dq, dk, dv))

@@ -15,7 +15,7 @@ import threading
 import numpy as np
 
 from . import _guard, _kernels
-from ._arrays import cupy_module
+from ._arrays import cupy_module, is_gpu
 from ._params import FlashParams
 
 _GRID_YZ_MAX = 65535
@@ -49,17 +49,27 @@ def _smem_limit(device_id: int) -> int:
 _WIDE_DTYPES = tuple(_kernels.WIDE_ITEMSIZE)
 
 
-def _wide_limit(name: str, backward: bool) -> int:
-    """The largest head dim of the float32/float64 forward or backward kernels."""
+def _wide_limit(name: str, backward: bool, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> int:
+    """The largest head dim of the float32/float64 forward or backward kernels on a GPU with
+    ``smem_limit`` bytes of shared memory a block (the float64 backward past d160 needs more than
+    99 KB: sm_86/89 stop there)."""
     if backward:
-        return _kernels.F64_BWD_MAX_HEADDIM if name == "float64" else _kernels.F32_BWD_MAX_HEADDIM
+        top = _kernels.F64_BWD_MAX_HEADDIM if name == "float64" else _kernels.F32_BWD_MAX_HEADDIM
+        fits = [d for d in _kernels.HEADDIM_BUCKETS if d <= top and _kernels.bwd_variant(
+            name, d, softcap=False, alibi=False, smem_limit=smem_limit).smem_bytes + _kernels.STATIC_SMEM_RESERVE <= smem_limit]
+        return fits[-1]
     return _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
 
 
-def _wide_covers(name: str) -> str:
-    grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True)}"
+def _device_smem_limit(q) -> int:
+    """The shared memory a block of q's GPU may take (the H200's for arrays not on a GPU)."""
+    return _smem_limit(q.device.id) if is_gpu(q) else _kernels.DEFAULT_SMEM_LIMIT
+
+
+def _wide_covers(name: str, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> str:
+    grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True, smem_limit)}"
     return ("the forward of padded batches (attention) with causal, window_size, softcap, seqlens_k and GQA, "
-            f"head dims up to {_wide_limit(name, False)}{grads}")
+            f"head dims up to {_wide_limit(name, False, smem_limit)}{grads}")
 
 
 def _check_gpu_dtype(q, wide_missing: str | None):
@@ -73,7 +83,7 @@ def _check_gpu_dtype(q, wide_missing: str | None):
     if wide:
         raise NotAvailableOnGPU(
             f"q has dtype {name}: the GPU's {name} attention has no {wide_missing} yet (it covers "
-            f"{_wide_covers(name)}); cast to float16/bfloat16 with .astype, or use NumPy arrays for the CPU path"
+            f"{_wide_covers(name, _device_smem_limit(q))}); cast to float16/bfloat16 with .astype, or use NumPy arrays for the CPU path"
         )
     if name not in ("float16", "bfloat16"):
         raise NotAvailableOnGPU(
@@ -91,15 +101,15 @@ def check_call(p, q, *, packed=False, kvcache=False, backward=False, headdim=0) 
     if name not in _WIDE_DTYPES:
         return _check_gpu_dtype(q, None)
     if p is None:
-        limit = _wide_limit(name, backward)
+        limit = _wide_limit(name, backward, _device_smem_limit(q))
         return _check_gpu_dtype(q, f"head dims past {limit}" if headdim > limit else None)
     return _check_gpu_dtype(q, _wide_missing(p, name, max(p.headdim_qk, p.headdim_v), packed=packed,
-                                             kvcache=kvcache, backward=backward))
+                                             kvcache=kvcache, backward=backward, smem_limit=_device_smem_limit(q)))
 
 
-def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False) -> str | None:
+def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False, smem_limit=_kernels.DEFAULT_SMEM_LIMIT) -> str | None:
     """The first option of a call that the float32/float64 kernels lack, or None."""
-    limit = _wide_limit(name, backward)
+    limit = _wide_limit(name, backward, smem_limit)
     missing = [("varlen (packed) sequences", packed), ("KV caches", kvcache),
                ("alibi_slopes", p.alibi_slopes is not None),
                ("bias, mask or dropout", _mods_level(p) != 0),

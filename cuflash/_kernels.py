@@ -36,11 +36,10 @@ def attention_tag(dtype: str) -> str:
 # Forward head-dim buckets the float64 kernel serves (issue 24): all; past d128 it splits O's columns
 # over two warps (a d256 double accumulator would be 256 registers a thread: TileConfig.col_split).
 F64_FWD_MAX_HEADDIM = 256
-# Backward head-dim buckets the float64 / float32 kernels serve: the dK and dV accumulators of a
-# dK/dV warp are 2 · D/2 values a thread (256 registers for float64 at d128, for float32 at d256),
-# so past d64 / d128 two warps split the columns (bwd_variant's col_split).  float64 stops at d128
-# (past it a split in two would still hold 256 registers a thread).
-F64_BWD_MAX_HEADDIM = 128
+# Backward head-dim buckets the float64 / float32 kernels serve: all.  The dK and dV accumulators of
+# a dK/dV warp are 2 · D/2 values a thread (256 registers for float64 at d128, for float32 at d256),
+# so past d64 / d128 warps split the columns (bwd_variant's col_split).
+F64_BWD_MAX_HEADDIM = 256
 F32_BWD_MAX_HEADDIM = 256
 DEFAULT_SMEM_LIMIT = 227 * 1024  # H100/H200 opt-in limit; A100 has 163 KB, sm_86/89 99 KB
 STATIC_SMEM_RESERVE = 512  # bytes the kernels' static shared memory (seqinfo.cuh's flags, page slots) may take
@@ -356,17 +355,21 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind; ``mods`` as
     :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout); ``tf32``
     (float32) single TF32 products instead of 3xTF32.  float32/float64 run two 16-row slabs (32-row
-    tiles; one where shared memory is short: their accumulators take 2-4 times the registers of the
-    16-bit ones), each slab one warp, or two that split the output's columns (col_split)."""
+    tiles; one where shared memory is short, or past 8 warps: their accumulators take 2-4 times the
+    registers of the 16-bit ones), each slab one warp, or several that split the output's columns
+    (col_split; each recomputes the slab's S and dP)."""
     d = headdim_bucket(headdim)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
-    # float64 past d64 and float32 past d128: two warps per 16-row slab, each with half of the
-    # output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers)
-    col_split = 2 if itemsize > 2 and d > (64 if itemsize == 8 else 128) else 1
+    # float64 past d64 and float32 past d128: 4 warps per 16-row slab, float64 past d128 8, each with
+    # its share of the output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in
+    # registers).  In two, float64 d128 spilled 620 bytes and float32 d256 476; in 4 16 and 68
+    # (NVRTC 13.0, session 24).
+    col_split = (8 if itemsize == 8 and d > 128 else 4) if itemsize > 2 and d > (64 if itemsize == 8 else 128) else 1
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
-        warps = col_split * (2 if bwd_smem_bytes(d, 2, itemsize) + STATIC_SMEM_RESERVE <= smem_limit else 1)
+        two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
+        warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
     name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1)
     defines = (

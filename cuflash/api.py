@@ -87,7 +87,7 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         (TF32 tensor cores; None: 3xTF32 split products, Henry et al. 2019, "Leveraging the
         bfloat16 artificial intelligence datatype", adapted to TF32) and float64 (FP64 tensor
         cores) run :func:`attention` and its gradients on padded batches; what those kernels lack
-        yet (varlen, KV caches, ALiBi, bias/mask/dropout, float64 gradients past head dim 128)
+        yet (varlen, KV caches, ALiBi, bias/mask/dropout)
         raises NotImplementedError (also a TypeError) naming it."""
 
 

@@ -59,10 +59,10 @@
 #define CUFLASH_SLAB_WARPS 1
 #endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
-// kColSplit 2 (float64 past d64, float32 past d128: dK and dV, or dQ, would not fit in registers):
-// two warps take the same 16 rows, both form S, P, dP and dS for them, and each accumulates and
-// stores half of the output's columns (flash_fwd.cu's column split).  `warp` below is the 16-row
-// slab; col0 the warp's first output column.
+// kColSplit > 1 (float64 past d64, float32 past d128: dK and dV, or dQ, would not fit in registers;
+// _kernels.bwd_variant picks 4 or 8): kColSplit warps take the same 16 rows, each forms S, P, dP
+// and dS for them, and each accumulates and stores its share of the output's columns (flash_fwd.cu's
+// column split).  `warp` below is the 16-row slab; col0 the warp's first output column.
 constexpr int kColSplit = CUFLASH_SLAB_WARPS;
 
 // The tile geometry both kernels share: element and accumulator types (Elem), 16-byte chunk size,
@@ -73,7 +73,7 @@ struct BwdShape {
     using E = typename Elem<T>::Storage;
     using A = typename Elem<T>::Acc;
     static_assert(!Elem<T>::kWide || !kModifiers, "float32/float64: no ALiBi, bias, mask or dropout yet");
-    static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole pairs");
+    static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole slabs");
     static constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
     static constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates

@@ -192,12 +192,12 @@ def test_backward_with_dlse(rng, kernels_run):
 @pytest.mark.parametrize("headdim", [136, 160, 256])
 @pytest.mark.parametrize("smem_kb", [227, 99])
 def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, kernels_run, monkeypatch):
-    """Past d128 two warps share each 16-row slab, each with half of the output's columns
-    (bwd_variant's col_split)."""
+    """Past d128 4 warps share each 16-row slab, each with a quarter of the output's columns
+    (bwd_variant's col_split), 2 slabs a block (1 on a 99 KB GPU past d160)."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
     q = _rand(rng, (2, 45, 2, headdim), 2.0)
     k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
     _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
     _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), precision="tf32", softcap=3.0, window_size=(20, 5))
     backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp32_")]
-    assert backward and all(n.endswith("_cs2") for n in backward), backward
+    assert backward and all(n.endswith("_cs4") and ("_w4_" if smem_kb == 99 and headdim > 160 else "_w8_") in n for n in backward), backward
