@@ -360,11 +360,16 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     (col_split; each recomputes the slab's S and dP)."""
     d = headdim_bucket(headdim)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
-    # float64 past d64 and float32 past d128: 4 warps per 16-row slab, float64 past d128 8, each with
-    # its share of the output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in
-    # registers).  In two, float64 d128 spilled 620 bytes and float32 d256 476; in 4 16 and 68
-    # (NVRTC 13.0, session 24).
-    col_split = (8 if itemsize == 8 and d > 128 else 4) if itemsize > 2 and d > (64 if itemsize == 8 else 128) else 1
+    # float64 past d64 and float32 past d128: several warps per 16-row slab, each with its share of
+    # the output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers), each
+    # recomputing the slab's S and dP.  float64 d128 in 2 warps spills 620 bytes and in 4 16, yet 2
+    # ran faster (8 against 7 TF/s, seqlen 4k, session 24); float32 d256 in 2 spilled 476 bytes and
+    # ran 4 TF/s, in 4 68 bytes and 5.  A warp's columns are whole 8-column tiles: float64 d192
+    # and d256 in 8 warps (24 and 32 columns each, no spill), d160 and d224 in 4 (spilling 200-520 bytes).
+    if itemsize == 8:
+        col_split = 1 if d <= 64 else 2 if d <= 128 else 8 if d % 64 == 0 else 4
+    else:
+        col_split = 1 if itemsize == 2 or d <= 128 else 4
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)

@@ -60,7 +60,7 @@
 #endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // kColSplit > 1 (float64 past d64, float32 past d128: dK and dV, or dQ, would not fit in registers;
-// _kernels.bwd_variant picks 4 or 8): kColSplit warps take the same 16 rows, each forms S, P, dP
+// _kernels.bwd_variant picks 2, 4 or 8): kColSplit warps take the same 16 rows, each forms S, P, dP
 // and dS for them, and each accumulates and stores its share of the output's columns (flash_fwd.cu's
 // column split).  `warp` below is the 16-row slab; col0 the warp's first output column.
 constexpr int kColSplit = CUFLASH_SLAB_WARPS;
@@ -77,6 +77,7 @@ struct BwdShape {
     static constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
     static constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
+    static_assert(kD % (8 * kColSplit) == 0, "a warp's output columns are whole 8-column tiles");
 };
 
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel

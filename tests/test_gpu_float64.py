@@ -249,9 +249,10 @@ def test_backward_options_gqa_and_value_headdim(rng, opts, kernels_run, monkeypa
 @pytest.mark.parametrize("headdim", [72, 96, 128, 160, 200, 256])
 @pytest.mark.parametrize("smem_kb", [227, 99])
 def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, kernels_run, monkeypatch):
-    """Past d64 4 warps share each 16-row slab of the dQ and dK/dV kernels (past d128 8), each with
-    its share of the output's columns (bwd_variant's col_split), with 2 slabs a block to d128 (1 on a
-    99 KB GPU), 1 past it; a 99 KB GPU stops at d192 (a slab of d224 takes 116 KB)."""
+    """Past d64 several warps share each 16-row slab of the dQ and dK/dV kernels, each with its
+    share of the output's columns (bwd_variant's col_split: 2 to d128, 4 at d160/d224, 8 at d192/d256), with
+    2 slabs a block where shared memory holds them; a 99 KB GPU stops at d192 (a slab of d224 takes
+    116 KB).  d160 and d224 once took 8 warps of 20 and 28 columns: dq was wrong."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
     q = _rand(rng, (2, 45, 2, headdim), 2.0)
     k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
@@ -263,7 +264,9 @@ def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, kernels_run, mo
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), softcap=3.0, window_size=(20, 5))
     backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp64_")]
-    split, warps = (8, 8) if headdim > 128 else (4, 4 if smem_kb == 99 else 8)
+    split, warps = {(99, 72): (2, 2), (99, 96): (2, 2), (99, 128): (2, 2), (99, 160): (4, 4),
+                    (227, 72): (2, 4), (227, 96): (2, 4), (227, 128): (2, 4), (227, 160): (4, 8), (227, 200): (4, 4),
+                    (227, 256): (8, 8)}[smem_kb, headdim]
     assert backward and all(n.endswith(f"_cs{split}") and f"_w{warps}" in n for n in backward), backward
 
 
