@@ -246,7 +246,7 @@ def test_backward_options_gqa_and_value_headdim(rng, opts, kernels_run, monkeypa
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 70, 4, 40)), **opts)
 
 
-@pytest.mark.parametrize("headdim", [72, 96, 128, 160, 200, 256])
+@pytest.mark.parametrize("headdim", [72, 96, 128, 160, 192, 200, 256])
 @pytest.mark.parametrize("smem_kb", [227, 99])
 def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, kernels_run, monkeypatch):
     """Past d64 several warps share each 16-row slab of the dQ and dK/dV kernels, each with its
@@ -264,8 +264,8 @@ def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, kernels_run, mo
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), softcap=3.0, window_size=(20, 5))
     backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp64_")]
-    split, warps = {(99, 72): (2, 2), (99, 96): (2, 2), (99, 128): (2, 2), (99, 160): (4, 4),
-                    (227, 72): (2, 4), (227, 96): (2, 4), (227, 128): (2, 4), (227, 160): (4, 8), (227, 200): (4, 4),
+    split, warps = {(99, 72): (2, 2), (99, 96): (2, 2), (99, 128): (2, 2), (99, 160): (4, 4), (99, 192): (8, 8),
+                    (227, 72): (2, 4), (227, 96): (2, 4), (227, 128): (2, 4), (227, 160): (4, 8), (227, 192): (8, 8), (227, 200): (4, 4),
                     (227, 256): (8, 8)}[smem_kb, headdim]
     assert backward and all(n.endswith(f"_cs{split}") and f"_w{warps}" in n for n in backward), backward
 
