@@ -57,13 +57,20 @@ class Result:
         return self.forward_ratio <= 1.0 and self.backward_ratio <= 1.0
 
 
+# What the GPU's float32 kernels (3xTF32) lack so far (cuflash._gpu._wide_missing, issue 24): such
+# cases are left out of a GPU sweep.  (float64 is not swept: the rule's 1e-5 floor is far above its
+# errors, so a float64 case could not fail; tests/test_gpu_float64.py holds it to its own rule.)
+GPU_FLOAT32_LACKS = frozenset({"alibi"})
+
+
 def cases(on_gpu: bool, quick: bool = False) -> list[Case]:
     """The sweep: dtypes x head dims x lengths, every option at one head dim and length."""
-    dtypes = ("float16", "bfloat16") if on_gpu else ("float16", "bfloat16", "float32")
+    dtypes = ("float16", "bfloat16", "float32")
     headdims = HEADDIMS_QUICK if quick else HEADDIMS_FULL
     lengths = LENGTHS_QUICK if quick else LENGTHS_FULL
     out = [Case(dt, d, sq, sk, "causal", {"causal": True}) for dt in dtypes for d in headdims for sq, sk in lengths]
-    out += [Case(dt, 64, 129, 65, name, opts) for dt in dtypes for name, opts in OPTIONS]
+    out += [Case(dt, 64, 129, 65, name, opts) for dt in dtypes for name, opts in OPTIONS
+            if not (on_gpu and dt == "float32" and name in GPU_FLOAT32_LACKS)]
     unique = {c.label: c for c in out}  # the "causal" option case repeats one of the sweep's
     return list(unique.values())
 
