@@ -118,6 +118,24 @@ def test_tile_table_respects_shared_memory_limits():
                 assert _kernels.fwd_tile(d, limit, dtype).smem_bytes(d) + _kernels.STATIC_SMEM_RESERVE <= limit
 
 
+def test_wide_backward_variants_fit_their_gpus():
+    """Every float32/float64 backward variant a GPU of 99, 163 or 227 KB runs (head dims up to
+    _gpu._wide_limit for that GPU) fits its shared memory in at most 8 warps, a warp's columns whole
+    8-column tiles; float64 gradients stop at d192 on 99 KB GPUs (a d224 slab takes 116 KB)."""
+    from cuflash import _gpu
+
+    for limit in (99 * 1024, 163 * 1024, 227 * 1024):
+        for dtype in ("float32", "float64"):
+            top = _gpu._wide_limit(dtype, True, limit)
+            for d in _kernels.HEADDIM_BUCKETS:
+                v = _kernels.bwd_variant(dtype, d, softcap=False, alibi=False, smem_limit=limit)
+                split = dict(v.defines)["CUFLASH_SLAB_WARPS"]
+                fits = v.smem_bytes + _kernels.STATIC_SMEM_RESERVE <= limit and v.threads <= 256 and d % (8 * split) == 0
+                assert fits == (d <= top), (limit, dtype, d, v)
+    assert _gpu._wide_limit("float64", True, 99 * 1024) == 192
+    assert _gpu._wide_limit("float64", True, 163 * 1024) == _gpu._wide_limit("float32", True, 99 * 1024) == 256
+
+
 def test_float32_forward_tiles():
     """float32 (3xTF32) takes 64 keys a tile to d64 and 32 past it: at d128 64 keys spilled (32 ->
     39 TF/s with 32, H200, session 23)."""
