@@ -51,13 +51,9 @@ _WIDE_DTYPES = tuple(_kernels.WIDE_ITEMSIZE)
 
 def _wide_limit(name: str, backward: bool, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> int:
     """The largest head dim of the float32/float64 forward or backward kernels on a GPU with
-    ``smem_limit`` bytes of shared memory a block (the float64 backward past d160 needs more than
-    99 KB: sm_86/89 stop there)."""
+    ``smem_limit`` bytes of shared memory a block (float64 gradients stop at d192 on 99 KB GPUs)."""
     if backward:
-        top = _kernels.F64_BWD_MAX_HEADDIM if name == "float64" else _kernels.F32_BWD_MAX_HEADDIM
-        fits = [d for d in _kernels.HEADDIM_BUCKETS if d <= top and _kernels.bwd_variant(
-            name, d, softcap=False, alibi=False, smem_limit=smem_limit).smem_bytes + _kernels.STATIC_SMEM_RESERVE <= smem_limit]
-        return fits[-1]
+        return _kernels.wide_bwd_max_headdim(name, smem_limit)
     return _kernels.F64_FWD_MAX_HEADDIM if name == "float64" else _kernels.HEADDIM_BUCKETS[-1]
 
 
@@ -748,7 +744,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
 
 def bwd_tiles(variant) -> tuple:
     """(query rows, key rows) per block of a backward variant's grids: flash_bwd.cu 16 per warp,
-    or per pair of warps with a column split (CUFLASH_SLAB_WARPS 2); the Hopper kernels 64 per
+    or per slab of CUFLASH_SLAB_WARPS warps with a column split; the Hopper kernels 64 per
     warpgroup, with 64 keys in all at d256, whose warpgroups split the columns (CUFLASH_COL_SPLIT)."""
     defines = dict(variant.defines)
     tile = variant.threads // 2 // defines.get("CUFLASH_SLAB_WARPS", 1)

@@ -342,6 +342,15 @@ def bwd_smem_bytes(headdim: int, warps: int, itemsize: int = 2) -> int:
     return 4 * rows * (headdim + pad) * itemsize + 2 * rows * max(4, itemsize)
 
 
+def wide_bwd_max_headdim(dtype: str, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
+    """The largest head-dim bucket of the float32/float64 backward whose variant fits ``smem_limit``
+    bytes of shared memory a block (float64 stops at d192 on 99 KB GPUs, sm_86/89: a d224 slab
+    takes 116 KB)."""
+    top = F64_BWD_MAX_HEADDIM if dtype == "float64" else F32_BWD_MAX_HEADDIM
+    return max(d for d in HEADDIM_BUCKETS if d <= top and bwd_variant(
+        dtype, d, softcap=False, alibi=False, smem_limit=smem_limit).smem_bytes + STATIC_SMEM_RESERVE <= smem_limit)
+
+
 @functools.lru_cache(maxsize=None)
 def dsum_variant(dtype: str) -> Variant:
     """The backward's pre-pass D = rowsum(dO * O) (kernels/bwd_dsum.cu), for every backward kernel."""
@@ -458,9 +467,10 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
     out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
     out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)
-            for d in HEADDIM_BUCKETS if d <= F64_BWD_MAX_HEADDIM for softcap in (False, True)]
+            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap in (False, True)]
     out += [bwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
-            for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
+            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float32", smem_limit)
+            for softcap in (False, True) for tf32 in (False, True)]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]

@@ -10,7 +10,8 @@ than a bare ``CUDA_ERROR_INVALID_VALUE``.
 Layout used for attention tiles (:func:`tile_map`): a (batch, seqlen, heads, headdim) array of
 16-bit values, dims given innermost first as (headdim, seqlen, heads, batch), box (64, rows, 1, 1)
 with the 128-byte swizzle, i.e. one 64-column panel of kernels/swizzled_tile.cuh's layout per copy.
-Rows past ``seqlen`` (and columns past ``headdim``) arrive as zeros.
+Loads: rows past ``seqlen`` (and columns past ``headdim``) arrive as zeros; stores (the Hopper
+forward's O, kernels/sm90_fwd_epilogue.cuh): elements past them are not written.
 Sources: CUDA Driver API, "Tensor Map Object Management"; PTX ISA, "Tensor Copy".
 """
 
@@ -125,8 +126,8 @@ def _replacer():
 
 class MapsArg:
     """The tensor maps a kernel takes by value after FlashParams (packed by :func:`pack_maps`),
-    with the names of the inputs they read (``"q"``, ``"k"``, ``"v"``) and those inputs' device
-    addresses, so that a warm call (cuflash._fastpath) can re-point them at new arrays of the same
+    with the names of the arrays they read or write (``"q"``, ``"k"``, ``"v"``, ``"out"``) and those
+    arrays' device addresses, so that a warm call (cuflash._fastpath) can re-point them at new arrays of the same
     layout with :meth:`repointed` instead of encoding them again."""
 
     def __init__(self, maps, names, arrays):

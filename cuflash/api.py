@@ -87,8 +87,8 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         (TF32 tensor cores; None: 3xTF32 split products, Henry et al. 2019, "Leveraging the
         bfloat16 artificial intelligence datatype", adapted to TF32) and float64 (FP64 tensor
         cores) run :func:`attention` and its gradients on padded batches; what those kernels lack
-        yet (varlen, KV caches, ALiBi, bias/mask/dropout)
-        raises NotImplementedError (also a TypeError) naming it."""
+        yet (varlen, KV caches, ALiBi, bias/mask/dropout; float64 gradients past head dim 192 on
+        GPUs with 99 KB of shared memory a block) raises NotImplementedError (also a TypeError) naming it."""
 
 
 def _doc(fn):
@@ -185,7 +185,8 @@ def attention(
         non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
         ``window_size`` that is not a pair.  On GPU arrays, float32 and float64 with an option their
         kernels lack yet (varlen, KV caches, ALiBi, bias/mask/dropout; float64 gradients past head
-        dim 128) raise ``NotImplementedError`` (also a TypeError) naming it.
+        dim 192 on GPUs with 99 KB of shared memory a block, sm_86/89) raise ``NotImplementedError``
+        (also a TypeError) naming it.
     ValueError
         Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside
         0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k] (NumPy ``seqlens_k``), an ``out``

@@ -451,8 +451,8 @@ def _check_sweep(dtypes, headdims, seqlens):
 @click.option("--dtypes", default="bf16,fp16", show_default=True,
               help="Comma list of bf16, fp16, fp32, fp64 (bfloat16, float16, float32, float64 also accepted); "
                    "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate; cuflash runs float32 "
-                   "on the TF32 tensor cores (3xTF32) and float64 on the FP64 ones (float64 gradients "
-                   "past head dim 128 are not built: those rows say so).")
+                   "on the TF32 tensor cores (3xTF32) and float64 on the FP64 ones (what their kernels "
+                   "lack yet, those rows say).")
 @click.option("--headdims", default="64,128,256", show_default=True,
               help="Comma list of head dims to sweep (standard suite; the modifiers suite runs 128 unless "
                    "given), each 1 to 256.")

@@ -24,7 +24,7 @@
 // float64 (FP64 tensor cores) forms, as flash_fwd.cu's: elements, accumulators, P, dS, the LSE and
 // D in the dtype's Acc, every product through warp_gemm.cuh's _f32/_f64 forms with P and dS kept in
 // the registers they were formed in; rows padded by 4 elements.  Not yet with ALiBi or
-// bias/mask/dropout, nor float64 past d128 (not built; the host refuses those).
+// bias/mask/dropout (the host refuses those).
 #include "mma.cuh"
 #include "params.cuh"
 #include "score_grad.cuh"

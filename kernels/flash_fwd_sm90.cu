@@ -19,7 +19,7 @@
 // the consumers with its Q; the rings, the barriers' phases and the consumers' turns run on from
 // one tile to the next, and sQ passes between the roles through q_full (Q landed, the tile's
 // number in FwdBarriers::tile) and q_empty (every consumer is done with Q: after its last S with
-// kSeparateO, else after staging O in it), so the producer loads the next tile's first K, and with
+// kSeparateO, else once the copy engine has read out the O staged in it), so the producer loads the next tile's first K, and with
 // kSeparateO its Q, while the consumers finish the last.  Shared memory, swizzled as
 // swizzled_tile.cuh (the copy engine's 128-byte swizzle): Q (kBM x kD), then kStages stages of K
 // (kBN x kD) and of V (kBN x kD), then with kSeparateO O's staging buffer (kBM x kD).  K and V have their own full/empty barriers,

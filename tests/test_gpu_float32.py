@@ -193,7 +193,7 @@ def test_backward_with_dlse(rng, kernels_run):
 @pytest.mark.parametrize("smem_kb", [227, 99])
 def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, kernels_run, monkeypatch):
     """Past d128 4 warps share each 16-row slab, each with a quarter of the output's columns
-    (bwd_variant's col_split), 2 slabs a block (1 on a 99 KB GPU past d160)."""
+    (bwd_variant's col_split), 2 slabs a block (1 on a 99 KB GPU past d192)."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
     q = _rand(rng, (2, 45, 2, headdim), 2.0)
     k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk

@@ -332,12 +332,13 @@ def test_both_backward_kernels_with_bias_mask_dropout(rng, backward_kernels, hea
 
 @requires_hopper
 @pytest.mark.parametrize("headdim, dv", [(64, 64), (96, 96), (128, 40), (192, 192), (256, 256), (64, 128)])
-@pytest.mark.parametrize("seqlen_q", [1, 65, 129, 200])
+@pytest.mark.parametrize("seqlen_q", [17, 65, 129, 200])
 def test_o_stored_by_the_copy_engine_stays_inside_its_view(rng, headdim, dv, seqlen_q):
     """The Hopper forward stores O with TMA boxes of 64 rows x 64 columns through a map of the
     output (sm90_fwd_epilogue.cuh): rows past seqlen_q, columns past headdim_v and the rows of other
     heads and batch entries around a strided out= view must stay as they were (NaN here), at every
-    head dim, including boxes that start past the last row (the second warpgroup's at one row)."""
+    head dim, including boxes that start past the last row (the second warpgroup's at 17 rows; 16 or
+    fewer run the split-KV kernel)."""
     cp = _arrays.cupy_module()
     batch, heads = 2, 3
     q = _rand(rng, (batch, seqlen_q, heads, headdim), ml_dtypes.bfloat16)
@@ -372,3 +373,29 @@ def test_warm_calls_store_o_into_each_calls_own_output(rng):
     for a, b in zip(outs, bufs):
         assert cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))
     assert not any(cp.array_equal(outs[0], o) for o in outs[1:])
+
+
+@requires_hopper
+@pytest.mark.parametrize("case", ["bhsd-batch1", "three-consumers"])
+def test_o_stored_by_the_copy_engine_other_layouts(rng, case):
+    """The map of O for a layout="bhsd" view of one batch entry (tile_map makes up the batch
+    stride) and for the three-consumer tiles of d64's long rows (192-row panels): every element
+    outside the out= view stays NaN."""
+    cp = _arrays.cupy_module()
+    if case == "bhsd-batch1":
+        layout, shape, kshape = "bhsd", (1, 3, 200, 64), (1, 3, 90, 64)
+        big = cp.full((1, 5, 260, 128), np.nan, dtype=ml_dtypes.bfloat16)
+        view = (slice(None), slice(1, 4), slice(10, 210), slice(0, 64))
+    else:
+        layout, shape, kshape = "bshd", (1, _kernels.SM90_FWD_LONG_ROWS + 70, 1, 64), (1, 300, 1, 64)
+        big = cp.full((1, shape[1] + 9, 2, 64), np.nan, dtype=ml_dtypes.bfloat16)
+        view = (slice(None), slice(5, 5 + shape[1]), slice(1, 2), slice(None))
+    q = _rand(rng, shape, ml_dtypes.bfloat16)
+    k, v = _rand(rng, kshape, ml_dtypes.bfloat16), _rand(rng, kshape, ml_dtypes.bfloat16)
+    out = big[view]
+    mask = cp.zeros(big.shape, dtype=bool)
+    mask[view] = True
+    assert cuflash.attention(*(cp.asarray(x) for x in (q, k, v)), out=out, causal=True, layout=layout) is out
+    ref = R.attention_ref(q, k, v, causal=True, layout=layout)[0]
+    R.assert_exact(out.get(), ref, R.naive_attention(q, k, v, causal=True, layout=layout), f"out ({case})")
+    assert bool(cp.isnan(big[~mask]).all()), "written outside the out= view"
