@@ -108,10 +108,15 @@ def tile_map(x, rows: int):
     item = x.dtype.itemsize
     if x.strides[3] != item:
         raise ValueError(f"the head dim must be contiguous for the copy engine; strides are {x.strides}")
-    batch_stride = x.strides[0]
+    legal = -(-max(seqlen * abs(x.strides[1]), heads * abs(x.strides[2]), 16) // 16) * 16
+    row_stride, head_stride, batch_stride = x.strides[1], x.strides[2], x.strides[0]
     if batch == 1:  # any stride will do (e.g. a packed array viewed as one batch entry): a legal one
-        batch_stride = -(-max(seqlen * x.strides[1], heads * x.strides[2], 16) // 16) * 16
-    return encode_tiled(x.dtype.name, x.data.ptr, (headdim, seqlen, heads, batch), (x.strides[1], x.strides[2], batch_stride),
+        batch_stride = legal
+    # A size-1 axis is never stepped along either: a stride the driver refuses there (0, negative, or
+    # not a 16-byte multiple, as views and broadcasts make them) becomes a legal one
+    row_stride = legal if seqlen == 1 and (row_stride <= 0 or row_stride % 16) else row_stride
+    head_stride = legal if heads == 1 and (head_stride <= 0 or head_stride % 16) else head_stride
+    return encode_tiled(x.dtype.name, x.data.ptr, (headdim, seqlen, heads, batch), (row_stride, head_stride, batch_stride),
                         (64, rows, 1, 1))
 
 

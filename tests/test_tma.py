@@ -34,6 +34,27 @@ def test_what_the_driver_would_refuse_is_a_value_error(change, message):
         _tma.check_tiled(**{**GOOD, **change})
 
 
+@pytest.mark.parametrize(("shape", "strides", "want"), [
+    ((2, 150, 3, 128), (115200, 768, 256, 2), (768, 256, 115200)),  # kept as they are
+    ((1, 150, 3, 128), (0, 768, 256, 2), (768, 256, 115200)),       # batch 1: a legal batch stride
+    ((2, 1, 3, 128), (768, 0, 256, 2), (768, 256, 768)),            # one row, stride 0 (a broadcast row)
+    ((2, 150, 1, 128), (38400, 256, -256, 2), (256, 38400, 38400)),  # one head, a negative stride
+    ((2, 150, 1, 128), (38400, 256, 8, 2), (256, 38400, 38400)),     # one head, not a 16-byte multiple
+])
+def test_size_1_axes_get_a_stride_the_driver_takes(monkeypatch, shape, strides, want):
+    """A size-1 axis is never stepped along, so a stride the driver would refuse there (0, negative,
+    not a 16-byte multiple: views and broadcasts make them) is replaced by a legal one; the
+    others are passed as they are (review of session 24)."""
+    from types import SimpleNamespace
+
+    seen = {}
+    monkeypatch.setattr(_tma, "encode_tiled", lambda dtype, address, dims, strides, box: seen.update(strides=strides))
+    x = SimpleNamespace(shape=shape, strides=strides, dtype=np.dtype(ml_dtypes.bfloat16), data=SimpleNamespace(ptr=0x10000))
+    _tma.tile_map(x, 64)
+    assert seen["strides"] == want
+    _tma.check_tiled("bfloat16", 0x10000, (shape[3], shape[1], shape[2], shape[0]), want, (64, 64, 1, 1))
+
+
 def test_the_map_struct_is_128_bytes_at_a_64_byte_boundary():
     assert ctypes.sizeof(_tma.TensorMap) == 128
     for _ in range(8):
