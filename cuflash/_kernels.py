@@ -342,6 +342,7 @@ def bwd_smem_bytes(headdim: int, warps: int, itemsize: int = 2) -> int:
     return 4 * rows * (headdim + pad) * itemsize + 2 * rows * max(4, itemsize)
 
 
+@functools.lru_cache(maxsize=None)
 def wide_bwd_max_headdim(dtype: str, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
     """The largest head-dim bucket of the float32/float64 backward whose variant fits ``smem_limit``
     bytes of shared memory a block (float64 stops at d192 on 99 KB GPUs, sm_86/89: a d224 slab

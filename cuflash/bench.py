@@ -208,6 +208,18 @@ def check_against_plain(q, k, v, causal, out):
         raise RuntimeError(f"cuflash output differs from plain attention by {err}")
 
 
+def _plain_peer(q, k, v, causal):
+    """Plain CuPy attention (matmul, softmax, matmul; _demo.plain_attention) as a timed peer."""
+    return lambda: _demo.plain_attention(cp, q, k, v, causal)
+
+
+def _plain_bwd_peer(q, k, v, causal):
+    """Its standard backward, P recomputed in full (_demo.plain_attention_backward); dO of ones
+    (the time does not depend on its values)."""
+    dout = cp.ones_like(q)
+    return lambda: _demo.plain_attention_backward(cp, q, k, v, dout, causal)
+
+
 def _torch_bwd_peers():
     """torch SDPA backward through autograd, pinned to one backend (timed: backward only)."""
     def make(backend, torch, sdpa_kernel, sdpa):
@@ -242,11 +254,7 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
             dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
     for name, make in peers.items():
         try:
-            if name == "cupy-plain":  # the standard backward: P recomputed in full (_demo.plain_attention_backward)
-                fn = lambda: _demo.plain_attention_backward(cp, q, k, v, dout, causal)  # noqa: E731
-            else:
-                fn = make(q, k, v, causal)
-            row[name] = flops / time_gpu(fn, reps=10) / 1e9
+            row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
         except Exception as exc:  # out of memory, unsupported shape: report, keep going
             row[name] = None
             row[f"{name}_error"] = _error_text(exc)
@@ -272,11 +280,7 @@ def bench_config(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidde
         row["cuflash"] = flops / ms / 1e9
     for name, make in peers.items():
         try:
-            if name == "cupy-plain":
-                fn = lambda: _demo.plain_attention(cp, q, k, v, causal)  # noqa: E731
-            else:
-                fn = make(q, k, v, causal)
-            row[name] = flops / time_gpu(fn, reps=10) / 1e9
+            row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
         except Exception as exc:  # out of memory, unsupported shape: report, keep going
             row[name] = None
             row[f"{name}_error"] = _error_text(exc)
@@ -837,10 +841,10 @@ def main(argv=None, progress=_plain_progress):
             Path(args.markdown).write_text(md + "\n")
         return
 
-    base_peers = {} if args.no_peers else {"cupy-plain": None, **_torch_peers()}
+    base_peers = {} if args.no_peers else {"cupy-plain": _plain_peer, **_torch_peers()}
     jax_peers = {} if args.no_peers else {**_jax_peer(), **_fa3_peer()}
     if args.backward:
-        base_peers = {} if args.no_peers else {"cupy-plain": None, **_torch_bwd_peers()}
+        base_peers = {} if args.no_peers else {"cupy-plain": _plain_bwd_peer, **_torch_bwd_peers()}
         jax_peers = {} if args.no_peers else _fa3_peer(True)
     if args.peers is not None:  # (the slow baselines, cupy-plain and torch-efficient, take most of a long sweep)
         wanted = {name.strip() for name in args.peers.split(",") if name.strip()}
