@@ -64,7 +64,7 @@ def _device_smem_limit(q) -> int:
 
 def _wide_covers(name: str, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> str:
     grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True, smem_limit)}"
-    return ("the forward of padded batches (attention) with causal, window_size, softcap, seqlens_k and GQA, "
+    return ("the forward of padded batches (attention) with causal, window_size, softcap, alibi_slopes, seqlens_k and GQA, "
             f"head dims up to {_wide_limit(name, False, smem_limit)}{grads}")
 
 
@@ -107,7 +107,6 @@ def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False, smem_lim
     """The first option of a call that the float32/float64 kernels lack, or None."""
     limit = _wide_limit(name, backward, smem_limit)
     missing = [("varlen (packed) sequences", packed), ("KV caches", kvcache),
-               ("alibi_slopes", p.alibi_slopes is not None),
                ("bias, mask or dropout", _mods_level(p) != 0),
                (f"head dims past {limit}", headdim > limit)]
     return next((what for what, needed in missing if needed), None)

@@ -462,15 +462,16 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
-    out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24)
-            for d in HEADDIM_BUCKETS for softcap in (False, True)]
-    out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
-            for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
-    out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)
-            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap in (False, True)]
-    out += [bwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
+    scores = [(softcap, alibi) for softcap in (False, True) for alibi in (False, True)]
+    out += [fwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit)  # (issue 24)
+            for d in HEADDIM_BUCKETS for softcap, alibi in scores]
+    out += [fwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32)
+            for d in HEADDIM_BUCKETS for softcap, alibi in scores for tf32 in (False, True)]
+    out += [bwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit)
+            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap, alibi in scores]
+    out += [bwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float32", smem_limit)
-            for softcap in (False, True) for tf32 in (False, True)]
+            for softcap, alibi in scores for tf32 in (False, True)]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]

@@ -376,7 +376,9 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance:
         if largest * max_distance > FLOAT32_MAX:  # the bias slope * distance is formed in float32
             raise ValueError(f"alibi_slopes times the largest query-key distance ({max_distance}) must stay within "
                              f"float32's range; got max |slope| = {largest:.4g}")
-    slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float64 if isinstance(q, np.ndarray) else np.float32)
+    # float32 for the 16-bit and float32 kernels; float64 on the NumPy path and for the float64 kernels
+    wide = isinstance(q, np.ndarray) or np.dtype(q.dtype) == np.float64
+    slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float64 if wide else np.float32)
     xp = _arrays.module_of(q)
     return xp.ascontiguousarray(xp.broadcast_to(slopes, (batch, nheads_q)))
 

@@ -118,10 +118,20 @@ def test_long_rows(rng, causal):
     _check(q, k, v, causal=causal)
 
 
+# ALiBi slopes that float32 cannot hold: the float64 kernels read them in double (seqinfo.cuh's alibi_slope)
+SLOPES = np.array([0.3, 0.7, 1.1, 0.05])
+SLOPES_2D = np.array([[0.3, 0.7, 1.1, 0.05], [0.01, 0.9, 0.45, 2.3]])
+
+
+def _ids(opts):
+    return "-".join(f"{k}={'array' if isinstance(v, np.ndarray) else v}" for k, v in opts.items())
+
+
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(window_size=(0, 0), causal=True), dict(softcap=4.0), dict(softcap=2.0, causal=True),
     dict(softmax_scale=-0.3), dict(softmax_scale=0.0), dict(causal=True, window_size=(20, -1)),
-], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+    dict(alibi_slopes=SLOPES, causal=True), dict(alibi_slopes=SLOPES_2D, softcap=3.0, window_size=(30, 5)),
+], ids=_ids)
 def test_options(rng, opts):
     q = _rand(rng, (2, 70, 4, 64), 4.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 64))  # GQA: 2 query heads per K/V head
@@ -165,7 +175,6 @@ def test_not_yet_covered_is_refused_before_running(rng):
     q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
     out = cp.full(q.shape, 7.0)
     cases = [
-        (lambda: cuflash.attention(q, k, v, alibi_slopes=cp.ones(2, dtype=cp.float32), out=out), "alibi_slopes"),
         (lambda: cuflash.attention(q, k, v, bias=cp.zeros((20, 20)), out=out), "bias, mask or dropout"),
         (lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, out=out), "bias, mask or dropout"),
     ]
@@ -179,12 +188,12 @@ def test_not_yet_covered_is_refused_before_running(rng):
     cases.append((lambda: cuflash.attention_varlen(qp, kp[:0], vp[:0], cu, cp.zeros(3, dtype=cp.int32), out=vout,
                                                           max_seqlen_q=11, max_seqlen_k=0),
                   "varlen"))
-    cases.append((lambda: cuflash.attention(q, k[:, :0], v[:, :0], alibi_slopes=cp.ones(2, dtype=cp.float32), out=out),
-                  "alibi_slopes"))  # no keys: nothing to compute, refused all the same
+    cases.append((lambda: cuflash.attention(q, k[:, :0], v[:, :0], mask=cp.ones((20, 0), dtype=bool), out=out),
+                  "bias, mask or dropout"))  # no keys: nothing to compute, refused all the same
     grads = [cp.full(x.shape, 7.0) for x in (q, k, v)]
     cases.append((lambda: cuflash.attention_backward(q, q, k[:, :0], v[:, :0], q, cp.zeros((1, 2, 20)), dq=grads[0],
-                                                     alibi_slopes=cp.ones(2, dtype=cp.float32)),
-                  "alibi_slopes"))  # no keys: refused all the same
+                                                     mask=cp.ones((20, 0), dtype=bool)),
+                  "bias, mask or dropout"))  # no keys: refused all the same
     for call, what in cases:
         with pytest.raises(_gpu.NotAvailableOnGPU, match="float64") as info:
             call()
@@ -239,7 +248,8 @@ def test_backward_headdims_and_lengths(rng, headdim, seqlens, causal, kernels_ru
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(softcap=4.0, causal=True), dict(softmax_scale=-0.3),
     dict(seqlens_k=np.array([90, 41], dtype=np.int32), causal=True),
-], ids=["window", "softcap", "negative-scale", "seqlens_k"])
+    dict(alibi_slopes=SLOPES, causal=True), dict(alibi_slopes=SLOPES_2D, softcap=3.0),
+], ids=["window", "softcap", "negative-scale", "seqlens_k", "alibi", "alibi-2d-softcap"])
 def test_backward_options_gqa_and_value_headdim(rng, opts, kernels_run, monkeypatch):
     q = _rand(rng, (2, 70, 4, 64), 3.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
