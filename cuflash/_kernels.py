@@ -124,8 +124,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     (its fragments would take 2·D/4 registers), rows padded by 32 bytes; to d64 64 rows x 32 keys
     (23 TF/s, seqlen 4k, session 24), to d128 128 x 16 with 8 warps (23 non-causal, 21 causal; 64 x
     32 spilled 224 bytes: 14), 64 x 16 where 169 KB do not fit (the A100: 163), 32 x 16 on GPUs of
-    99 KB (sm_86/89); past d128 (not tuned) two warps share each 16-row slab (col_split, each with
-    half of O's columns).
+    99 KB (sm_86/89); past d128 two warps share each 16-row slab (col_split, each with half of O's
+    columns), 64 x 16 with 8 warps (32 keys spilled 840 bytes at d256; not measured yet).
     float32 likewise: 64 x 64 to d64, 64 x 32 past it, smaller where shared memory is short (3xTF32, seqlen
     4k, session 23: d128 64 x 32 39 TF/s non-causal, 36 causal; 64 x 64 32 and 25, spilling 32 bytes).
     """
@@ -133,8 +133,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks
         item = WIDE_ITEMSIZE[dtype]
         split = 2 if item == 8 and headdim > 128 else 1  # (float64's O: D/2 doubles a thread without it)
-        if item == 8 and split == 2:
-            shapes = ((32, 32, 4), (32, 16, 4), (16, 16, 2))
+        if item == 8 and split == 2:  # (32 keys spilled 840 bytes at d256, 16 keys 4-8: NVRTC 13.0, session 24)
+            shapes = ((64, 16, 8), (32, 16, 4), (16, 16, 2))
         elif item == 8:  # (past d64 the 32-key tiles spill 224 bytes: 14 TF/s against 16 keys' 21-23, session 24)
             shapes = ((64, 32, 4), (32, 16, 2)) if headdim <= 64 else ((128, 16, 8), (64, 16, 4), (32, 16, 2))
         else:
