@@ -129,7 +129,8 @@ def test_not_yet_covered_is_refused_before_running(rng):
     k_cache = cp.zeros((1, 32, 2, 64), dtype=np.float32)
     cases = [
         (lambda: cuflash.attention(q, k, v, mask=cp.ones((20, 20), dtype=bool), out=out), "bias, mask or dropout"),
-        (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"),
+        (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11, dropout_p=0.1,
+                                          dropout_seed=1), "bias, mask or dropout"),
         (lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
                                                 cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"),
     ]

@@ -178,16 +178,15 @@ def test_not_yet_covered_is_refused_before_running(rng):
         (lambda: cuflash.attention(q, k, v, bias=cp.zeros((20, 20)), out=out), "bias, mask or dropout"),
         (lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, out=out), "bias, mask or dropout"),
     ]
-    qp, kp, vp = (cp.asarray(_rand(rng, (20, 2, 64))) for _ in range(3))
-    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
-    cases.append((lambda: cuflash.attention_varlen(qp, kp, vp, cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"))
     k_cache = cp.zeros((1, 32, 2, 64))
     cases.append((lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
                                                          cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"))
+    qp, kp, vp = (cp.asarray(_rand(rng, (20, 2, 64))) for _ in range(3))
+    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
     vout = cp.full((20, 2, 64), 7.0)  # varlen with nothing to launch (no key rows) still refuses first
     cases.append((lambda: cuflash.attention_varlen(qp, kp[:0], vp[:0], cu, cp.zeros(3, dtype=cp.int32), out=vout,
-                                                          max_seqlen_q=11, max_seqlen_k=0),
-                  "varlen"))
+                                                   max_seqlen_q=11, max_seqlen_k=0, dropout_p=0.1, dropout_seed=1),
+                  "bias, mask or dropout"))
     cases.append((lambda: cuflash.attention(q, k[:, :0], v[:, :0], mask=cp.ones((20, 0), dtype=bool), out=out),
                   "bias, mask or dropout"))  # no keys: nothing to compute, refused all the same
     grads = [cp.full(x.shape, 7.0) for x in (q, k, v)]
@@ -303,3 +302,45 @@ def test_backward_with_dlse(rng, kernels_run, monkeypatch):
     naive = R.naive_attention_backward(dout, q, k, v, dlse=dlse, causal=True)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
         _assert_f64_rule(g.get(), r, n, name)
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(6, 2), softcap=3.0, alibi_slopes=SLOPES)],
+                         ids=["causal", "window-softcap-alibi"])
+def test_varlen_forward_and_backward(rng, opts, kernels_run, monkeypatch):
+    """Packed sequences (lengths 0, 1, 37, 64, 90; 3 rows past the last one) against each sequence's
+    extended-precision reference with the float64 rule; rows past the last sequence get out 0 and
+    LSE -inf, their gradients 0."""
+    cp = _cp()
+    lens_q, lens_k = [0, 1, 37, 64, 90], [5, 1, 50, 64, 70]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    total_q, total_k = int(cu_q[-1]) + 3, int(cu_k[-1])
+    q = _rand(rng, (total_q, 4, 64), 2.0)
+    k, v = _rand(rng, (total_k, 2, 64)), _rand(rng, (total_k, 2, 48))  # GQA, Dv != Dqk
+    dout = _rand(rng, (total_q, 4, 48))
+    dev = {n: cp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
+    qd, kd, vd, cqd, ckd = (cp.asarray(x) for x in (q, k, v, cu_q, cu_k))
+    out = cp.full((total_q, 4, 48), np.nan)
+    cuflash.attention_varlen(qd, kd, vd, cqd, ckd, out=out, **dev)
+    out, lse = cuflash.attention_varlen(qd, kd, vd, cqd, ckd, out=out, return_lse=True, **dev)
+    assert lse.dtype == np.float64
+    dq, dk, dv = cuflash.attention_varlen_backward(cp.asarray(dout), qd, kd, vd, out, lse, cqd, ckd, **dev)
+    assert any(n.startswith("cuflash_fwd_fp64_") for n in kernels_run) and any(n.startswith("cuflash_bwd_fp64_") for n in kernels_run)
+    got = {n: x.get() for n, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
+    assert (got["out"][cu_q[-1]:] == 0).all() and np.isneginf(got["lse"][:, cu_q[-1]:]).all()
+    assert (got["dq"][cu_q[-1]:] == 0).all()
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0:  # no query rows: its keys' gradients stay 0
+            assert (got["dk"][ks] == 0).all() and (got["dv"][ks] == 0).all()
+            continue
+        one = {n: (x[b:b + 1] if n == "alibi_slopes" and x.ndim == 2 else x) for n, x in opts.items()}
+        args = (q[None, qs], k[None, ks], v[None, ks])
+        ref, ref_lse = _ref_extended(*args, **one)
+        naive, naive_lse = R.naive_attention(*args, return_lse=True, **one)
+        _assert_f64_rule(got["out"][None, qs], ref, naive, f"out {b}")
+        _assert_f64_rule(got["lse"][None, :, qs], ref_lse, naive_lse, f"lse {b}")
+        refs = _grads_extended(monkeypatch, dout[None, qs], *args, **one)
+        naives = R.naive_attention_backward(dout[None, qs], *args, **one)
+        magnitude = max(float(np.abs(np.asarray(r, dtype=np.float64)).max(initial=0.0)) for r in refs)
+        for name, g, r, n in zip(("dq", "dk", "dv"), (got["dq"][None, qs], got["dk"][None, ks], got["dv"][None, ks]), refs, naives):
+            _assert_f64_rule(g, r, n, f"{name} {b}", magnitude)
