@@ -401,7 +401,7 @@ def softmax_variant(dtype: str) -> Variant:
 
 @functools.lru_cache(maxsize=None)
 def varlen_tail_variant() -> Variant:
-    """The packed rows no well-formed sequence owns (any 16-bit dtype): ``cuflash_varlen_tail``
+    """The packed rows no well-formed sequence owns (any dtype: FlashParams::elem_bytes): ``cuflash_varlen_tail``
     (out = 0 and lse = -inf past cu_seqlens_q[-1], NaN where the offsets are malformed or a
     sequence outgrows max_seqlen_q or its keys max_seqlen_k) and ``..._grads`` (NaN in dq, dk, dv:
     the backward's); both publish the first bad entry of each cu_seqlens for the attention kernels
