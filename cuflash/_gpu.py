@@ -64,7 +64,8 @@ def _device_smem_limit(q) -> int:
 
 def _wide_covers(name: str, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> str:
     grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True, smem_limit)}"
-    return ("the forward of padded batches (attention) with causal, window_size, softcap, seqlens_k and GQA, "
+    return ("the forward of padded and packed batches (attention, attention_varlen) with causal, window_size, softcap, "
+            "alibi_slopes, seqlens_k and GQA, "
             f"head dims up to {_wide_limit(name, False, smem_limit)}{grads}")
 
 
@@ -106,8 +107,7 @@ def check_call(p, q, *, packed=False, kvcache=False, backward=False, headdim=0) 
 def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False, smem_limit=_kernels.DEFAULT_SMEM_LIMIT) -> str | None:
     """The first option of a call that the float32/float64 kernels lack, or None."""
     limit = _wide_limit(name, backward, smem_limit)
-    missing = [("varlen (packed) sequences", packed), ("KV caches", kvcache),
-               ("alibi_slopes", p.alibi_slopes is not None),
+    missing = [("KV caches", kvcache),
                ("bias, mask or dropout", _mods_level(p) != 0),
                (f"head dims past {limit}", headdim > limit)]
     return next((what for what, needed in missing if needed), None)
@@ -195,6 +195,7 @@ def _fill_params(p, pointers, strided, *, packed, lse_strides, d8, dv8, scale, i
     prm.batch, prm.nheads_q, prm.nheads_k = p.batch, p.nheads_q, p.nheads_k
     prm.seqlen_q, prm.seqlen_k = p.seqlen_q, p.seqlen_k
     prm.headdim_qk, prm.headdim_v = d8, dv8
+    prm.elem_bytes = next(iter(strided.values())).itemsize  # (varlen_tail.cuh's rows: 2, 4 or 8 bytes)
     # A window bound of max(seqlen_q, seqlen_k) or more hides no key of any sequence (every one is
     # at most that long): passed as -1, unbounded, since the kernels keep the bounds in 32-bit ints
     # (a bound of 2**32 became 0, a window of one key, and i + offset + bound could overflow).

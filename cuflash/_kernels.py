@@ -124,8 +124,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     (its fragments would take 2·D/4 registers), rows padded by 32 bytes; to d64 64 rows x 32 keys
     (23 TF/s, seqlen 4k, session 24), to d128 128 x 16 with 8 warps (23 non-causal, 21 causal; 64 x
     32 spilled 224 bytes: 14), 64 x 16 where 169 KB do not fit (the A100: 163), 32 x 16 on GPUs of
-    99 KB (sm_86/89); past d128 (not tuned) two warps share each 16-row slab (col_split, each with
-    half of O's columns).
+    99 KB (sm_86/89); past d128 two warps share each 16-row slab (col_split, each with half of O's
+    columns), 64 x 16 with 8 warps (32 keys spilled 840 bytes at d256; not measured yet).
     float32 likewise: 64 x 64 to d64, 64 x 32 past it, smaller where shared memory is short (3xTF32, seqlen
     4k, session 23: d128 64 x 32 39 TF/s non-causal, 36 causal; 64 x 64 32 and 25, spilling 32 bytes).
     """
@@ -133,8 +133,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks
         item = WIDE_ITEMSIZE[dtype]
         split = 2 if item == 8 and headdim > 128 else 1  # (float64's O: D/2 doubles a thread without it)
-        if item == 8 and split == 2:
-            shapes = ((32, 32, 4), (32, 16, 4), (16, 16, 2))
+        if item == 8 and split == 2:  # (32 keys spilled 840 bytes at d256, 16 keys 4-8: NVRTC 13.0, session 24)
+            shapes = ((64, 16, 8), (32, 16, 4), (16, 16, 2))
         elif item == 8:  # (past d64 the 32-key tiles spill 224 bytes: 14 TF/s against 16 keys' 21-23, session 24)
             shapes = ((64, 32, 4), (32, 16, 2)) if headdim <= 64 else ((128, 16, 8), (64, 16, 4), (32, 16, 2))
         else:
@@ -402,7 +402,7 @@ def softmax_variant(dtype: str) -> Variant:
 
 @functools.lru_cache(maxsize=None)
 def varlen_tail_variant() -> Variant:
-    """The packed rows no well-formed sequence owns (any 16-bit dtype): ``cuflash_varlen_tail``
+    """The packed rows no well-formed sequence owns (any dtype: FlashParams::elem_bytes): ``cuflash_varlen_tail``
     (out = 0 and lse = -inf past cu_seqlens_q[-1], NaN where the offsets are malformed or a
     sequence outgrows max_seqlen_q or its keys max_seqlen_k) and ``..._grads`` (NaN in dq, dk, dv:
     the backward's); both publish the first bad entry of each cu_seqlens for the attention kernels
@@ -463,15 +463,16 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
-    out += [fwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)  # (issue 24)
-            for d in HEADDIM_BUCKETS for softcap in (False, True)]
-    out += [fwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
-            for d in HEADDIM_BUCKETS for softcap in (False, True) for tf32 in (False, True)]
-    out += [bwd_variant("float64", d, softcap=softcap, alibi=False, smem_limit=smem_limit)
-            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap in (False, True)]
-    out += [bwd_variant("float32", d, softcap=softcap, alibi=False, smem_limit=smem_limit, tf32=tf32)
+    scores = [(softcap, alibi) for softcap in (False, True) for alibi in (False, True)]
+    out += [fwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit)  # (issue 24)
+            for d in HEADDIM_BUCKETS for softcap, alibi in scores]
+    out += [fwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32)
+            for d in HEADDIM_BUCKETS for softcap, alibi in scores for tf32 in (False, True)]
+    out += [bwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit)
+            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap, alibi in scores]
+    out += [bwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float32", smem_limit)
-            for softcap in (False, True) for tf32 in (False, True)]
+            for softcap, alibi in scores for tf32 in (False, True)]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]

@@ -49,7 +49,7 @@ class AttnProblem:
     window_right: int
     top_left: bool
     softcap: float
-    alibi_slopes: Any  # None or (batch, nheads_q) float32, same array kind as q
+    alibi_slopes: Any  # None or (batch, nheads_q) float32 (float64: NumPy or float64 q), same array kind as q
     seqlens_k: Any  # None or (batch,) integer array, same array kind as q
     bias: Any = None  # None or a float array broadcastable to (batch, nheads_q, seqlen_q, seqlen_k)
     mask: Any = None  # None or a bool array broadcastable likewise (True = attend)
@@ -356,7 +356,7 @@ def with_precision(q, p: AttnProblem, precision) -> AttnProblem:
 
 def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance: int):
     """ALiBi slopes of shape (nheads,) or (batch, nheads) -> (batch, nheads): float32 for the
-    GPU kernels, float64 for the NumPy path (which casts them to its accumulation dtype, so
+    16-bit and float32 GPU kernels, float64 for the float64 ones and the NumPy path (which casts them to its accumulation dtype, so
     float32 and float64 inputs keep the slopes' precision over long distances).  NumPy slopes
     times ``max_distance`` (max(Sq, Sk) - 1, a bound on |i + offset - j| under either causal
     alignment) must stay within float32's range."""
@@ -376,7 +376,9 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance:
         if largest * max_distance > FLOAT32_MAX:  # the bias slope * distance is formed in float32
             raise ValueError(f"alibi_slopes times the largest query-key distance ({max_distance}) must stay within "
                              f"float32's range; got max |slope| = {largest:.4g}")
-    slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float64 if isinstance(q, np.ndarray) else np.float32)
+    # float32 for the 16-bit and float32 kernels; float64 on the NumPy path and for the float64 kernels
+    wide = isinstance(q, np.ndarray) or np.dtype(q.dtype) == np.float64
+    slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float64 if wide else np.float32)
     xp = _arrays.module_of(q)
     return xp.ascontiguousarray(xp.broadcast_to(slopes, (batch, nheads_q)))
 

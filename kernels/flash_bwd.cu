@@ -23,8 +23,8 @@
 // CUFLASH_DTYPE f32_t / f64_t (issue 24): the float32 (TF32 tensor cores, CUFLASH_TF32_TERMS) and
 // float64 (FP64 tensor cores) forms, as flash_fwd.cu's: elements, accumulators, P, dS, the LSE and
 // D in the dtype's Acc, every product through warp_gemm.cuh's _f32/_f64 forms with P and dS kept in
-// the registers they were formed in; rows padded by 4 elements.  Not yet with ALiBi or
-// bias/mask/dropout (the host refuses those).
+// the registers they were formed in; rows padded by 4 elements; ALiBi slopes in double for f64_t.
+// Not yet with bias/mask/dropout (the host refuses those).
 #include "mma.cuh"
 #include "params.cuh"
 #include "score_grad.cuh"
@@ -72,7 +72,7 @@ template <class T, int kD, int kWarps, bool kModifiers>
 struct BwdShape {
     using E = typename Elem<T>::Storage;
     using A = typename Elem<T>::Acc;
-    static_assert(!Elem<T>::kWide || !kModifiers, "float32/float64: no ALiBi, bias, mask or dropout yet");
+    static_assert(!Elem<T>::kWide || !kModifiers, "float32/float64: no bias, mask or dropout yet");
     static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole slabs");
     static constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
@@ -90,7 +90,7 @@ __device__ __forceinline__ const A* stats(const float* x) { return reinterpret_c
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
-    using Shape = BwdShape<T, kD, kWarps, kAlibi || kMods>;
+    using Shape = BwdShape<T, kD, kWarps, kMods>;
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
@@ -120,7 +120,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     const long long stat = seq.lse_row(p, b, h, m0);
 
     const A scale = static_cast<A>(p.softmax_scale), softcap = static_cast<A>(p.softcap);
-    const A slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+    const A slope = kAlibi ? alibi_slope<A>(p, b, h) : A(0);
     const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
     A lse2[2], dsum[2];  // rows lane/4 and lane/4 + 8 of this warp (kMods: natural units)
 #pragma unroll
@@ -192,7 +192,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
-    using Shape = BwdShape<T, kD, kWarps, kAlibi || kMods>;
+    using Shape = BwdShape<T, kD, kWarps, kMods>;
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
@@ -236,7 +236,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
         seq.query_range(n0, n0 + kT, i_lo, i_hi);
         for (int g = 0; g < group; ++g) {  // dK, dV sum over the query heads sharing this K/V head
             const int h = hk * group + g;
-            const A slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
+            const A slope = kAlibi ? alibi_slope<A>(p, b, h) : A(0);
             const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
             const E* gQ = static_cast<const E*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
             const E* gdO = static_cast<const E*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;

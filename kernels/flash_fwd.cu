@@ -21,7 +21,8 @@
 // so the score pipeline and the online softmax are the same code in double), P kept in the
 // registers of S, the LSE in double.  f32_t the float32 form: float32 elements, products on the
 // TF32 tensor cores (mma.m16n8k8), CUFLASH_TF32_TERMS 3 (3xTF32) or 1 (TF32), P kept in S's
-// registers.  Not yet with split-KV, ALiBi or bias/mask/dropout (the host refuses those); float64
+// registers; ALiBi slopes in double for f64_t (seqinfo.cuh's alibi_slope).  Not yet with split-KV or
+// bias/mask/dropout (the host refuses those); float64
 // past d128 splits O's columns over two warps (CUFLASH_SLAB_WARPS 2).
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
@@ -252,7 +253,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     using A = typename Elem<T>::Acc;      // accumulators and softmax state: float, or double
     constexpr bool kF64 = Elem<T>::kF64, kF32 = Elem<T>::kF32, kWide = Elem<T>::kWide;
     constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
-    static_assert(!kWide || (!kSplitKV && !kAlibi && !kMods && !kQInRegs), "float32/float64: not with these yet");
+    static_assert(!kWide || (!kSplitKV && !kMods && !kQInRegs), "float32/float64: not with these yet");
     static_assert(kColSplit == 1 || (kWide && !kSplitKV && kWarps % kColSplit == 0),
                   "a column split: float32/float64 one-pass kernels, whole pairs of warps");
     static_assert(!kF64 || kD / kColSplit <= 128, "float64: O of a 256-wide head takes 256 registers a thread");
@@ -368,7 +369,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     auto load_v = [&](int nb) { load_kv(sV, p.v, gV(), p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks); };
 
     const ScoreArgsT<A> score_args = {static_cast<A>(p.softmax_scale), static_cast<A>(p.softmax_scale * 1.4426950408889634),
-                                      static_cast<A>(p.softcap), kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f};
+                                      static_cast<A>(p.softcap), kAlibi ? alibi_slope<A>(p, b, h) : A(0)};
 
     A o[kMT][kOW][4];  // O accumulator (this warp's columns), C-fragment layout, fp32 (float64: double)
 #pragma unroll

@@ -79,7 +79,7 @@ struct FlashParams {
     long long kv_rows;             // k/v's first axis where it is indexed by metadata: pages (block_table) or rows (cache_batch_idx)
     long long index_64bit;         // bit set per index array stored as int64 (kIndex* in metadata.cuh)
     long long error_call;          // the call's description number on the host (cuflash/_guard.py)
-    long long seqlen_new, elem_bytes;  // KV append: new tokens per sequence, bytes per element
+    long long seqlen_new, elem_bytes;  // KV append: new tokens per sequence; bytes per element (every call)
 
     // Split-KV decode kernel only:
     long long block_table_batch_stride, page_size;  // paged K/V (block_table not null)

@@ -236,6 +236,15 @@ struct SeqInfo {
     }
 };
 
+// The ALiBi slope of head h of batch entry b: float, or double in the float64 kernels (the host
+// passes float64 slopes with float64 inputs, float32 ones otherwise).
+template <class A>
+__device__ __forceinline__ A alibi_slope(const FlashParams& p, int b, int h) {
+    const long long i = static_cast<long long>(b) * p.nheads_q + h;
+    if constexpr (sizeof(A) == 8) return reinterpret_cast<const double*>(p.alibi_slopes)[i];
+    else return p.alibi_slopes[i];
+}
+
 // The score pipeline of docs/conventions, in order: scale -> softcap -> ALiBi -> bias -> mask.
 // final_score: scale, softcap and ALiBi in natural units (the caller adds the bias, where there
 // is one: softmax_tile.cuh, and applies the masks).

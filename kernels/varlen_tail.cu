@@ -20,10 +20,10 @@ extern "C" __global__ void __launch_bounds__(256) CUFLASH_CAT(CUFLASH_KERNEL_NAM
     if (offsets_all_good(p, first_bad, q_end)) return;  // the gradients of rows past the last sequence start at 0
     long long e_q, e_k;
     find_bad_offsets(p, first_bad, e_q, e_k);
-    const PackedRows dq[1] = {{p.dq, p.dq_row_stride, p.dq_head_stride, p.nheads_q, p.headdim_qk / 8}};
+    const PackedRows dq[1] = {packed_rows(p, p.dq, p.dq_row_stride, p.dq_head_stride, p.nheads_q, p.headdim_qk)};
     varlen_tail(p, p.cu_seqlens_q, kIndexCuQ, e_q, p.total_q, p.seqlen_q, dq, nullptr, false, kArgMaxSeqlenQ);
-    const PackedRows dkdv[2] = {{p.dk, p.dk_row_stride, p.dk_head_stride, p.nheads_k, p.headdim_qk / 8},
-                                {p.dv, p.dv_row_stride, p.dv_head_stride, p.nheads_k, p.headdim_v / 8}};
+    const PackedRows dkdv[2] = {packed_rows(p, p.dk, p.dk_row_stride, p.dk_head_stride, p.nheads_k, p.headdim_qk),
+                                packed_rows(p, p.dv, p.dv_row_stride, p.dv_head_stride, p.nheads_k, p.headdim_v)};
     varlen_tail(p, p.cu_seqlens_k, kIndexCuK, e_k, p.total_k, p.seqlen_k, dkdv, nullptr, false, kArgMaxSeqlenK);
     // Each side's gradients of the sequences whose other side is bad (reported just above).
     partner_rows<false>(p, p.cu_seqlens_k, kIndexCuK, e_k, p.seqlen_k, kArgMaxSeqlenK, p.cu_seqlens_q, kIndexCuQ, e_q,

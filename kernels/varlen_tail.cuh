@@ -9,23 +9,32 @@
 //     attention kernels reach no row past max_seqlen); also each side's rows of a sequence whose
 //     other side is bad (partner_rows: the query rows of one with too many keys, and so on).
 // The kernels of varlen_tail.cu run it before the attention kernels (the Hopper forward runs
-// forward_tail itself); grid-stride over rows; values are written in 16-byte chunks of 16-bit
-// elements at the array's strides.  The u16 pattern 0x7fff is NaN in
-// float16 and bfloat16 alike.
+// forward_tail itself); grid-stride over rows; values are written in 16-byte chunks at the array's
+// strides, elements of p.elem_bytes (2, or 4 and 8 for float32/float64); the LSE in float, or
+// double for float64.  The 16-bit pattern 0x7fff repeated is NaN in float16, bfloat16, float32
+// and float64 alike.
 #pragma once
 #include "metadata.cuh"
 #include "params.cuh"
 
-struct PackedRows {  // one (total, nheads, headdim) array at its strides
+struct PackedRows {  // one (total, nheads, headdim) array at its strides, in bytes
     void* base;
-    long long row_stride, head_stride, heads, chunks;
+    long long row_stride, head_stride, heads, chunks;  // chunks: 16-byte chunks a row
 };
 
-// Write rows [lo, hi) of each array: `fill` (a 16-byte pattern) into out, `lse_fill` into the LSE;
-// grid-stride over all threads of the launch.
+// The PackedRows of an array of p.elem_bytes elements with element strides and headdim (a multiple
+// of 8: whole 16-byte chunks in every dtype).
+__device__ __forceinline__ PackedRows packed_rows(const FlashParams& p, void* base, long long row_stride, long long head_stride,
+                                                  long long heads, long long headdim) {
+    const long long e = p.elem_bytes;
+    return {base, row_stride * e, head_stride * e, heads, headdim * e / 16};
+}
+
+// Write rows [lo, hi) of each array: `fill` (a 16-byte pattern) into out, `lse_fill` into the LSE
+// (float, or double with lse_f64); grid-stride over all threads of the launch.
 template <int kArrays>
 __device__ __forceinline__ void fill_rows(const PackedRows (&a)[kArrays], long long lo, long long hi, uint4 fill, float* lse,
-                                          long long lse_heads, long long lse_stride, float lse_fill) {
+                                          long long lse_heads, long long lse_stride, float lse_fill, bool lse_f64) {
     if (lo >= hi) return;
     const long long first_thread = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long step = static_cast<long long>(gridDim.x) * blockDim.x;
@@ -33,17 +42,21 @@ __device__ __forceinline__ void fill_rows(const PackedRows (&a)[kArrays], long l
 #pragma unroll
     for (int k = 0; k < kArrays; ++k) {
         const long long per_row = a[k].heads * a[k].chunks;
-        unsigned short* base = static_cast<unsigned short*>(a[k].base);
+        unsigned char* base = static_cast<unsigned char*>(a[k].base);
         for (long long i = first_thread; i < rows * per_row; i += step) {
             const long long r = lo + i / per_row, h = i % per_row / a[k].chunks, c = i % a[k].chunks;
-            *reinterpret_cast<uint4*>(base + r * a[k].row_stride + h * a[k].head_stride + c * 8) = fill;
+            *reinterpret_cast<uint4*>(base + r * a[k].row_stride + h * a[k].head_stride + c * 16) = fill;
         }
     }
     if (lse)
-        for (long long i = first_thread; i < rows * lse_heads; i += step) lse[i / rows * lse_stride + lo + i % rows] = lse_fill;
+        for (long long i = first_thread; i < rows * lse_heads; i += step) {
+            const long long at = i / rows * lse_stride + lo + i % rows;
+            if (lse_f64) reinterpret_cast<double*>(lse)[at] = lse_fill;
+            else lse[at] = lse_fill;
+        }
 }
 
-// The NaN of the rows of bad sequences: 0x7fff in float16 and bfloat16 alike, and in the LSE.
+// The NaN of the rows of bad sequences: 0x7fff repeated, in every dtype, and in the LSE.
 __device__ __forceinline__ uint4 nan_chunk() { return make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu); }
 __device__ __forceinline__ float nan_f32() { return __int_as_float(0x7fffffff); }
 
@@ -92,11 +105,11 @@ __device__ __forceinline__ void partner_rows(const FlashParams& p, const void* c
     const long long good_mine = e_mine < 0 ? p.batch : max(e_mine - 1, 0ll);
     const long long good = min(good_mine, e_other < 0 ? p.batch : max(e_other - 1, 0ll));
     if (good < good_mine)  // malformed other side: my rows of the sequences from its first bad entry on
-        fill_rows(a, my_row(good), my_row(good_mine), nan_chunk(), lse, p.nheads_q, total_mine, nan_f32());
+        fill_rows(a, my_row(good), my_row(good_mine), nan_chunk(), lse, p.nheads_q, total_mine, nan_f32(), p.elem_bytes == 8);
     if (!any_longer(p, cu_other, bit_other, good, max_other)) return;
     for (long long b = 0; b < good; ++b) {
         if (seq_len(p, cu_other, bit_other, b) <= max_other) continue;
-        fill_rows(a, my_row(b), my_row(b + 1), nan_chunk(), lse, p.nheads_q, total_mine, nan_f32());
+        fill_rows(a, my_row(b), my_row(b + 1), nan_chunk(), lse, p.nheads_q, total_mine, nan_f32(), p.elem_bytes == 8);
         if (kReport && blockIdx.x == 0 && threadIdx.x == 0) report_bad_index(p, arg_other, b);
     }
 }
@@ -108,9 +121,9 @@ __device__ __forceinline__ void varlen_tail(const FlashParams& p, const void* cu
     const float kInf = __int_as_float(0x7f800000);
     const long long batch = p.batch, heads = p.nheads_q;
     if (e < 0) {
-        if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, make_uint4(0, 0, 0, 0), lse, heads, total, -kInf);
+        if (zero_tail) fill_rows(a, load_index(p, cu, bit, batch), total, make_uint4(0, 0, 0, 0), lse, heads, total, -kInf, p.elem_bytes == 8);
     } else {
-        fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan_chunk(), lse, heads, total, nan_f32());
+        fill_rows(a, e == 0 ? 0 : load_index(p, cu, bit, e - 1), total, nan_chunk(), lse, heads, total, nan_f32(), p.elem_bytes == 8);
     }
     // Sequences longer than max_len: all their rows NaN and the violation reported (one sequence
     // after another, which only a bad call pays for): partner_rows with this side as both sides.
@@ -149,10 +162,11 @@ __device__ __forceinline__ bool offsets_all_good(const FlashParams& p, long long
 // their tiles.  The first bad entries go to `first_bad` (find_bad_offsets); readers in the block
 // __syncthreads() first.
 __device__ __forceinline__ void forward_tail(const FlashParams& p, long long* first_bad) {
-    const PackedRows out[1] = {{p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v / 8}};
+    const PackedRows out[1] = {packed_rows(p, p.out, p.o_row_stride, p.o_head_stride, p.nheads_q, p.headdim_v)};
     long long q_end;
     if (offsets_all_good(p, first_bad, q_end)) {  // only the rows past the last sequence: 0, and the LSE -inf
-        fill_rows(out, q_end, p.total_q, make_uint4(0, 0, 0, 0), p.lse, p.nheads_q, p.total_q, -__int_as_float(0x7f800000));
+        fill_rows(out, q_end, p.total_q, make_uint4(0, 0, 0, 0), p.lse, p.nheads_q, p.total_q, -__int_as_float(0x7f800000),
+                  p.elem_bytes == 8);
         return;
     }
     long long e_q, e_k;

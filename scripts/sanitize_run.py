@@ -37,7 +37,7 @@ from cuflash import _gpu  # noqa: E402
 
 wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 128, 40, dict(softcap=3.0)),
               (100, 300, 100, 100, dict(window_size=(7, 2))), (33, 97, 1, 1, dict(causal=True, seqlens_k=True)),
-              (70, 90, 256, 256, dict(causal=True)))
+              (70, 90, 256, 256, dict(causal=True)), (50, 70, 64, 64, dict(alibi=True, softcap=2.0)))
 for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32, None), (np.float32, "tf32")):
     for sq, sk, d, dv, opts in wide_cases:
         name = np.dtype(dtype).name
@@ -45,12 +45,36 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
             continue
         if opts.get("seqlens_k"):
             opts = dict(opts, seqlens_k=cp.asarray(np.array([sk, sk // 3], dtype=np.int32)))
+        if opts.get("alibi"):
+            opts = {**{n: o for n, o in opts.items() if n != "alibi"}, "alibi_slopes": cp.asarray(np.linspace(0.1, 1.0, 4))}
         q, k, v = rand((2, sq, 4, d), dtype), rand((2, sk, 2, d), dtype), rand((2, sk, 2, dv), dtype)
         out, lse = cuflash.attention(q, k, v, precision=precision, return_lse=True, **opts)
         assert not bool(cp.isnan(out).any()), (dtype, sq, sk, d, opts)
         if d <= _gpu._wide_limit(name, True, _gpu._smem_limit(cp.cuda.Device().id)) and not FORWARD_ONLY:
             grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision, **opts)
             assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, opts)
+    # packed rows (attention_varlen): well-formed offsets with rows past the last sequence, then a
+    # malformed entry (varlen_tail.cuh fills those rows with NaN in 4- and 8-byte elements)
+    def reported(call, cu):  # the call, then whether its offsets were reported malformed (as they should be)
+        try:
+            call()
+            cuflash.synchronize()
+        except cuflash.InvalidIndexError:
+            assert not (np.diff(cu) >= 0).all(), "well-formed offsets reported"
+            return
+        assert (np.diff(cu) >= 0).all(), "malformed offsets not reported"
+
+    for cu in (np.array([0, 0, 33, 70], dtype=np.int32), np.array([0, 33, 20, 70], dtype=np.int32)):
+        q, k, v = rand((75, 4, 64), dtype), rand((70, 2, 64), dtype), rand((70, 2, 40), dtype)
+        cud = cp.asarray(cu)
+        res = {}
+        reported(lambda: res.update(fwd=cuflash.attention_varlen(q, k, v, cud, cud, max_seqlen_q=40, max_seqlen_k=40,
+                                                                 causal=True, precision=precision, return_lse=True)), cu)
+        out, lse = res["fwd"]
+        if not FORWARD_ONLY:
+            reported(lambda: cuflash.attention_varlen_backward(rand(out.shape, dtype), q, k, v, out, lse, cud, cud,
+                                                               max_seqlen_q=40, max_seqlen_k=40, causal=True,
+                                                               precision=precision), cu)
 cp.cuda.Device().synchronize()
 if os.environ.get("SANITIZE_PARTS") == "wide":
     print("sanitize sweep done")

@@ -151,6 +151,9 @@ def test_float64_forward_tiles():
     for d in (96, 128):
         assert (tile(d, dtype="float64").block_m, tile(d, dtype="float64").block_n, tile(d, dtype="float64").warps) == (128, 16, 8)
     assert (tile(128, 163 * 1024, "float64").block_m, tile(128, 163 * 1024, "float64").block_n) == (64, 16)
+    for d in (160, 192, 224, 256):  # past d128: 64 x 16, 8 warps, O's columns split over 2 (32 x 32 spilled 840 bytes at d256)
+        t = tile(d, dtype="float64")
+        assert (t.block_m, t.block_n, t.warps, t.col_split) == (64, 16, 8, 2)
 
 
 def test_wide_dtype_limits_are_checked_before_any_kernel():

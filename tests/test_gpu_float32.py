@@ -74,10 +74,16 @@ def test_long_rows(rng, precision, causal, kernels_run):
     _check(q, k, v, causal=causal, precision=precision)
 
 
+# ALiBi slopes as float32 holds them (the float32 kernels read float32 slopes, as the 16-bit ones)
+SLOPES = np.array([0.3, 0.7, 1.1, 0.05], dtype=np.float32)
+SLOPES_2D = np.array([[0.3, 0.7, 1.1, 0.05], [0.01, 0.9, 0.45, 2.3]], dtype=np.float32)
+
+
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(window_size=(0, 0), causal=True), dict(softcap=4.0), dict(softcap=2.0, causal=True),
     dict(softmax_scale=-0.3), dict(softmax_scale=0.0), dict(causal=True, window_size=(20, -1)),
-], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+    dict(alibi_slopes=SLOPES, causal=True), dict(alibi_slopes=SLOPES_2D, softcap=3.0, window_size=(30, 5)),
+], ids=lambda o: "-".join(f"{k}={'array' if isinstance(v, np.ndarray) else v}" for k, v in o.items()))
 def test_options(rng, opts, kernels_run):
     q = _rand(rng, (2, 70, 4, 64), 4.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 64))  # GQA: 2 query heads per K/V head
@@ -122,9 +128,9 @@ def test_not_yet_covered_is_refused_before_running(rng):
     cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
     k_cache = cp.zeros((1, 32, 2, 64), dtype=np.float32)
     cases = [
-        (lambda: cuflash.attention(q, k, v, alibi_slopes=cp.ones(2, dtype=cp.float32), out=out), "alibi_slopes"),
         (lambda: cuflash.attention(q, k, v, mask=cp.ones((20, 20), dtype=bool), out=out), "bias, mask or dropout"),
-        (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"),
+        (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11, dropout_p=0.1,
+                                          dropout_seed=1), "bias, mask or dropout"),
         (lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
                                                 cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"),
     ]
@@ -167,7 +173,8 @@ def test_backward_headdims_and_lengths(rng, precision, headdim, seqlens, causal,
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(softcap=4.0, causal=True), dict(softmax_scale=-0.3),
     dict(seqlens_k=np.array([90, 41], dtype=np.int32), causal=True),
-], ids=["window", "softcap", "negative-scale", "seqlens_k"])
+    dict(alibi_slopes=SLOPES, causal=True), dict(alibi_slopes=SLOPES_2D, softcap=3.0),
+], ids=["window", "softcap", "negative-scale", "seqlens_k", "alibi", "alibi-2d-softcap"])
 def test_backward_options_gqa_and_value_headdim(rng, opts, kernels_run):
     q = _rand(rng, (2, 70, 4, 64), 3.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk

@@ -107,9 +107,9 @@ def test_head_dims_past_128_split_o_over_two_warps(rng, headdim, smem_kb, kernel
     _check(q, k, v, softcap=3.0, window_size=(40, 7))
     _check(q, k, _rand(rng, (2, 130, 1, 136)))  # Dv != Dqk
     assert kernels_run and all("_cs2" in n for n in kernels_run), kernels_run
-    if smem_kb == 99:  # the 99 KB tiles: 32 x 16 (4 warps) to d192, 16 x 16 (2 warps, one row slab) past it
-        small = "_bm16_bn16_w2_" if headdim > 192 else "_bm32_bn16_w4_"
-        assert all(small in n for n in kernels_run), kernels_run
+    # 64 x 16 (8 warps), on 99 KB 32 x 16 (4 warps) to d192 and 16 x 16 (2 warps, one row slab) past it
+    tile = "_bm64_bn16_w8_" if smem_kb == 227 else "_bm16_bn16_w2_" if headdim > 192 else "_bm32_bn16_w4_"
+    assert all(tile in n for n in kernels_run), kernels_run
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -118,10 +118,20 @@ def test_long_rows(rng, causal):
     _check(q, k, v, causal=causal)
 
 
+# ALiBi slopes that float32 cannot hold: the float64 kernels read them in double (seqinfo.cuh's alibi_slope)
+SLOPES = np.array([0.3, 0.7, 1.1, 0.05])
+SLOPES_2D = np.array([[0.3, 0.7, 1.1, 0.05], [0.01, 0.9, 0.45, 2.3]])
+
+
+def _ids(opts):
+    return "-".join(f"{k}={'array' if isinstance(v, np.ndarray) else v}" for k, v in opts.items())
+
+
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(window_size=(0, 0), causal=True), dict(softcap=4.0), dict(softcap=2.0, causal=True),
     dict(softmax_scale=-0.3), dict(softmax_scale=0.0), dict(causal=True, window_size=(20, -1)),
-], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+    dict(alibi_slopes=SLOPES, causal=True), dict(alibi_slopes=SLOPES_2D, softcap=3.0, window_size=(30, 5)),
+], ids=_ids)
 def test_options(rng, opts):
     q = _rand(rng, (2, 70, 4, 64), 4.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 64))  # GQA: 2 query heads per K/V head
@@ -165,26 +175,24 @@ def test_not_yet_covered_is_refused_before_running(rng):
     q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
     out = cp.full(q.shape, 7.0)
     cases = [
-        (lambda: cuflash.attention(q, k, v, alibi_slopes=cp.ones(2, dtype=cp.float32), out=out), "alibi_slopes"),
         (lambda: cuflash.attention(q, k, v, bias=cp.zeros((20, 20)), out=out), "bias, mask or dropout"),
         (lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, out=out), "bias, mask or dropout"),
     ]
-    qp, kp, vp = (cp.asarray(_rand(rng, (20, 2, 64))) for _ in range(3))
-    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
-    cases.append((lambda: cuflash.attention_varlen(qp, kp, vp, cu, cu, max_seqlen_q=11, max_seqlen_k=11), "varlen"))
     k_cache = cp.zeros((1, 32, 2, 64))
     cases.append((lambda: cuflash.attention_with_kvcache(q[:, :1], k_cache, k_cache, k=k[:, :1], v=v[:, :1],
                                                          cache_seqlens=cp.zeros(1, dtype=cp.int32)), "KV caches"))
+    qp, kp, vp = (cp.asarray(_rand(rng, (20, 2, 64))) for _ in range(3))
+    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
     vout = cp.full((20, 2, 64), 7.0)  # varlen with nothing to launch (no key rows) still refuses first
     cases.append((lambda: cuflash.attention_varlen(qp, kp[:0], vp[:0], cu, cp.zeros(3, dtype=cp.int32), out=vout,
-                                                          max_seqlen_q=11, max_seqlen_k=0),
-                  "varlen"))
-    cases.append((lambda: cuflash.attention(q, k[:, :0], v[:, :0], alibi_slopes=cp.ones(2, dtype=cp.float32), out=out),
-                  "alibi_slopes"))  # no keys: nothing to compute, refused all the same
+                                                   max_seqlen_q=11, max_seqlen_k=0, dropout_p=0.1, dropout_seed=1),
+                  "bias, mask or dropout"))
+    cases.append((lambda: cuflash.attention(q, k[:, :0], v[:, :0], mask=cp.ones((20, 0), dtype=bool), out=out),
+                  "bias, mask or dropout"))  # no keys: nothing to compute, refused all the same
     grads = [cp.full(x.shape, 7.0) for x in (q, k, v)]
     cases.append((lambda: cuflash.attention_backward(q, q, k[:, :0], v[:, :0], q, cp.zeros((1, 2, 20)), dq=grads[0],
-                                                     alibi_slopes=cp.ones(2, dtype=cp.float32)),
-                  "alibi_slopes"))  # no keys: refused all the same
+                                                     mask=cp.ones((20, 0), dtype=bool)),
+                  "bias, mask or dropout"))  # no keys: refused all the same
     for call, what in cases:
         with pytest.raises(_gpu.NotAvailableOnGPU, match="float64") as info:
             call()
@@ -239,7 +247,8 @@ def test_backward_headdims_and_lengths(rng, headdim, seqlens, causal, kernels_ru
 @pytest.mark.parametrize("opts", [
     dict(window_size=(5, 3)), dict(softcap=4.0, causal=True), dict(softmax_scale=-0.3),
     dict(seqlens_k=np.array([90, 41], dtype=np.int32), causal=True),
-], ids=["window", "softcap", "negative-scale", "seqlens_k"])
+    dict(alibi_slopes=SLOPES, causal=True), dict(alibi_slopes=SLOPES_2D, softcap=3.0),
+], ids=["window", "softcap", "negative-scale", "seqlens_k", "alibi", "alibi-2d-softcap"])
 def test_backward_options_gqa_and_value_headdim(rng, opts, kernels_run, monkeypatch):
     q = _rand(rng, (2, 70, 4, 64), 3.0)
     k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
@@ -293,3 +302,45 @@ def test_backward_with_dlse(rng, kernels_run, monkeypatch):
     naive = R.naive_attention_backward(dout, q, k, v, dlse=dlse, causal=True)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
         _assert_f64_rule(g.get(), r, n, name)
+
+
+@pytest.mark.parametrize("opts", [dict(causal=True), dict(window_size=(6, 2), softcap=3.0, alibi_slopes=SLOPES)],
+                         ids=["causal", "window-softcap-alibi"])
+def test_varlen_forward_and_backward(rng, opts, kernels_run, monkeypatch):
+    """Packed sequences (lengths 0, 1, 37, 64, 90; 3 rows past the last one) against each sequence's
+    extended-precision reference with the float64 rule; rows past the last sequence get out 0 and
+    LSE -inf, their gradients 0."""
+    cp = _cp()
+    lens_q, lens_k = [0, 1, 37, 64, 90], [5, 1, 50, 64, 70]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lens_q, lens_k))
+    total_q, total_k = int(cu_q[-1]) + 3, int(cu_k[-1])
+    q = _rand(rng, (total_q, 4, 64), 2.0)
+    k, v = _rand(rng, (total_k, 2, 64)), _rand(rng, (total_k, 2, 48))  # GQA, Dv != Dqk
+    dout = _rand(rng, (total_q, 4, 48))
+    dev = {n: cp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
+    qd, kd, vd, cqd, ckd = (cp.asarray(x) for x in (q, k, v, cu_q, cu_k))
+    out = cp.full((total_q, 4, 48), np.nan)
+    cuflash.attention_varlen(qd, kd, vd, cqd, ckd, out=out, **dev)
+    out, lse = cuflash.attention_varlen(qd, kd, vd, cqd, ckd, out=out, return_lse=True, **dev)
+    assert lse.dtype == np.float64
+    dq, dk, dv = cuflash.attention_varlen_backward(cp.asarray(dout), qd, kd, vd, out, lse, cqd, ckd, **dev)
+    assert any(n.startswith("cuflash_fwd_fp64_") for n in kernels_run) and any(n.startswith("cuflash_bwd_fp64_") for n in kernels_run)
+    got = {n: x.get() for n, x in dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv).items()}
+    assert (got["out"][cu_q[-1]:] == 0).all() and np.isneginf(got["lse"][:, cu_q[-1]:]).all()
+    assert (got["dq"][cu_q[-1]:] == 0).all()
+    for b in range(len(lens_q)):
+        qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if lens_q[b] == 0:  # no query rows: its keys' gradients stay 0
+            assert (got["dk"][ks] == 0).all() and (got["dv"][ks] == 0).all()
+            continue
+        one = {n: (x[b:b + 1] if n == "alibi_slopes" and x.ndim == 2 else x) for n, x in opts.items()}
+        args = (q[None, qs], k[None, ks], v[None, ks])
+        ref, ref_lse = _ref_extended(*args, **one)
+        naive, naive_lse = R.naive_attention(*args, return_lse=True, **one)
+        _assert_f64_rule(got["out"][None, qs], ref, naive, f"out {b}")
+        _assert_f64_rule(got["lse"][None, :, qs], ref_lse, naive_lse, f"lse {b}")
+        refs = _grads_extended(monkeypatch, dout[None, qs], *args, **one)
+        naives = R.naive_attention_backward(dout[None, qs], *args, **one)
+        magnitude = max(float(np.abs(np.asarray(r, dtype=np.float64)).max(initial=0.0)) for r in refs)
+        for name, g, r, n in zip(("dq", "dk", "dv"), (got["dq"][None, qs], got["dk"][None, ks], got["dv"][None, ks]), refs, naives):
+            _assert_f64_rule(g, r, n, f"{name} {b}", magnitude)

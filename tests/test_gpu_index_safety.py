@@ -168,10 +168,12 @@ def test_varlen_backward_with_max_seqlen_zero_still_checks_the_offsets(rng):
     assert not any(g.get().astype(np.float32).any() for g in (dq, dk, dv))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", [*DTYPES, np.float32, np.float64], ids=["fp16", "bf16", "fp32", "fp64"])
 @pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
 @pytest.mark.parametrize("case", list(VARLEN_CASES))
 def test_varlen_bad_offsets(rng, dtype, index_dtype, case):
+    """(float32/float64, branch wide-next: varlen_tail.cuh's rows in bytes of their elements, the
+    float64 LSE in double.)"""
     cp = _cp()
     bad_q, bad_k, good_q, good_k, max_q, first, words = VARLEN_CASES[case]
     q, k, v = (cp.asarray(_rand(rng, s, dtype, 3.0)) for s in ((100, 4, 64), (200, 2, 64), (200, 2, 64)))
