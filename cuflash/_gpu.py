@@ -653,8 +653,9 @@ def _fill_params_append(k_cache, v_cache, k, v, capacity):
 
 def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=None, cu_k=None, lse_strides,
                           deterministic, call, tail_only=False, dlse=None, dbias=None):
-    """dsum pre-pass, then the dq and dkdv kernels, or on Hopper unless ``deterministic`` one dkdv
-    kernel that adds dQ atomically to an fp32 buffer and a kernel rounding it into dq;
+    """dsum pre-pass, then the dq and dkdv kernels, or unless ``deterministic`` (on Hopper, and for
+    float32/float64 on any GPU) one dkdv kernel that adds dQ atomically to an fp32 (float64) buffer
+    and a kernel scaling it into dq;
     grads = (dq, dk, dv) views, written in full (packed: pre-zeroed, and the rows of sequences
     with malformed offsets set to NaN first, kernels/varlen_tail.cu).  ``tail_only`` (packed):
     only that check and fill, for calls with no row to differentiate (max_seqlen_* = 0).
@@ -679,8 +680,13 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             gx.append(g_out if direct else cp.zeros(g_out.shape[:-1] + (dim,), dtype=g_out.dtype))
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None)
         mods = _mods_level(p)
-        variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, mods=mods, smem_limit=_smem_limit(device),
-                                       tf32=p.precision == "tf32")
+        smem_limit = _smem_limit(device)
+        # float32/float64: dQ added atomically in the dtype (one pass) unless ``deterministic``, where
+        # its dS tile fits (_kernels.wide_bwd_schemes)
+        atomic_wide = wide and not deterministic and False in _kernels.wide_bwd_schemes(
+            dtype, _kernels.headdim_bucket(max(d8, dv8)), smem_limit)
+        variant = _kernels.bwd_variant(dtype, max(d8, dv8), **features, mods=mods, smem_limit=smem_limit,
+                                       tf32=p.precision == "tf32", deterministic=not atomic_wide)
         main = (_hopper_variant(device, dtype, max(d8, dv8), dict(features, deterministic=deterministic, mods=mods),
                                 _kernels.sm90_bwd_variant) if not wide else None) or variant
         pointers = dict(q=qx, k=kx, v=vx, out=ox, lse=lse, dout=dox, dq=gx[0], dk=gx[1], dv=gx[2], dsum=dsum,
@@ -700,10 +706,10 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         smem = main.smem_bytes
         if tail_only:
             launches = ()
-        elif main is variant or deterministic:
+        elif dict(main.defines).get("CUFLASH_DETERMINISTIC", 1):
             launches = (("_dq", dq_grid, smem), ("_dkdv", dkdv_grid, smem))
-        else:  # fp32 dQ rows laid out like the LSE's, head-dim bucket wide
-            dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=cp.float32)
+        else:  # dQ rows laid out like the LSE's, head-dim bucket wide: fp32 (float64 for float64)
+            dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=lse.dtype)
             prm.dq_accum = dq_accum.data.ptr
             launches = (("_dkdv_dq", dkdv_grid, smem), ("_dq_convert", dq_grid, 0))
         tail, dsum_kernel = _kernels.varlen_tail_variant(), _kernels.dsum_variant(dtype)

@@ -342,6 +342,13 @@ def bwd_smem_bytes(headdim: int, warps: int, itemsize: int = 2) -> int:
     return 4 * rows * (headdim + pad) * itemsize + 2 * rows * max(4, itemsize)
 
 
+def wide_bwd_schemes(dtype: str, headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> tuple:
+    """The dQ schemes of the float32/float64 backward at this head dim: (True,) the ordered dQ
+    kernel only, or (True, False) with the atomic one, where its dS tile fits ``smem_limit``."""
+    atomic = bwd_variant(dtype, headdim, softcap=False, alibi=False, smem_limit=smem_limit, deterministic=False)
+    return (True, False) if atomic.smem_bytes + STATIC_SMEM_RESERVE <= smem_limit else (True,)
+
+
 @functools.lru_cache(maxsize=None)
 def wide_bwd_max_headdim(dtype: str, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
     """The largest head-dim bucket of the float32/float64 backward whose variant fits ``smem_limit``
@@ -361,10 +368,12 @@ def dsum_variant(dtype: str) -> Variant:
 
 @functools.lru_cache(maxsize=None)
 def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: int = 0,
-                smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False) -> Variant:
+                smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False, deterministic: bool = True) -> Variant:
     """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind; ``mods`` as
     :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout); ``tf32``
-    (float32) single TF32 products instead of 3xTF32.  float32/float64 run two 16-row slabs (32-row
+    (float32) single TF32 products instead of 3xTF32; ``deterministic=False`` (float32/float64
+    only) ``<name>_dkdv_dq`` + ``<name>_dq_convert`` instead: dQ added atomically to a dq_accum in
+    the dtype, one dS tile (kT x (kT + 4)) more of shared memory.  float32/float64 run two 16-row slabs (32-row
     tiles; one where shared memory is short, or past 8 warps: their accumulators take 2-4 times the
     registers of the 16-bit ones), each slab one warp, or several that split the output's columns
     (col_split; each recomputes the slab's S and dP)."""
@@ -386,13 +395,19 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
-    name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1)
+    name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + "_adq" * (not deterministic)
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
     )
-    return Variant("flash_bwd.cu", name, defines, 32 * warps, bwd_smem_bytes(d, warps // col_split, itemsize))
+    smem = bwd_smem_bytes(d, warps // col_split, itemsize)
+    if not deterministic:
+        assert itemsize > 2, "atomic dQ in flash_bwd.cu: float32/float64 (16-bit: flash_bwd_sm90.cu)"
+        rows = 16 * (warps // col_split)
+        defines += (("CUFLASH_DETERMINISTIC", 0),)
+        smem += rows * (rows + 4) * itemsize
+    return Variant("flash_bwd.cu", name, defines, 32 * warps, smem)
 
 
 @functools.lru_cache(maxsize=None)
@@ -468,11 +483,12 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
             for d in HEADDIM_BUCKETS for softcap, alibi in scores]
     out += [fwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32)
             for d in HEADDIM_BUCKETS for softcap, alibi in scores for tf32 in (False, True)]
-    out += [bwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit)
-            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap, alibi in scores]
-    out += [bwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32)
+    out += [bwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, deterministic=det)
+            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap, alibi in scores
+            for det in wide_bwd_schemes("float64", d, smem_limit)]
+    out += [bwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32, deterministic=det)
             for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float32", smem_limit)
-            for softcap, alibi in scores for tf32 in (False, True)]
+            for softcap, alibi in scores for tf32 in (False, True) for det in wide_bwd_schemes("float32", d, smem_limit)]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]

@@ -25,6 +25,11 @@
 // D in the dtype's Acc, every product through warp_gemm.cuh's _f32/_f64 forms with P and dS kept in
 // the registers they were formed in; rows padded by 4 elements; ALiBi slopes in double for f64_t.
 // Not yet with bias/mask/dropout (the host refuses those).
+// CUFLASH_DETERMINISTIC 0 (float32/float64 only, the default there): one pass, _dkdv_dq, that also
+// forms dQ += dS K for each (query tile, key block) and adds it to a zeroed dq_accum (the dtype's
+// Acc, rows laid out like the LSE, head-dim bucket wide) with atomics, then _dq_convert scales it
+// into dq: 5 products and one S/dP recomputation instead of 7 and two (FlashAttention-2,
+// Algorithm 2's dQ update), at the price of an order of the dQ sums that varies between calls.
 #include "mma.cuh"
 #include "params.cuh"
 #include "score_grad.cuh"
@@ -58,6 +63,9 @@
 #ifndef CUFLASH_SLAB_WARPS
 #define CUFLASH_SLAB_WARPS 1
 #endif
+#ifndef CUFLASH_DETERMINISTIC
+#define CUFLASH_DETERMINISTIC 1  // 0: _dkdv_dq + _dq_convert (atomic dQ; float32/float64)
+#endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // kColSplit > 1 (float64 past d64, float32 past d128: dK and dV, or dQ, would not fit in registers;
 // _kernels.bwd_variant picks 2, 4 or 8): kColSplit warps take the same 16 rows, each forms S, P, dP
@@ -78,7 +86,24 @@ struct BwdShape {
     static constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
     static constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
     static_assert(kD % (8 * kColSplit) == 0, "a warp's output columns are whole 8-column tiles");
+    // Atomic dQ: dS of the (query tile, key block) pair in shared memory as (kT queries, kLdS), and
+    // a warp's dQ columns formed kCW at a time (the widest multiple of 8 up to 32 dividing kDW).
+    static constexpr int kLdS = kT + 4;
+    static constexpr int kCW = kDW % 32 == 0 ? 32 : kDW % 24 == 0 ? 24 : kDW % 16 == 0 ? 16 : 8;
 };
+
+// addr[0], addr[1] += x, y atomically (float32: one vector reduction on sm_90; addr 8-byte aligned).
+template <class A>
+__device__ __forceinline__ void red_add2(A* addr, A x, A y) {
+#if __CUDA_ARCH__ >= 900
+    if constexpr (sizeof(A) == 4) {
+        asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(x), "f"(y) : "memory");
+        return;
+    }
+#endif
+    atomicAdd(addr, x);
+    atomicAdd(addr + 1, y);
+}
 
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel
 // parameters at each use.
@@ -190,12 +215,14 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                                      p.dq_row_stride, rows_valid - warp * 16, qk_chunks - col0 / kPer, lane);  // (seq.poison: NaN for bad sequences)
 }
 
-template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
+template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     using Shape = BwdShape<T, kD, kWarps, kMods>;
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
+    constexpr int kLdS = Shape::kLdS, kCW = Shape::kCW;
+    static_assert(!kAtomicDq || Elem<T>::kWide, "atomic dQ: the float32/float64 kernels (16-bit: flash_bwd_sm90.cu)");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     E* sK = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dK
     E* sV = sK + kT * kStride;               // (kT, kStride), reused to stage dV
@@ -203,6 +230,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     E* sdO = sQ + kT * kStride;              // (kT, kStride)
     A* sLse2 = reinterpret_cast<A*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units (kMods: natural)
     A* sDsum = sLse2 + kT;                                // (kT) D of the query tile
+    A* sdS = sDsum + kT;                                  // (kAtomicDq) (kT queries, kLdS) dS, keys of this block
 
     const int tid = threadIdx.x, warp = tid / 32 / kColSplit, lane = tid % 32;
     const int col0 = (tid / 32 % kColSplit) * kDW;
@@ -288,6 +316,15 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                         dpt[nt][e] = pr * (dpt[nt][e] * z - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
                     }
                 }
+                if constexpr (kAtomicDq) {  // dS for the block's dQ, transposed: one warp of each slab writes its keys
+                    if (tid / 32 % kColSplit == 0) {
+#pragma unroll
+                        for (int nt = 0; nt < kT / 8; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 4; ++e)
+                                sdS[(nt * 8 + (lane % 4) * 2 + e % 2) * kLdS + warp * 16 + lane / 4 + 8 * (e / 2)] = dpt[nt][e];
+                    }
+                }
                 if constexpr (Elem<T>::kWide) {
                     gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dv, st, sdO + col0, lane);  // dV += Pᵀ dO
                     gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dk, dpt, sQ + col0, lane);  // dK += dSᵀ Q
@@ -297,6 +334,29 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     c_to_a<T, kT>(dsa, dpt);
                     warp_gemm_rb<T, kT, kD, kStride>(dv, pa, sdO, lane);  // dV += Pᵀ dO
                     warp_gemm_rb<T, kT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
+                }
+                if constexpr (kAtomicDq) {  // dQ += dS K for query slab `warp`, this warp's columns, kCW at a time
+                    __syncthreads();  // every slab's dS is in sdS
+                    A ds[kT / 8][4];  // (C-fragment layout: rows = this slab's queries, columns = the block's keys)
+#pragma unroll
+                    for (int nt = 0; nt < kT / 8; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            ds[nt][e] = sdS[(warp * 16 + lane / 4 + 8 * (e / 2)) * kLdS + nt * 8 + (lane % 4) * 2 + e % 2];
+                    A* acc_row = reinterpret_cast<A*>(p.dq_accum) + (stat + m0 + warp * 16 + lane / 4) * kD + col0 + (lane % 4) * 2;
+#pragma unroll 1
+                    for (int c0 = 0; c0 < kDW; c0 += kCW) {
+                        A dq[kCW / 8][4];
+                        zero(dq);
+                        gemm_cb<T, kTf32Terms, kT, kCW, kStride>(dq, ds, sK + col0 + c0, lane);
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+                            if (warp * 16 + lane / 4 + 8 * half >= rows_valid) continue;  // (queries past the sequence)
+#pragma unroll
+                            for (int ot = 0; ot < kCW / 8; ++ot)
+                                red_add2(acc_row + 8 * half * kD + c0 + ot * 8, dq[ot][2 * half], dq[ot][2 * half + 1]);
+                        }
+                    }
                 }
             }
         }
@@ -310,6 +370,35 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                                      gdV + warp * 16 * p.dv_row_stride + col0, p.dv_row_stride, rows_valid, v_chunks - col0 / kPer, lane);
 }
 
+// dq = softmax_scale * dq_accum in the element type, for the rows of one kT-row block of a sequence
+// (the grid of _dq); rows no key reached are 0 (dq_accum starts at 0), a bad sequence's NaN.
+template <class T, int kD, int kWarps>
+__device__ __forceinline__ void flash_bwd_dq_convert(const FlashParams& p) {
+    using Shape = BwdShape<T, kD, kWarps, false>;
+    using E = typename Shape::E;
+    using A = typename Shape::A;
+    constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads;
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SeqInfo seq(p, b);
+    __syncthreads();  // seq.poison reads what every thread wrote (racecheck)
+    const int m0 = blockIdx.x * kT;
+    if (m0 >= seq.sq) return;
+    const int rows_valid = min(kT, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / kPer);
+    const A scale = seq.poison(static_cast<A>(p.softmax_scale));
+    const A* acc = reinterpret_cast<const A*>(p.dq_accum) + seq.lse_row(p, b, h, m0) * kD;
+    E* gdQ = static_cast<E*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
+    for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {
+        const int r = c / chunks, col = c % chunks;
+        E v[kPer];
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) v[i] = static_cast<E>(acc[r * kD + col * kPer + i] * scale);
+        *reinterpret_cast<uint4*>(gdQ + r * p.dq_row_stride + col * kPer) = *reinterpret_cast<const uint4*>(v);
+    }
+}
+
+#if CUFLASH_DETERMINISTIC
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dq<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_MODS >= 1,
                  CUFLASH_MODS == 2>(p);
@@ -317,5 +406,15 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUF
 
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
     flash_bwd_dkdv<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_MODS >= 1,
-                   CUFLASH_MODS == 2>(p);
+                   CUFLASH_MODS == 2, false>(p);
 }
+#else
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const __grid_constant__ FlashParams p) {
+    flash_bwd_dkdv<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_MODS >= 1,
+                   CUFLASH_MODS == 2, true>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
+    flash_bwd_dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS>(p);
+}
+#endif  // CUFLASH_DETERMINISTIC

@@ -108,7 +108,7 @@ for stage in $stages; do
         >"$OUT/ring.log" 2>&1
       rc=$?; summary+=("ring rc=$rc ($(elapsed))")
       cat "$OUT/ring.md" 2>/dev/null || tail -n 20 "$OUT/ring.log" ;;
-    ncu)  # Nsight Compute on single forward/backward calls (scripts/ncu_case.py): NCU_CASES "D:SEQLEN[:causal][:varlen][:backward][:mask|:bias|:dropout] ..."
+    ncu)  # Nsight Compute on single forward/backward calls (scripts/ncu_case.py): NCU_CASES "D:SEQLEN[:causal][:varlen][:backward][:mask|:bias|:dropout][:fp32|:fp64] ..."
       : >"$OUT/ncu.txt"
       for case in ${NCU_CASES:-128:16384 128:16384:causal 64:16384 64:512:causal:varlen}; do
         IFS=: read -r d s flags <<<"$case"
@@ -118,9 +118,12 @@ for stage in $stages; do
         for m in mask bias dropout; do [[ $flags == *$m* ]] && args+=" --mods $m"; done
         kernel=cuflash_fwd_sm90
         [[ $flags == *backward* ]] && args+=" --backward" && kernel='cuflash_bwd_sm90.*dkdv'
+        for t in fp32 fp64; do  # the float32/float64 kernels (sm_80 forms): both backward kernels
+          [[ $flags == *$t* ]] && args+=" --dtype $t" && kernel="cuflash_fwd_$t" && [[ $flags == *backward* ]] && kernel="cuflash_bwd_$t"
+        done
         echo "#### $case" >>"$OUT/ncu.txt"
         rep=/tmp/ncu_${case//:/_}
-        timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k "regex:$kernel" --launch-skip 3 --launch-count 1 \
+        timeout ${NCU_TIMEOUT:-120} ncu --clock-control none -k "regex:$kernel" --launch-skip ${NCU_SKIP:-3} --launch-count ${NCU_COUNT:-1} \
           --set ${NCU_SET:-full} --import-source no -f -o "$rep" $PY scripts/ncu_case.py $args >>"$OUT/ncu.txt" 2>&1
         summary+=("ncu $case rc=$? ($(elapsed))")
         ncu -i "$rep.ncu-rep" >>"$OUT/ncu.txt" 2>&1

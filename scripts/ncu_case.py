@@ -3,7 +3,7 @@
     ncu --clock-control none -k regex:cuflash_fwd_sm90 --launch-skip 2 --launch-count 1 --set full \\
         python scripts/ncu_case.py --headdim 128 --seqlen 16384 [--causal] [--varlen] [--backward] [--mods mask]
 
-bf16, batch * seqlen = 16k tokens, nheads * headdim = 2048 (the shape of scripts/bench.py and
+bf16 (or --dtype fp16/fp32/fp64), batch * seqlen = 16k tokens, nheads * headdim = 2048 (the shape of scripts/bench.py and
 scripts/ab_compare.py).  The call runs three times (the first compiles and plans, the second is
 warm: profile the third with --launch-skip 2), then once more after a synchronisation.
 --varlen packs the batch as equal sequences of --seqlen with cu_seqlens.  --mods adds a modifier as
@@ -30,6 +30,7 @@ def main(argv=None):
     ap.add_argument("--varlen", action="store_true")
     ap.add_argument("--backward", action="store_true")
     ap.add_argument("--mods", choices=("mask", "bias", "dropout"))
+    ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"), default="bf16")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -42,7 +43,8 @@ def main(argv=None):
     rng = cp.random.default_rng(0)
 
     def rand(shape):
-        return rng.standard_normal(shape, dtype=cp.float32).astype(ml_dtypes.bfloat16)
+        dtype = {"bf16": ml_dtypes.bfloat16, "fp16": cp.float16, "fp32": cp.float32, "fp64": cp.float64}[args.dtype]
+        return rng.standard_normal(shape, dtype=cp.float32).astype(dtype)
 
     if args.varlen:
         q, k, v, dout = (rand((batch * s, heads, d)) for _ in range(4))
@@ -70,7 +72,7 @@ def main(argv=None):
     if args.backward:
         bwd(out, lse)
     cp.cuda.Device().synchronize()
-    print(f"ran d{d} s{s}{' causal' if args.causal else ''}{' varlen' if args.varlen else ''}"
+    print(f"ran {args.dtype} d{d} s{s}{' causal' if args.causal else ''}{' varlen' if args.varlen else ''}"
           f"{' backward' if args.backward else ''}")
 
 

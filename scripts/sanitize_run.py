@@ -51,8 +51,10 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
         out, lse = cuflash.attention(q, k, v, precision=precision, return_lse=True, **opts)
         assert not bool(cp.isnan(out).any()), (dtype, sq, sk, d, opts)
         if d <= _gpu._wide_limit(name, True, _gpu._smem_limit(cp.cuda.Device().id)) and not FORWARD_ONLY:
-            grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision, **opts)
-            assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, opts)
+            for deterministic in (False, True):  # (atomic dQ in the dkdv kernel, or the dq kernel)
+                grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision,
+                                                   deterministic=deterministic, **opts)
+                assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, opts)
     # packed rows (attention_varlen): well-formed offsets with rows past the last sequence, then a
     # malformed entry (varlen_tail.cuh fills those rows with NaN in 4- and 8-byte elements)
     def reported(call, cu):  # the call, then whether its offsets were reported malformed (as they should be)

@@ -265,12 +265,16 @@ def test_prefetch_compiles_a_calls_modules_side_by_side(monkeypatch):
     assert calls == []
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_hopper_backward_module_holds_only_the_kernels_its_scheme_launches(deterministic):
+def test_backward_module_holds_only_the_kernels_its_scheme_launches(deterministic, dtype):
     """Issue 20: the atomic-dQ and the deterministic Hopper backward are modules of their own, so
-    that a first call compiles two kernels, not four."""
+    that a first call compiles two kernels, not four; the float32/float64 ones (flash_bwd.cu) too."""
     _nvrtc_or_skip()
-    v = _kernels.sm90_bwd_variant("bfloat16", 128, softcap=False, alibi=False, deterministic=deterministic)
+    if dtype == "bfloat16":
+        v = _kernels.sm90_bwd_variant(dtype, 128, softcap=False, alibi=False, deterministic=deterministic)
+    else:
+        v = _kernels.bwd_variant(dtype, 64, softcap=False, alibi=False, deterministic=deterministic)
     cubin = _kernels.compile_for_arch(v, "90")
     entries = {s: (v.name + s).encode() + b"\0" in cubin for s in ("_dq", "_dkdv", "_dkdv_dq", "_dq_convert")}
     want = {"_dq", "_dkdv"} if deterministic else {"_dkdv_dq", "_dq_convert"}

@@ -144,29 +144,34 @@ def test_not_yet_covered_is_refused_before_running(rng):
 # The backward (flash_bwd.cu's TF32 form).
 
 
-def _check_backward(q, k, v, dout, precision=None, **opts):
+def _check_backward(q, k, v, dout, precision=None, deterministic=False, **opts):
     cp = _cp()
     qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
     out, lse = cuflash.attention(qd, kd, vd, return_lse=True, precision=precision, **opts)
     grads = [cp.full(x.shape, np.nan, dtype=np.float32) for x in (q, k, v)]
-    cuflash.attention_backward(dod, qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], precision=precision, **opts)
+    cuflash.attention_backward(dod, qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], precision=precision,
+                               deterministic=deterministic, **opts)
     ref = attention_backward_ref(dout, q, k, v, **opts)
     naive = naive_attention_backward(dout, q, k, v, precision=precision, **opts)
     for name, g, r, n in zip(("dq", "dk", "dv"), grads, ref, naive):
         assert_exact(g.get(), r, n, name)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("precision", [None, "tf32"])
 @pytest.mark.parametrize("headdim", [1, 8, 32, 40, 64, 96, 128])
 @pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_headdims_and_lengths(rng, precision, headdim, seqlens, causal, kernels_run):
+def test_backward_headdims_and_lengths(rng, precision, headdim, seqlens, causal, deterministic, kernels_run):
+    """Both dQ schemes: added atomically by the dK/dV kernel (the default) or its own kernel."""
     sq, sk = seqlens
     q = _rand(rng, (2, sq, 2, headdim), 2.0)
     k, v = _rand(rng, (2, sk, 2, headdim)), _rand(rng, (2, sk, 2, headdim))
-    _check_backward(q, k, v, _rand(rng, (2, sq, 2, headdim)), precision=precision, causal=causal)
+    _check_backward(q, k, v, _rand(rng, (2, sq, 2, headdim)), precision=precision, causal=causal,
+                    deterministic=deterministic)
     backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp32_")]
-    assert backward and all(n.endswith("_tf32") == (precision == "tf32") for n in backward), kernels_run
+    assert backward and all(("_tf32" in n) == (precision == "tf32") and n.endswith("_adq") != deterministic
+                            for n in backward), kernels_run
     assert "cuflash_bwd_dsum_fp32" in kernels_run, kernels_run
 
 
@@ -196,15 +201,35 @@ def test_backward_with_dlse(rng, kernels_run):
         assert_exact(g.get(), r, n, name)
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("headdim", [136, 160, 256])
 @pytest.mark.parametrize("smem_kb", [227, 99])
-def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, kernels_run, monkeypatch):
+def test_backward_past_d128_splits_columns(rng, headdim, smem_kb, deterministic, kernels_run, monkeypatch):
     """Past d128 4 warps share each 16-row slab, each with a quarter of the output's columns
-    (bwd_variant's col_split), 2 slabs a block (1 on a 99 KB GPU past d192)."""
+    (bwd_variant's col_split), 2 slabs a block (1 on a 99 KB GPU past d192); both dQ schemes."""
     monkeypatch.setattr(_gpu, "_smem_limit", lambda device: smem_kb * 1024)
     q = _rand(rng, (2, 45, 2, headdim), 2.0)
     k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim - 8))  # GQA, Dv != Dqk
-    _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
-    _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), precision="tf32", softcap=3.0, window_size=(20, 5))
+    _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True, deterministic=deterministic)
+    _check_backward(q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), precision="tf32", softcap=3.0, window_size=(20, 5),
+                    deterministic=deterministic)
     backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp32_")]
-    assert backward and all(n.endswith("_cs4") and ("_w4_" if smem_kb == 99 and headdim > 160 else "_w8_") in n for n in backward), backward
+    assert backward and all("_cs4" in n and ("_w4_" if smem_kb == 99 and headdim > 160 else "_w8_") in n for n in backward), backward
+
+
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_deterministic_backward_is_bitwise_repeatable_and_matches_the_atomic_one(rng, headdim):
+    """deterministic=True: dq, dk, dv bitwise the same over repeated calls (GQA: a group's query
+    heads summed in order); the default's atomic dQ within the rule, and its dK, dV the same sums."""
+    cp = _cp()
+    q = cp.asarray(_rand(rng, (2, 150, 4, headdim), 2.0))
+    k, v, dout = cp.asarray(_rand(rng, (2, 170, 2, headdim))), cp.asarray(_rand(rng, (2, 170, 2, headdim))), cp.asarray(_rand(rng, (2, 150, 4, headdim)))
+    out, lse = cuflash.attention(q, k, v, return_lse=True, causal=True)
+    first = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+    for _ in range(5):
+        again = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True, deterministic=True)
+        for g, h in zip(first, again):
+            assert bool((g.view(cp.uint32) == h.view(cp.uint32)).all())
+    atomic = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
+    scale = float(cp.abs(first[0]).max())
+    assert float(cp.abs(atomic[0] - first[0]).max()) <= 1e-5 * scale

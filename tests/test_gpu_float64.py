@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _arrays, _gpu
+from cuflash import _arrays, _gpu, _kernels
 from cuflash import reference as R
 
 from .conftest import requires_gpu
@@ -216,13 +216,14 @@ def _grads_extended(monkeypatch, dout, q, k, v, **opts):
         return R.attention_backward_ref(dout, q, k, v, **opts)
 
 
-def _check_backward(monkeypatch, q, k, v, dout, **opts):
+def _check_backward(monkeypatch, q, k, v, dout, deterministic=False, **opts):
     """Gradients on the GPU (NaN-poisoned dq, dk, dv) against the extended-precision reference."""
     cp = _cp()
     qd, kd, vd, dod = (cp.asarray(x) for x in (q, k, v, dout))
     out, lse = cuflash.attention(qd, kd, vd, return_lse=True, **opts)
     grads = [cp.full(x.shape, np.nan) for x in (q, k, v)]
-    res = cuflash.attention_backward(dod, qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], **opts)
+    res = cuflash.attention_backward(dod, qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                     deterministic=deterministic, **opts)
     assert all(a is b for a, b in zip(res, grads))
     ref = _grads_extended(monkeypatch, dout, q, k, v, **opts)
     naive = R.naive_attention_backward(dout, q, k, v, **opts)
@@ -232,15 +233,18 @@ def _check_backward(monkeypatch, q, k, v, dout, **opts):
     return grads
 
 
+@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("headdim", BWD_HEADDIMS)
 @pytest.mark.parametrize("seqlens", [(1, 1), (7, 63), (65, 129), (129, 65)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_headdims_and_lengths(rng, headdim, seqlens, causal, kernels_run, monkeypatch):
+def test_backward_headdims_and_lengths(rng, headdim, seqlens, causal, deterministic, kernels_run, monkeypatch):
+    """Both dQ schemes: added atomically (in float64) by the dK/dV kernel, the default, or its own kernel."""
     sq, sk = seqlens
     q = _rand(rng, (2, sq, 2, headdim), 2.0)
     k, v = _rand(rng, (2, sk, 2, headdim)), _rand(rng, (2, sk, 2, headdim))
-    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, sq, 2, headdim)), causal=causal)
-    assert any(n.startswith("cuflash_bwd_fp64_") for n in kernels_run), kernels_run
+    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, sq, 2, headdim)), causal=causal, deterministic=deterministic)
+    backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp64_")]
+    assert backward and all(n.endswith("_adq") != deterministic for n in backward), kernels_run
     assert any(n.startswith("cuflash_bwd_dsum_fp64") for n in kernels_run), kernels_run
 
 
@@ -271,22 +275,25 @@ def test_backward_past_d64_splits_columns(rng, headdim, smem_kb, kernels_run, mo
             cuflash.attention_backward(qd, qd, qd, qd, qd, _cp().zeros((2, 2, 45)))
         return
     _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), causal=True)
-    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), softcap=3.0, window_size=(20, 5))
+    _check_backward(monkeypatch, q, k, v, _rand(rng, (2, 45, 2, headdim - 8)), softcap=3.0, window_size=(20, 5),
+                    deterministic=True)
     backward = [n for n in kernels_run if n.startswith("cuflash_bwd_fp64_")]
     split, warps = {(99, 72): (2, 2), (99, 96): (2, 2), (99, 128): (2, 2), (99, 160): (4, 4), (99, 192): (8, 8),
                     (227, 72): (2, 4), (227, 96): (2, 4), (227, 128): (2, 4), (227, 160): (4, 8), (227, 192): (8, 8), (227, 200): (4, 4),
                     (227, 256): (8, 8)}[smem_kb, headdim]
-    assert backward and all(n.endswith(f"_cs{split}") and f"_w{warps}" in n for n in backward), backward
+    assert backward and all(f"_cs{split}" in n and f"_w{warps}" in n for n in backward), backward
+    schemes = {True, False} if False in _kernels.wide_bwd_schemes("float64", _kernels.headdim_bucket(headdim), smem_kb * 1024) else {False}
+    assert {n.endswith("_adq") for n in backward} == schemes, backward  # (both dQ schemes where the atomic one fits)
 
 
 def test_backward_through_vjp_and_bitwise_repeatable(rng, kernels_run):
     cp = _cp()
     q, k, v, dout = (cp.asarray(_rand(rng, (2, 200, 2, 64))) for _ in range(4))
-    out, vjp = cuflash.attention_vjp(q, k, v, causal=True)
+    out, vjp = cuflash.attention_vjp(q, k, v, causal=True, deterministic=True)
     first = vjp(dout)
     for g, h in zip(first, cuflash.attention_backward(dout, q, k, v, out, cuflash.attention(q, k, v, causal=True,
                                                                                           return_lse=True)[1],
-                                                      causal=True)):
+                                                      causal=True, deterministic=True)):
         assert bool((g.view(cp.uint64) == h.view(cp.uint64)).all())
 
 
