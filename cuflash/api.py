@@ -340,10 +340,12 @@ def attention_backward(
     deterministic : bool, default False
         Bitwise-repeatable gradients.  By default the Hopper backward (head dims 33–128 on
         compute capability 9.0) forms dQ inside the dK/dV kernel and adds it to an
-        fp32 buffer of B·H·Sq·D floats with atomics, so dq may differ in the last bits from run
+        fp32 buffer of B·H·Sq·D floats with atomics, and so does the float32/float64 backward
+        on any GPU (a buffer in the input's dtype), so dq may differ in the last bits from run
         to run; ``True`` computes dQ in a kernel of its own instead (no atomics, no buffer;
-        about 10 % slower on an H200, see BENCHMARKS.md).  The CPU path and the other GPU kernels
-        are always repeatable; the GPU's ``dbias`` too, by summing a full-size float32 dS over the
+        about 10 % slower on an H200, see BENCHMARKS.md; float32/float64 slower still: S and
+        dP are formed twice).  The CPU path and the other GPU kernels are always repeatable;
+        the GPU's ``dbias`` too, by summing a full-size float32 dS over the
         bias's broadcast axes afterwards (4 bytes per score; without ``deterministic`` atomics sum
         them in place).
     dq, dk, dv : arrays, optional
