@@ -64,8 +64,8 @@ def _device_smem_limit(q) -> int:
 
 def _wide_covers(name: str, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> str:
     grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True, smem_limit)}"
-    return ("the forward of padded and packed batches (attention, attention_varlen) with causal, window_size, softcap, "
-            "alibi_slopes, seqlens_k and GQA, "
+    return ("the forward of padded and packed batches and KV caches (attention, attention_varlen, "
+            "attention_with_kvcache) with causal, window_size, softcap, alibi_slopes, seqlens_k and GQA, "
             f"head dims up to {_wide_limit(name, False, smem_limit)}{grads}")
 
 
@@ -107,8 +107,7 @@ def check_call(p, q, *, packed=False, kvcache=False, backward=False, headdim=0) 
 def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False, smem_limit=_kernels.DEFAULT_SMEM_LIMIT) -> str | None:
     """The first option of a call that the float32/float64 kernels lack, or None."""
     limit = _wide_limit(name, backward, smem_limit)
-    missing = [("KV caches", kvcache),
-               ("bias, mask or dropout", _mods_level(p) != 0),
+    missing = [("bias, mask or dropout", _mods_level(p) != 0),
                (f"head dims past {limit}", headdim > limit)]
     return next((what for what, needed in missing if needed), None)
 
@@ -240,7 +239,7 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         qx, kx, vx = _prepare(q, d8), _prepare(k, d8), _prepare(v, dv8)
         direct = out.shape[-1] == dv8 and _aligned(out) and min(out.strides) >= 0  # (the map of O takes no negative stride)
         ox = out if direct else (cp.zeros if tail_only else cp.empty)(out.shape[:-1] + (dv8,), dtype=out.dtype)
-        # (float32/float64: no split-KV form yet, every row count runs the one-pass kernel)
+        # (float32/float64: no split-KV form yet, every row count and paged caches run the one-pass kernel)
         decode = not packed and not wide and (block_table is not None or p.seqlen_q <= DECODE_MAX_ROWS)
         features = dict(softcap=p.softcap > 0, alibi=p.alibi_slopes is not None, mods=_mods_level(p))
         # (raw scores without a bias: a form of the Hopper forward only, _kernels._raw_applies)

@@ -86,8 +86,9 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         float16/bfloat16 inputs take only None, float64 inputs no "tf32".  On the GPU, float32
         (TF32 tensor cores; None: 3xTF32 split products, Henry et al. 2019, "Leveraging the
         bfloat16 artificial intelligence datatype", adapted to TF32) and float64 (FP64 tensor
-        cores) run :func:`attention`, :func:`attention_varlen` and their gradients; what those kernels lack
-        yet (KV caches, bias/mask/dropout; float64 gradients past head dim 192 on
+        cores) run :func:`attention`, :func:`attention_varlen`, their gradients and
+        :func:`attention_with_kvcache`; what those kernels lack
+        yet (bias/mask/dropout; float64 gradients past head dim 192 on
         GPUs with 99 KB of shared memory a block) raises NotImplementedError (also a TypeError) naming it."""
 
 
@@ -184,7 +185,7 @@ def attention(
         Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays, a
         non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
         ``window_size`` that is not a pair.  On GPU arrays, float32 and float64 with an option their
-        kernels lack yet (KV caches, bias/mask/dropout; float64 gradients past head
+        kernels lack yet (bias/mask/dropout; float64 gradients past head
         dim 192 on GPUs with 99 KB of shared memory a block, sm_86/89) raise ``NotImplementedError``
         (also a TypeError) naming it.
     ValueError

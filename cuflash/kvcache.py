@@ -199,7 +199,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
     if _arrays.is_gpu(q):  # a dtype without a GPU kernel is refused before any token is appended
         from . import _gpu
 
-        _gpu._check_gpu_dtype(q, "KV caches")
+        _gpu._check_gpu_dtype(q, None)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens to append) or both omitted")
     if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):

@@ -667,7 +667,7 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     if _arrays.is_gpu(q):  # a dtype without a GPU kernel: refused before this rank's cache is written
         from . import _gpu
 
-        _gpu._check_gpu_dtype(q, "KV caches")
+        _gpu._check_gpu_dtype(q, None)
     if not (hasattr(comm, "rank") and hasattr(comm, "allgather")):
         raise TypeError(f"comm must be a cuflash.parallel communicator; got {type(comm).__name__}")
     xp = _arrays.module_of(q)

@@ -21,8 +21,9 @@
 // so the score pipeline and the online softmax are the same code in double), P kept in the
 // registers of S, the LSE in double.  f32_t the float32 form: float32 elements, products on the
 // TF32 tensor cores (mma.m16n8k8), CUFLASH_TF32_TERMS 3 (3xTF32) or 1 (TF32), P kept in S's
-// registers; ALiBi slopes in double for f64_t (seqinfo.cuh's alibi_slope).  Not yet with split-KV or
-// bias/mask/dropout (the host refuses those); float64
+// registers; ALiBi slopes in double for f64_t (seqinfo.cuh's alibi_slope).  KV caches (contiguous,
+// cache_batch_idx, or paged through p.block_table, every page checked by each block) run this
+// one-pass kernel: no split-KV form yet.  Not yet with bias/mask/dropout (the host refuses those); float64
 // past d128 splits O's columns over two warps (CUFLASH_SLAB_WARPS 2).
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
@@ -292,6 +293,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     if constexpr (kSplitKV) {
         seq.check_pages(p, b, split, num_splits);
         seq.make_warp_uniform();
+    } else if constexpr (kWide) {  // float32/float64 paged caches: the one-pass kernel checks all of the sequence's pages
+        seq.check_pages(p, b, 0, 1);
     }
     const int m0 = (m_blocks - 1 - static_cast<int>(blockIdx.x) / num_splits) * kBM;  // longest rows (causal) first
     const int rows = seq.sq * g;
@@ -338,8 +341,9 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // (SeqInfo::check_pages, on the whole 64-bit value), and its NaN reaches every row in the
     // merge.  Here only the low 32 bits of an int64 entry are read (the clamp keeps any value in
     // bounds; a full 64-bit load made ptxas spill at d96 and d128).
-    const bool paged = kSplitKV && p.block_table != nullptr;
-    __shared__ int2 s_page_slot[kSplitKV ? 2 : 1][kSplitKV ? kBN : 1];  // double-buffered by tile parity
+    constexpr bool kPagedForm = kSplitKV || kWide;  // (float32/float64 read paged caches without splitting the keys)
+    const bool paged = kPagedForm && p.block_table != nullptr;
+    __shared__ int2 s_page_slot[kPagedForm ? 2 : 1][kPagedForm ? kBN : 1];  // double-buffered by tile parity
     auto page_rows = [&](int nb) {
         const int* table = static_cast<const int*>(p.block_table);
         const long long row = b * p.block_table_batch_stride;

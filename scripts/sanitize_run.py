@@ -55,17 +55,28 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
                 grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision,
                                                    deterministic=deterministic, **opts)
                 assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, opts)
-    # packed rows (attention_varlen): well-formed offsets with rows past the last sequence, then a
-    # malformed entry (varlen_tail.cuh fills those rows with NaN in 4- and 8-byte elements)
-    def reported(call, cu):  # the call, then whether its offsets were reported malformed (as they should be)
+    def reported(call, cu):  # the call, then whether its indices were reported bad (as they should be)
+        good = bool(cu) if isinstance(cu, (bool, np.bool_)) else bool((np.diff(cu) >= 0).all())
         try:
             call()
             cuflash.synchronize()
         except cuflash.InvalidIndexError:
-            assert not (np.diff(cu) >= 0).all(), "well-formed offsets reported"
+            assert not good, "well-formed indices reported"
             return
-        assert (np.diff(cu) >= 0).all(), "malformed offsets not reported"
+        assert good, "malformed indices not reported"
 
+    # KV caches (the one-pass kernel): contiguous with an append, paged (scattered pages, one bad
+    # entry: its sequence gets NaN rows and the error is reported, no read outside the pool)
+    kc, vc = rand((3, 64, 2, 64), dtype), rand((3, 64, 2, 64), dtype)
+    cuflash.attention_with_kvcache(rand((3, 2, 4, 64), dtype), kc, vc, rand((3, 2, 2, 64), dtype), rand((3, 2, 2, 64), dtype),
+                                   cache_seqlens=cp.asarray(np.array([0, 17, 62], np.int32)), causal=True, precision=precision)
+    pool_k, pool_v = rand((9, 16, 2, 64), dtype), rand((9, 16, 2, 64), dtype)
+    for table in (np.array([[3, 0, 7], [1, 8, 2], [4, 5, 6]], np.int32), np.array([[3, 0, 7], [1, 9, 2], [4, 5, 6]], np.int32)):
+        reported(lambda: cuflash.attention_with_kvcache(rand((3, 1, 4, 64), dtype), pool_k, pool_v, block_table=cp.asarray(table),
+                                                        cache_seqlens=cp.asarray(np.array([40, 30, 5], np.int32)),
+                                                        precision=precision), (table < 9).all())
+    # packed rows (attention_varlen): well-formed offsets with rows past the last sequence, then a
+    # malformed entry (varlen_tail.cuh fills those rows with NaN in 4- and 8-byte elements)
     for cu in (np.array([0, 0, 33, 70], dtype=np.int32), np.array([0, 33, 20, 70], dtype=np.int32)):
         q, k, v = rand((75, 4, 64), dtype), rand((70, 2, 64), dtype), rand((70, 2, 40), dtype)
         cud = cp.asarray(cu)

@@ -23,6 +23,8 @@ from .test_kvcache import _check_per_sequence
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 DTYPES = [np.float16, ml_dtypes.bfloat16]
+# the KV-cache tests' dtypes: float32/float64 read their caches (paged too) with the one-pass kernel
+CACHE_DTYPES, CACHE_IDS = DTYPES + [np.float32, np.float64], ["fp16", "bf16", "fp32", "fp64"]
 
 
 def _nan_rows(x):
@@ -236,7 +238,7 @@ def _decode(q, kc, vc, lengths, **kw):
     return cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=cp.asarray(np.asarray(lengths)), return_lse=True, **kw)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=CACHE_IDS)
 @pytest.mark.parametrize("splits", [1, 3, 0])
 @pytest.mark.parametrize("rows", [1, 20], ids=["decode", "prefill"])
 def test_kvcache_lengths_past_capacity(rng, dtype, splits, rows):
@@ -251,7 +253,7 @@ def test_kvcache_lengths_past_capacity(rng, dtype, splits, rows):
         assert np.array_equal(out[0].get().view(np.uint16), ok_out[0].get().view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=CACHE_IDS)
 def test_kvcache_append_past_capacity_is_refused_not_wrapped(rng, dtype):
     """Issue 19's case: appending at position 64 of a 64-slot cache changed slot 0."""
     cp = _cp()
@@ -269,7 +271,7 @@ def test_kvcache_append_past_capacity_is_refused_not_wrapped(rng, dtype):
     assert _nan_rows(out).tolist() == [False, True, True]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=CACHE_IDS)
 @pytest.mark.parametrize("splits", [1, 4, 0])
 @pytest.mark.parametrize("bad_page", [9, -1, 4])
 def test_kvcache_block_table_out_of_range(rng, dtype, splits, bad_page):
@@ -289,7 +291,7 @@ def test_kvcache_block_table_out_of_range(rng, dtype, splits, bad_page):
         assert np.array_equal(out[b].get().view(np.uint16), ok_out[b].get().view(np.uint16))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", CACHE_DTYPES, ids=CACHE_IDS)
 def test_kvcache_append_conflicts_write_nothing(rng, dtype):
     cp = _cp()
     q = cp.asarray(_rand(rng, (2, 1, 4, 64), dtype, 3.0))
@@ -645,14 +647,15 @@ def test_paged_append_onto_own_earlier_key_is_refused(rng):
     _check_per_sequence(out.get()[:1], lse.get()[:1], q.get()[:1], keys, values, [5])
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=["fp16", "fp32"])
 @pytest.mark.parametrize("splits", [1, 4])
-def test_block_table_entry_bad_only_in_its_high_bits(rng, splits):
+def test_block_table_entry_bad_only_in_its_high_bits(rng, splits, dtype):
     """An int64 entry 2**32 + 1 is not a page of a 25-page cache although its low 32 bits (1) are:
     the split kernel's page check reads the whole value (SeqInfo::check_pages), so sequence 1 gets
     NaN rows and the error names its entry; the same value past the pages sequence 2 uses is never
-    read; sequences 0 and 2 equal, bitwise, the call with the table repaired."""
+    read; sequences 0 and 2 equal, bitwise, the call with the table repaired.  (float32: the
+    one-pass kernel checks every page of the sequence in each block.)"""
     cp = _cp()
-    dtype = np.float16
     kp, vp = (cp.asarray(_rand(rng, (25, 16, 2, 64), dtype)) for _ in range(2))
     q = cp.asarray(_rand(rng, (3, 1, 8, 64), dtype, 3.0))
     good = rng.permutation(25)[:24].reshape(3, 8).astype(np.int64)

@@ -12,7 +12,8 @@ import cuflash
 from cuflash import _arrays
 from cuflash.reference import assert_exact, attention_ref, naive_attention
 
-DTYPES = [np.float16, ml_dtypes.bfloat16]
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+DTYPE_IDS = ["fp16", "bf16", "fp32", "fp64"]
 
 
 def _check_per_sequence(out, lse, q, keys, values, lengths, **opts):
@@ -33,7 +34,7 @@ def _poisoned_cache(rng, dtype, batch, capacity, hkv, d, lengths):
     return cache
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
 @pytest.mark.parametrize("new", [0, 1, 3])
 @pytest.mark.parametrize("causal", [False, True])
@@ -57,10 +58,12 @@ def test_contiguous_cache(xp, rng, dtype, heads, new, causal):
     _check_per_sequence(out, lse, q, kc, vc, lengths + new, causal=causal)
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=["fp16", "fp32", "fp64"])
 @pytest.mark.parametrize("page_size", [1, 16, 64, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_paged_cache(xp, rng, page_size, causal):
-    dtype, hq, hkv, d, new = np.float16, 8, 2, 64, 2
+def test_paged_cache(xp, rng, page_size, causal, dtype):
+    """(float32/float64: the one-pass kernel reads the pages, flash_fwd.cu's kPagedForm.)"""
+    hq, hkv, d, new = 8, 2, 64, 2
     lengths = np.array([0, 1, page_size, 3 * page_size + 5], dtype=np.int64)
     batch = len(lengths)
     max_pages = int(-(-(lengths.max() + new) // page_size)) + 1
@@ -88,8 +91,9 @@ def test_paged_cache(xp, rng, page_size, causal):
     _check_per_sequence(out, lse, q, keys, values, lengths + new, causal=causal)
 
 
-def test_cache_batch_idx_and_options(xp, rng):
-    dtype, d = ml_dtypes.bfloat16, 128
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float64], ids=["bf16", "fp32", "fp64"])
+def test_cache_batch_idx_and_options(xp, rng, dtype):
+    d = 128
     lengths = np.array([5, 40, 0], dtype=np.int64)
     rows = np.array([3, 0, 1], dtype=np.int64)
     kc = rng.standard_normal((4, 48, 2, d)).astype(dtype)
