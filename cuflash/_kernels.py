@@ -140,7 +140,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
         else:
             shapes = ((64, 64 if headdim <= 64 else 32, 4), (64, 32, 4), (32, 32, 2))
         tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split) for bm, bn, w in shapes]
-        return next((t for t in tiles if t.smem_bytes(headdim) <= limit), tiles[-1])  # (the last fits 99 KB GPUs)
+        # (their static shared memory: seqinfo.cuh's 256 bytes and the paged caches' page slots, 16 a key)
+        return next((t for t in tiles if t.smem_bytes(headdim) + 256 + 16 * t.block_n <= smem_limit), tiles[-1])
     if headdim <= 64:
         cfg = TileConfig(128, 64, 8, min_blocks=2)
     elif headdim <= 128:
@@ -392,7 +393,8 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
-        two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
+        ds_tile = 0 if deterministic else 32 * 36 * itemsize  # (atomic dQ: the dS tile of two slabs)
+        two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + ds_tile + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
     name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + "_adq" * (not deterministic)

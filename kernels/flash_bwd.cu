@@ -95,7 +95,7 @@ struct BwdShape {
 // addr[0], addr[1] += x, y atomically (float32: one vector reduction on sm_90; addr 8-byte aligned).
 template <class A>
 __device__ __forceinline__ void red_add2(A* addr, A x, A y) {
-#if __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900 && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 1))  // (PTX ISA 8.1)
     if constexpr (sizeof(A) == 4) {
         asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" :: "l"(addr), "f"(x), "f"(y) : "memory");
         return;
@@ -391,7 +391,7 @@ __device__ __forceinline__ void flash_bwd_dq_convert(const FlashParams& p) {
     E* gdQ = static_cast<E*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
     for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {
         const int r = c / chunks, col = c % chunks;
-        E v[kPer];
+        alignas(16) E v[kPer];
 #pragma unroll
         for (int i = 0; i < kPer; ++i) v[i] = static_cast<E>(acc[r * kD + col * kPer + i] * scale);
         *reinterpret_cast<uint4*>(gdQ + r * p.dq_row_stride + col * kPer) = *reinterpret_cast<const uint4*>(v);
