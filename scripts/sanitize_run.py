@@ -4,7 +4,8 @@ CuPy's memory pool is switched off so that each array is its own allocation and 
 out-of-bounds access is reported instead of landing in a neighbouring pool block.
 SANITIZE_PARTS=fwd runs the forward calls only (racecheck on the Hopper forward takes minutes
 for the whole sweep); SANITIZE_PARTS=varlen the packed calls with hostile and well-formed offsets only;
-SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32).
+SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32); widekv their
+KV-cache calls only.
 """
 
 import os
