@@ -7,7 +7,8 @@ Each checkout is a directory, optionally followed by environment settings for it
 process (its own kernels, compiled from its own sources) that measures all parts; the order of the
 checkouts rotates from round to round, so none always goes first.  Rows: the forward and backward
 (bf16, batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against
-contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s) and (part "host") warm
+contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s), (part "widebwd", not in the
+default parts) the float32/float64 backward at head dims 64-256, seqlen 4k, and (part "host") warm
 calls of tiny problems per millisecond, eager (host time, unless the kernel is slower) and
 replayed from a captured CUDA graph (the GPU's rate alone).  Per row: each checkout's median over the
 rounds, each NEW / BASE of the medians, and the spread of one checkout between rounds (the
@@ -31,6 +32,7 @@ FWD = [(d, s, c) for d in (64, 128, 256) for s, c in ((1024, False), (4096, Fals
 BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True), (256, 4096, False)]
 DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
+WIDE_BWD = [(dt, d) for dt in ("float32", "float64") for d in (64, 96, 128, 160, 192, 256)]  # seqlen 4096, non-causal
 
 
 def _side(checkout: str, parts: str) -> list:
@@ -68,6 +70,14 @@ def _part(checkout: str, part: str) -> list:
                 ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, dq=grads[0],
                                                                    dk=grads[1], dv=grads[2]))
             rows.append((f"{part} d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
+    elif part == "widebwd":  # the float32/float64 backward (issue 24), atomic dQ as by default
+        for dtype, d in WIDE_BWD:
+            s, batch, heads = 4096, 4, 2048 // d
+            q, k, v, dout = (cp.random.default_rng(0).standard_normal((batch, s, heads, d), dtype=dtype) for _ in range(4))
+            out, lse = cuflash.attention(q, k, v, return_lse=True)
+            grads = cuflash.attention_backward(dout, q, k, v, out, lse)
+            ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2]))
+            rows.append((f"bwd {np.dtype(dtype).name} d{d} s{s}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
     elif part == "decode":
         for name, batch, n in DECODE:
             hq, hkv = B.DECODE_HEADS[name]
