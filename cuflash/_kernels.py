@@ -380,6 +380,10 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     (col_split; each recomputes the slab's S and dP)."""
     d = headdim_bucket(headdim)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
+
+    def ds_tile(rows):  # atomic dQ: the (rows, rows + 4) dS tile of flash_bwd.cu's _dkdv_dq
+        return 0 if deterministic else rows * (rows + 4) * itemsize
+
     # float64 past d64 and float32 past d128: several warps per 16-row slab, each with its share of
     # the output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers), each
     # recomputing the slab's S and dP.  float64 d128 in 2 warps spills 620 bytes and in 4 16, yet 2
@@ -393,8 +397,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
-        ds_tile = 0 if deterministic else 32 * 36 * itemsize  # (atomic dQ: the dS tile of two slabs)
-        two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + ds_tile + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
+        two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
     name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + "_adq" * (not deterministic)
@@ -406,9 +409,8 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     smem = bwd_smem_bytes(d, warps // col_split, itemsize)
     if not deterministic:
         assert itemsize > 2, "atomic dQ in flash_bwd.cu: float32/float64 (16-bit: flash_bwd_sm90.cu)"
-        rows = 16 * (warps // col_split)
         defines += (("CUFLASH_DETERMINISTIC", 0),)
-        smem += rows * (rows + 4) * itemsize
+        smem += ds_tile(16 * (warps // col_split))
     return Variant("flash_bwd.cu", name, defines, 32 * warps, smem)
 
 

@@ -370,34 +370,6 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                                      gdV + warp * 16 * p.dv_row_stride + col0, p.dv_row_stride, rows_valid, v_chunks - col0 / kPer, lane);
 }
 
-// dq = softmax_scale * dq_accum in the element type, for the rows of one kT-row block of a sequence
-// (the grid of _dq); rows no key reached are 0 (dq_accum starts at 0), a bad sequence's NaN.
-template <class T, int kD, int kWarps>
-__device__ __forceinline__ void flash_bwd_dq_convert(const FlashParams& p) {
-    using Shape = BwdShape<T, kD, kWarps, false>;
-    using E = typename Shape::E;
-    using A = typename Shape::A;
-    constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads;
-    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
-    if (bh >= p.batch * p.nheads_q) return;
-    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
-    const SeqInfo seq(p, b);
-    __syncthreads();  // seq.poison reads what every thread wrote (racecheck)
-    const int m0 = blockIdx.x * kT;
-    if (m0 >= seq.sq) return;
-    const int rows_valid = min(kT, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / kPer);
-    const A scale = seq.poison(static_cast<A>(p.softmax_scale));
-    const A* acc = reinterpret_cast<const A*>(p.dq_accum) + seq.lse_row(p, b, h, m0) * kD;
-    E* gdQ = static_cast<E*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
-    for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {
-        const int r = c / chunks, col = c % chunks;
-        alignas(16) E v[kPer];
-#pragma unroll
-        for (int i = 0; i < kPer; ++i) v[i] = static_cast<E>(acc[r * kD + col * kPer + i] * scale);
-        *reinterpret_cast<uint4*>(gdQ + r * p.dq_row_stride + col * kPer) = *reinterpret_cast<const uint4*>(v);
-    }
-}
-
 #if CUFLASH_DETERMINISTIC
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dq<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, CUFLASH_MODS >= 1,
@@ -414,7 +386,9 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUF
                    CUFLASH_MODS == 2, true>(p);
 }
 
+// (score_grad.cuh's dq_convert, for the rows of one kT-row block)
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
-    flash_bwd_dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS>(p);
+    using Shape = BwdShape<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, false>;
+    dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, Shape::kT, Shape::kThreads>(p);
 }
 #endif  // CUFLASH_DETERMINISTIC

@@ -524,27 +524,8 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
 }
 
 // dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a
-// sequence (the grid of _dq); rows no key reached are 0, since dq_accum starts at 0.
+// sequence (score_grad.cuh's dq_convert).
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
-    constexpr int kD = CUFLASH_HEADDIM, kBM = 64 * CUFLASH_WARPGROUPS, kThreads = 128 * CUFLASH_WARPGROUPS;
-    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
-    if (bh >= p.batch * p.nheads_q) return;
-    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
-    const SeqInfo seq(p, b);
-    __syncthreads();  // seq.poison reads what every thread wrote (racecheck)
-    const int m0 = blockIdx.x * kBM;
-    if (m0 >= seq.sq) return;
-    const int rows_valid = min(kBM, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / 8);
-    const float scale = seq.poison(static_cast<float>(p.softmax_scale));
-    const float* acc = p.dq_accum + seq.lse_row(p, b, h, m0) * kD;
-    u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
-    for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {
-        const int r = c / chunks, col = c % chunks;
-        const float4 lo = *reinterpret_cast<const float4*>(acc + r * kD + col * 8);
-        const float4 hi = *reinterpret_cast<const float4*>(acc + r * kD + col * 8 + 4);
-        const uint4 packed = make_uint4(pack2<CUFLASH_DTYPE>(lo.x * scale, lo.y * scale), pack2<CUFLASH_DTYPE>(lo.z * scale, lo.w * scale),
-                                        pack2<CUFLASH_DTYPE>(hi.x * scale, hi.y * scale), pack2<CUFLASH_DTYPE>(hi.z * scale, hi.w * scale));
-        *reinterpret_cast<uint4*>(gdQ + r * p.dq_row_stride + col * 8) = packed;
-    }
+    dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, 64 * CUFLASH_WARPGROUPS, 128 * CUFLASH_WARPGROUPS>(p);
 }
 #endif  // CUFLASH_DETERMINISTIC

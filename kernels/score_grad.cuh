@@ -2,6 +2,7 @@
 // flash_bwd_sm90.cu), with the softcap derivative; with a bias and mask (prob_mods) as the
 // forward's score pipeline forms them (score_mods.cuh).
 #pragma once
+#include "mma.cuh"
 #include "score_mods.cuh"
 #include "seqinfo.cuh"
 
@@ -99,4 +100,43 @@ template <class Body>
 __device__ __forceinline__ void with_tile_mask(bool masked, Body&& body) {
     if (masked) body(MaskedTile<true>{});
     else body(MaskedTile<false>{});
+}
+
+// The atomic-dQ backward's last pass (flash_bwd.cu and flash_bwd_sm90.cu, kernel _dq_convert):
+// dq = softmax_scale * dq_accum (fp32; float64 for float64) in the element type, for the kBM rows
+// of query block blockIdx.x of a sequence (the grid of _dq); rows no key reached are 0 (dq_accum
+// starts at 0), a bad sequence's NaN.  16-byte chunks: 8 16-bit elements from two float4, or 4
+// floats, or 2 doubles.
+template <class T, int kD, int kBM, int kThreads>
+__device__ __forceinline__ void dq_convert(const FlashParams& p) {
+    using E = typename Elem<T>::Storage;
+    using A = typename Elem<T>::Acc;
+    constexpr int kPer = 16 / sizeof(E);
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SeqInfo seq(p, b);
+    __syncthreads();  // seq.poison reads what every thread wrote (racecheck)
+    const int m0 = blockIdx.x * kBM;
+    if (m0 >= seq.sq) return;
+    const int rows_valid = min(kBM, seq.sq - m0), chunks = static_cast<int>(p.headdim_qk / kPer);
+    const A scale = seq.poison(static_cast<A>(p.softmax_scale));
+    const A* acc = reinterpret_cast<const A*>(p.dq_accum) + seq.lse_row(p, b, h, m0) * kD;
+    E* gdQ = static_cast<E*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
+    for (int c = threadIdx.x; c < rows_valid * chunks; c += kThreads) {
+        const int r = c / chunks, col = c % chunks;
+        uint4 chunk;
+        if constexpr (sizeof(E) == 2) {
+            const float4 lo = *reinterpret_cast<const float4*>(acc + r * kD + col * 8);
+            const float4 hi = *reinterpret_cast<const float4*>(acc + r * kD + col * 8 + 4);
+            chunk = make_uint4(pack2<T>(lo.x * scale, lo.y * scale), pack2<T>(lo.z * scale, lo.w * scale),
+                               pack2<T>(hi.x * scale, hi.y * scale), pack2<T>(hi.z * scale, hi.w * scale));
+        } else {
+            alignas(16) E v[kPer];
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) v[i] = static_cast<E>(acc[r * kD + col * kPer + i] * scale);
+            chunk = *reinterpret_cast<const uint4*>(v);
+        }
+        *reinterpret_cast<uint4*>(gdQ + r * p.dq_row_stride + col * kPer) = chunk;
+    }
 }
