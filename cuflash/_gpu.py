@@ -65,7 +65,8 @@ def _device_smem_limit(q) -> int:
 def _wide_covers(name: str, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> str:
     grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True, smem_limit)}"
     return ("the forward of padded and packed batches and KV caches (attention, attention_varlen, "
-            "attention_with_kvcache) with causal, window_size, softcap, alibi_slopes, seqlens_k and GQA, "
+            "attention_with_kvcache) with causal, window_size, softcap, alibi_slopes, seqlens_k, GQA, bias, mask "
+            "and dropout, "
             f"head dims up to {_wide_limit(name, False, smem_limit)}{grads}")
 
 
@@ -107,8 +108,7 @@ def check_call(p, q, *, packed=False, kvcache=False, backward=False, headdim=0) 
 def _wide_missing(p, name, headdim, *, packed, kvcache, backward=False, smem_limit=_kernels.DEFAULT_SMEM_LIMIT) -> str | None:
     """The first option of a call that the float32/float64 kernels lack, or None."""
     limit = _wide_limit(name, backward, smem_limit)
-    missing = [("bias, mask or dropout", _mods_level(p) != 0),
-               (f"head dims past {limit}", headdim > limit)]
+    missing = [(f"head dims past {limit}", headdim > limit)]
     return next((what for what, needed in missing if needed), None)
 
 
@@ -255,14 +255,14 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
         prm = _fill_params(p, pointers, dict(q=qx, k=kx, v=vx, o=ox), packed=packed, lse_strides=lse_strides,
                            d8=d8, dv8=dv8, scale=scale, indices=indices)
         _set_extents(prm, p, q, k, packed, block_table, cache_batch_idx)
-        keep_mods = _set_mods(prm, p)  # noqa: F841 (a float32 copy of a float64 bias lives until the launch)
+        keep_mods = _set_mods(prm, p, dtype)  # noqa: F841 (a float32 copy of a float64 bias lives until the launch)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm, seqlen_new))
         # Varlen: the offsets are checked and the rows no sequence owns written by a kernel launched
         # first, or by the Hopper forward's own blocks (kernels/varlen_tail.cuh)
         tail_kernel = packed and (tail_only or variant.filename != "flash_fwd_sm90.cu")
         # (the Hopper forward's bias/mask-only variants leave that check out: packed calls take neither)
-        assert not (packed and features["mods"] == 1), "varlen calls take no bias or mask"
+        assert not (packed and (p.bias is not None or p.mask is not None)), "varlen calls take no bias or mask"
         if tail_kernel and not tail_only:  # the tail kernel's module compiles beside the forward's
             _kernels.prefetch([(_kernels.varlen_tail_variant(), ""), (variant, "")], device)
         fn = _kernels.get_function(variant, device) if not tail_only else None
@@ -299,7 +299,12 @@ def _launch_attention_fwd(p, q, k, v, out, lse, *, packed, cu_q=None, cu_k=None,
             record.append(dict(device=device, template=bytes(prm), launches=launches, accum=accum))
 
 
-_BIAS_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}
+_BIAS_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # (ScoreMods' bias_dtype; 3 float64, read by the float64 kernels)
+
+
+def _bias_dtypes(dtype: str) -> dict:
+    """The bias dtypes the kernels for inputs of ``dtype`` read in place (others: a float32 copy)."""
+    return dict(_BIAS_DTYPES, float64=3) if dtype == "float64" else _BIAS_DTYPES
 
 
 def _mods_level(p) -> int:
@@ -307,18 +312,18 @@ def _mods_level(p) -> int:
     return 2 if p.dropout is not None else int(p.bias is not None or p.mask is not None)
 
 
-def _set_mods(prm, p):
+def _set_mods(prm, p, dtype):
     """The additive bias and boolean mask (softmax_tile.cuh, ScoreMods): pointers and strides in
     elements over (batch, head, query, key), 0 on broadcast axes, read in place (a float64 bias is
-    read as a float32 copy of its own size: the kernels form scores in float32).  Returns the
-    arrays that must live until the launch is queued."""
+    read as a float32 copy of its own size where the kernels form scores in float32, as itself by
+    the float64 kernels of ``dtype`` float64).  Returns the arrays that must live until the launch is queued."""
     full = (p.batch, p.nheads_q, p.seqlen_q, p.seqlen_k)
     keep = []
     for name, x in (("bias", p.bias), ("mask", p.mask)):
         if x is None:
             continue
         x = x[(None,) * (4 - x.ndim)] if x.ndim < 4 else x
-        if name == "bias" and x.dtype.name not in _BIAS_DTYPES:  # float64: cast only the distinct entries
+        if name == "bias" and x.dtype.name not in _bias_dtypes(dtype):  # float64: cast only the distinct entries
             x = x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.strides)].astype(np.float32)
         if x.data.ptr % x.itemsize or any(stride % x.itemsize for stride in x.strides):  # (a view of other bytes)
             x = _cp().ascontiguousarray(x)
@@ -328,7 +333,7 @@ def _set_mods(prm, p):
         for axis, stride in zip(("batch", "head", "row", "col"), x.strides):
             setattr(prm, f"{name}_{axis}_stride", stride // x.itemsize)
         if name == "bias":
-            prm.bias_dtype = _BIAS_DTYPES[x.dtype.name]
+            prm.bias_dtype = _bias_dtypes(dtype)[x.dtype.name]
     if p.dropout is not None:  # (rate, seed, offset, first batch entry): cuflash/dropout.py's numbering
         from .dropout import keep_threshold
 
@@ -695,8 +700,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         prm = _fill_params(p, pointers, strided, packed=packed, lse_strides=lse_strides, d8=d8, dv8=dv8, scale=scale,
                            indices=indices)
         _set_extents(prm, p, q, k, packed)
-        keep_mods = _set_mods(prm, p)  # noqa: F841 (alive until the launches are queued)
-        dbias_acc, dbias_of = _dbias_accumulator(prm, p, dbias, deterministic)
+        keep_mods = _set_mods(prm, p, dtype)  # noqa: F841 (alive until the launches are queued)
+        dbias_acc, dbias_of = _dbias_accumulator(prm, p, dbias, deterministic, lse.dtype)
         if any(x is not None for x in indices.values()):
             _report_to(prm, device, call, **_extents(prm))
         tile, key_tile = bwd_tiles(main)
@@ -757,21 +762,21 @@ def bwd_tiles(variant) -> tuple:
     return tile, (64 if defines.get("CUFLASH_COL_SPLIT") else tile)
 
 
-def _dbias_accumulator(prm, p, dbias, deterministic):
-    """A float32 zero buffer for the backward kernels to add dS into (None without dbias), and the dbias it
-    gives.  Default: dbias's shape lifted to four axes, strides 0 on the axes where the bias
+def _dbias_accumulator(prm, p, dbias, deterministic, acc_dtype=np.float32):
+    """A zero buffer of ``acc_dtype`` (float32; float64 for the float64 kernels: the LSE's dtype) for
+    the backward kernels to add dS into (None without dbias), and the dbias it gives.  Default: dbias's shape lifted to four axes, strides 0 on the axes where the bias
     broadcasts (size 1), so that the atomics sum there.  ``deterministic`` with a broadcast axis:
     the full (batch, heads, seqlen_q, seqlen_k) dS (each element added once, to 0: exact), summed
-    over those axes by CuPy in a fixed order afterwards; 4 bytes per score of memory."""
+    over those axes by CuPy in a fixed order afterwards; 4 (8) bytes per score of memory."""
     if dbias is None:
         return None, None
     shape = (1,) * (4 - dbias.ndim) + tuple(dbias.shape)
     full = (p.batch, p.nheads_q, p.seqlen_q, p.seqlen_k)
     summed = tuple(axis for axis in range(4) if shape[axis] == 1 and full[axis] > 1)
-    acc = _cp().zeros(full if deterministic and summed else shape, dtype=np.float32)
+    acc = _cp().zeros(full if deterministic and summed else shape, dtype=acc_dtype)
     prm.dbias = acc.data.ptr
     for axis, size, stride in zip(("batch", "head", "row", "col"), acc.shape, acc.strides):
-        setattr(prm, f"dbias_{axis}_stride", 0 if size == 1 else stride // 4)
+        setattr(prm, f"dbias_{axis}_stride", 0 if size == 1 else stride // acc.itemsize)
     return acc, (lambda: acc.sum(axis=summed, keepdims=True) if acc.shape != shape else acc)
 
 

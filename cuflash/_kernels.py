@@ -170,6 +170,13 @@ def decode_tile(headdim: int) -> TileConfig:
 _MODS_SUFFIX = {0: "", 1: "_mods", 2: "_modsdrop"}
 
 
+def _mods_form(dtype: str, mods: int) -> int:
+    """The CUFLASH_MODS a call's ``mods`` runs: float32/float64 have one modifier form, 2, which
+    skips the dropout generator at run time for calls without dropout (ScoreMods::dropout_on), so
+    that their variants, already multiplied by precision and dQ scheme, do not double again."""
+    return 2 if mods and dtype in WIDE_ITEMSIZE else mods
+
+
 def _raw_applies(raw: bool, mods: int, softcap: bool, alibi: bool) -> bool:
     """CUFLASH_MODS_RAW: a forward with modifiers but no bias keeps raw q.k scores (the plain
     kernels' one FFMA per exponential; softmax_tile.cuh), where softcap and ALiBi do not change them
@@ -184,12 +191,14 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
 
     ``splitkv`` selects the decode variant (split key range merged by the last block of each
     row group, paged K/V, GQA packing); ``mods`` 1 the additive bias and boolean mask of the score
-    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout.  ``tf32`` (float32): single TF32
+    pipeline (softmax_tile.cuh, ScoreMods), 2 those and dropout (float32/float64: 2 for both,
+    :func:`_mods_form`).  ``tf32`` (float32): single TF32
     products (precision="tf32") instead of 3xTF32.  (No raw-score form: only the
     Hopper forward has _raw variants, sm90_fwd_variant, so that CI's compile check of every variant
     stays within its time; each sm_80-family variant builds for two architectures.)
     """
     d = headdim_bucket(headdim)
+    mods = _mods_form(dtype, mods)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit, dtype)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
@@ -371,7 +380,8 @@ def dsum_variant(dtype: str) -> Variant:
 def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: int = 0,
                 smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False, deterministic: bool = True) -> Variant:
     """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind; ``mods`` as
-    :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout); ``tf32``
+    :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout; float32/float64
+    one form, :func:`_mods_form`); ``tf32``
     (float32) single TF32 products instead of 3xTF32; ``deterministic=False`` (float32/float64
     only) ``<name>_dkdv_dq`` + ``<name>_dq_convert`` instead: dQ added atomically to a dq_accum in
     the dtype, one dS tile (kT x (kT + 4)) more of shared memory.  float32/float64 run two 16-row slabs (32-row
@@ -379,6 +389,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     registers of the 16-bit ones), each slab one warp, or several that split the output's columns
     (col_split; each recomputes the slab's S and dP)."""
     d = headdim_bucket(headdim)
+    mods = _mods_form(dtype, mods)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
 
     def ds_tile(rows):  # atomic dQ: the (rows, rows + 4) dS tile of flash_bwd.cu's _dkdv_dq
@@ -483,16 +494,19 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
     scores = [(softcap, alibi) for softcap in (False, True) for alibi in (False, True)]
-    out += [fwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit)  # (issue 24)
-            for d in HEADDIM_BUCKETS for softcap, alibi in scores]
-    out += [fwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32)
-            for d in HEADDIM_BUCKETS for softcap, alibi in scores for tf32 in (False, True)]
-    out += [bwd_variant("float64", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, deterministic=det)
+    wide_mods = (0, 2)  # (issue 24; one modifier form, _mods_form)
+    out += [fwd_variant("float64", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)
+            for d in HEADDIM_BUCKETS for softcap, alibi in scores for mods in wide_mods]
+    out += [fwd_variant("float32", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, tf32=tf32)
+            for d in HEADDIM_BUCKETS for softcap, alibi in scores for tf32 in (False, True) for mods in wide_mods]
+    out += [bwd_variant("float64", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, deterministic=det)
             for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap, alibi in scores
-            for det in wide_bwd_schemes("float64", d, smem_limit)]
-    out += [bwd_variant("float32", d, softcap=softcap, alibi=alibi, smem_limit=smem_limit, tf32=tf32, deterministic=det)
+            for det in wide_bwd_schemes("float64", d, smem_limit) for mods in wide_mods]
+    out += [bwd_variant("float32", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, tf32=tf32,
+                        deterministic=det)
             for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float32", smem_limit)
-            for softcap, alibi in scores for tf32 in (False, True) for det in wide_bwd_schemes("float32", d, smem_limit)]
+            for softcap, alibi in scores for tf32 in (False, True) for det in wide_bwd_schemes("float32", d, smem_limit)
+            for mods in wide_mods]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]

@@ -46,7 +46,7 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         Additive score bias (float16, bfloat16, float32 or float64), added after ALiBi and before
         the masks; e.g. (1, 1, Sq, Sk), (batch, 1, 1, Sk) key padding, (1, nheads, Sq, Sk).  Read
         through its strides, never materialised (a float64 bias on the GPU is read as a float32
-        copy of its own size).  The backward needs the forward's bias (and mask, and dropout
+        copy of its own size, except by the float64 kernels, which read it as it is).  The backward needs the forward's bias (and mask, and dropout
         arguments) again: nothing checks that they are the same.
     mask : bool array broadcastable likewise, optional
         True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
@@ -87,8 +87,8 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         (TF32 tensor cores; None: 3xTF32 split products, Henry et al. 2019, "Leveraging the
         bfloat16 artificial intelligence datatype", adapted to TF32) and float64 (FP64 tensor
         cores) run :func:`attention`, :func:`attention_varlen`, their gradients and
-        :func:`attention_with_kvcache`; what those kernels lack
-        yet (bias/mask/dropout; float64 gradients past head dim 192 on
+        :func:`attention_with_kvcache`, bias, mask and dropout included; what those kernels lack
+        yet (float64 gradients past head dim 192 on
         GPUs with 99 KB of shared memory a block) raises NotImplementedError (also a TypeError) naming it."""
 
 
@@ -185,7 +185,7 @@ def attention(
         Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays, a
         non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
         ``window_size`` that is not a pair.  On GPU arrays, float32 and float64 with an option their
-        kernels lack yet (bias/mask/dropout; float64 gradients past head
+        kernels lack yet (float64 gradients past head
         dim 192 on GPUs with 99 KB of shared memory a block, sm_86/89) raise ``NotImplementedError``
         (also a TypeError) naming it.
     ValueError
@@ -346,8 +346,8 @@ def attention_backward(
         to run; ``True`` computes dQ in a kernel of its own instead (no atomics, no buffer;
         about 10 % slower on an H200, see BENCHMARKS.md; float32/float64 slower still: S and
         dP are formed twice).  The CPU path and the other GPU kernels are always repeatable;
-        the GPU's ``dbias`` too, by summing a full-size float32 dS over the
-        bias's broadcast axes afterwards (4 bytes per score; without ``deterministic`` atomics sum
+        the GPU's ``dbias`` too, by summing a full-size float32 dS (float64 for float64 inputs) over the
+        bias's broadcast axes afterwards (4 or 8 bytes per score; without ``deterministic`` atomics sum
         them in place).
     dq, dk, dv : arrays, optional
         Preallocated gradients (shapes and dtypes of q, k, v), writable and sharing no memory
@@ -367,7 +367,7 @@ def attention_backward(
     dbias : array with bias's shape and dtype
         Only with ``return_dbias``: dS summed over the axes where bias has size 1 (accumulated
         in float32, float64 for float32/float64 inputs on the NumPy path; on the GPU in float32,
-        with atomics unless ``deterministic``).  On the GPU, bias, mask and dropout run the
+        float64 for float64 inputs, with atomics unless ``deterministic``).  On the GPU, bias, mask and dropout run the
         CUFLASH_MODS forms of the backward kernels (Hopper's, and kernels/flash_bwd.cu elsewhere).  They
         form P from the saved LSE, so a row whose every visible score is of magnitude beyond
         ~1e7 (a bias near float32's lowest on all its keys) gets P = 1 per key instead of 1/n

@@ -479,8 +479,8 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
             raise click.UsageError(f"{options}: not for --suite {suite}, which runs fixed configurations (--backward, "
                                    "--dtypes, --headdims: standard and modifiers suites)")
         if suite == "modifiers" and not set(dtypes.split(",")) <= {"bf16", "fp16"}:
-            raise click.UsageError(f"--dtypes {dtypes}: the modifiers suite runs bf16 and fp16 (cuflash's "
-                                   "float32/float64 GPU kernels take no bias, mask or dropout yet)")
+            raise click.UsageError(f"--dtypes {dtypes}: the modifiers suite runs bf16 and fp16 (its peers' "
+                                   "fused bias/mask kernels are 16-bit; float32/float64 modifier rows are not timed)")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):  # fail now, not after the sweep
         if path is not None:
             _check_writable(path, option)

@@ -24,7 +24,10 @@
 // float64 (FP64 tensor cores) forms, as flash_fwd.cu's: elements, accumulators, P, dS, the LSE and
 // D in the dtype's Acc, every product through warp_gemm.cuh's _f32/_f64 forms with P and dS kept in
 // the registers they were formed in; rows padded by 4 elements; ALiBi slopes in double for f64_t.
-// Not yet with bias/mask/dropout (the host refuses those).
+// Bias, mask and dropout in one form, CUFLASH_MODS 2, whose generator is skipped for calls without
+// dropout (ScoreMods::dropout_on: the keep bits start as all kept); a float64 bias is read as double
+// and its gradient accumulated in float64 by the float64 form.  With a column split only the slab's
+// first warp adds dS into dbias (every warp of the slab holds the same dS).
 // CUFLASH_DETERMINISTIC 0 (float32/float64 only, the default there): one pass, _dkdv_dq, that also
 // forms dQ += dS K for each (query tile, key block) and adds it to a zeroed dq_accum (the dtype's
 // Acc, rows laid out like the LSE, head-dim bucket wide) with atomics, then _dq_convert scales it
@@ -76,11 +79,10 @@ constexpr int kColSplit = CUFLASH_SLAB_WARPS;
 // The tile geometry both kernels share: element and accumulator types (Elem), 16-byte chunk size,
 // kT rows per block (16 a slab; a column split's warps share theirs), threads, the padded
 // shared-memory row, and the output columns a warp accumulates.
-template <class T, int kD, int kWarps, bool kModifiers>
+template <class T, int kD, int kWarps>
 struct BwdShape {
     using E = typename Elem<T>::Storage;
     using A = typename Elem<T>::Acc;
-    static_assert(!Elem<T>::kWide || !kModifiers, "float32/float64: no bias, mask or dropout yet");
     static_assert(kColSplit == 1 || (Elem<T>::kWide && kWarps % kColSplit == 0), "a column split: float32/float64, whole slabs");
     static constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
     static constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
@@ -115,7 +117,7 @@ __device__ __forceinline__ const A* stats(const float* x) { return reinterpret_c
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout>
 __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
-    using Shape = BwdShape<T, kD, kWarps, kMods>;
+    using Shape = BwdShape<T, kD, kWarps>;
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
@@ -178,7 +180,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         __syncthreads();  // Q, dO (first time), K and V tiles are in shared memory
 
         A s[kT / 8][4], dp[kT / 8][4];      // this warp's 16 rows x kT keys
-        float bm[kT / 8][4];                 // (kMods) their bias, -inf where the mask hides the key: loads in flight during the products
+        A bm[kT / 8][4];                     // (kMods) their bias, -inf where the mask hides the key: loads in flight during the products
         if constexpr (kMods)
             tile_bias_mask<true>(mods, bm, [&](int nt, int e, int& i, int& j) {
                 i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -188,11 +190,12 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         gemm_abt<T, kTf32Terms, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
         gemm_abt<T, kTf32Terms, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
-        unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
+        unsigned keep = ~0u;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
+        const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
 #pragma unroll
         for (int nt = 0; nt < kT / 8; ++nt) {
-            if (kDropout && nt % 2 == 0) keep = ScoreMods::keep_bits(draw, m0 + warp * 16 + lane / 4, n0 + nt * 8 + (lane % 4) * 2);
+            if (drop && nt % 2 == 0) keep = ScoreMods::keep_bits(draw, m0 + warp * 16 + lane / 4, n0 + nt * 8 + (lane % 4) * 2);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -200,9 +203,10 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                 if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                 else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                 if (masked && !seq.visible(i, j)) pr = 0;
-                const A dpz = kDropout ? dp[nt][e] * mods.keep_scale(keep, i, j) : dp[nt][e];
+                const A dpz = kDropout ? dp[nt][e] * mods.template keep_scale<A>(keep, i, j) : dp[nt][e];
                 const A ds = pr * (dpz - dsum[e / 2]);  // d(loss)/d(final score)
-                if constexpr (kMods) mods.add_dbias(i, j, ds);
+                if constexpr (kMods)
+                    if (col0 == 0) mods.add_dbias(i, j, ds);  // (a column split: the slab's first warp)
                 s[nt][e] = ds * dcap;  // dS, without the softmax scale
             }
         }
@@ -217,7 +221,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
 
 template <class T, int kD, int kWarps, bool kSoftcap, bool kAlibi, bool kMods, bool kDropout, bool kAtomicDq>
 __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
-    using Shape = BwdShape<T, kD, kWarps, kMods>;
+    using Shape = BwdShape<T, kD, kWarps>;
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
@@ -288,7 +292,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 __syncthreads();  // K, V (first time), Q, dO, LSE and D of this tile are in shared memory
 
                 A st[kT / 8][4], dpt[kT / 8][4];      // this warp's 16 keys x kT queries
-                float bm[kT / 8][4];                   // (kMods) their bias or -inf, loaded during the products
+                A bm[kT / 8][4];                       // (kMods) their bias or -inf, loaded during the products
                 if constexpr (kMods)
                     tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
                         j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -298,11 +302,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 gemm_abt<T, kTf32Terms, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
                 gemm_abt<T, kTf32Terms, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
-                unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
+                unsigned keep[2] = {~0u, ~0u};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
                 const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
+                const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
 #pragma unroll
                 for (int nt = 0; nt < kT / 8; ++nt) {
-                    if (kDropout && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, keep);
+                    if (drop && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, keep);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
@@ -311,9 +316,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                         if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], bm[nt][e], dcap);
                         else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
                         if (masked && !seq.visible(i, j)) pr = 0;
-                        const A z = kDropout ? mods.keep_scale(keep[e % 2], i, j) : 1.f;
+                        const A z = kDropout ? mods.template keep_scale<A>(keep[e % 2], i, j) : A(1);
                         st[nt][e] = pr * z;  // (dropout: the P the forward multiplied V by)
-                        dpt[nt][e] = pr * (dpt[nt][e] * z - sDsum[c]) * dcap;  // dSᵀ, without the softmax scale
+                        const A ds = pr * (dpt[nt][e] * z - sDsum[c]);  // d(loss)/d(final score)
+                        if constexpr (kMods && kAtomicDq)  // (the ordered kernels: _dq adds it)
+                            if (col0 == 0) mods.add_dbias(i, j, ds);  // (a column split: the slab's first warp)
+                        dpt[nt][e] = ds * dcap;  // dSᵀ, without the softmax scale
                     }
                 }
                 if constexpr (kAtomicDq) {  // dS for the block's dQ, transposed: one warp of each slab writes its keys
@@ -388,7 +396,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUF
 
 // (score_grad.cuh's dq_convert, for the rows of one kT-row block)
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
-    using Shape = BwdShape<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS, false>;
+    using Shape = BwdShape<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS>;
     dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, Shape::kT, Shape::kThreads>(p);
 }
 #endif  // CUFLASH_DETERMINISTIC

@@ -23,8 +23,9 @@
 // TF32 tensor cores (mma.m16n8k8), CUFLASH_TF32_TERMS 3 (3xTF32) or 1 (TF32), P kept in S's
 // registers; ALiBi slopes in double for f64_t (seqinfo.cuh's alibi_slope).  KV caches (contiguous,
 // cache_batch_idx, or paged through p.block_table, every page checked by each block) run this
-// one-pass kernel: no split-KV form yet.  Not yet with bias/mask/dropout (the host refuses those); float64
-// past d128 splits O's columns over two warps (CUFLASH_SLAB_WARPS 2).
+// one-pass kernel: no split-KV form yet.  Bias, mask and dropout in one form, CUFLASH_MODS 2, whose
+// generator is skipped for calls without dropout (softmax_tile.cuh); a float64 bias is read as double
+// by the float64 form.  float64 past d128 splits O's columns over two warps (CUFLASH_SLAB_WARPS 2).
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
 // each query block is cut into p.num_splits parts run by separate blocks (grid x = query blocks x
@@ -254,7 +255,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     using A = typename Elem<T>::Acc;      // accumulators and softmax state: float, or double
     constexpr bool kF64 = Elem<T>::kF64, kF32 = Elem<T>::kF32, kWide = Elem<T>::kWide;
     constexpr int kPer = 16 / sizeof(E);  // elements per 16-byte chunk
-    static_assert(!kWide || (!kSplitKV && !kMods && !kQInRegs), "float32/float64: not with these yet");
+    static_assert(!kWide || (!kSplitKV && !kQInRegs), "float32/float64: not with these yet");
     static_assert(kColSplit == 1 || (kWide && !kSplitKV && kWarps % kColSplit == 0),
                   "a column split: float32/float64 one-pass kernels, whole pairs of warps");
     static_assert(!kF64 || kD / kColSplit <= 128, "float64: O of a 256-wide head takes 256 registers a thread");
@@ -565,7 +566,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         for (int half = 0; half < 2; ++half) {
             A lse;
             const A inv_l = row[mt][half].template finalize<kMods>(seq.poison(quad_sum(row[mt][half].l)), lse)
-                            * static_cast<A>(kDropout ? mods.out_scale() : 1.f);  // (dropout's 1 / (1 - p))
+                            * (kDropout ? mods.template out_scale<A>() : A(1));  // (dropout's 1 / (1 - p))
             const int r = mt * 16 + lane / 4 + half * 8;  // row within the warp
             const int i = (row_warp * kMT) * 16 + r;      // row within the block
             if (lane % 4 == 0 && i < rows_valid && col0 == 0) gLse[kSplitKV ? q_offset(i, 1, p.lse_head_stride) : i] = lse;

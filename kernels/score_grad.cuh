@@ -44,8 +44,10 @@ __device__ __forceinline__ A prob(A qk, A scale, A softcap, A slope, int i, int 
 
 // The row's LSE as prob_mods reads it: natural units (the forward's kNatural rows: a bias near
 // float32's lowest stays finite there), -inf (no visible key) turned into +inf so that P = 0.
-__device__ __forceinline__ float lse_natural(float lse) {
-    return lse == -__int_as_float(0x7f800000) ? __int_as_float(0x7f800000) : lse;
+template <class A>
+__device__ __forceinline__ A lse_natural(A lse) {
+    const A inf = static_cast<A>(__int_as_float(0x7f800000));
+    return lse == -inf ? inf : lse;
 }
 
 // A row's LSE as the backward's P reads it: lse_natural for the kMods kernels, lse_log2 otherwise.
@@ -60,10 +62,10 @@ __device__ __forceinline__ A lse_for_prob(A lse) {
 // P for one score with its bias added after ALiBi, bm from tile_bias_mask (-inf where the boolean
 // mask hides the key: P = 0), in natural units against lse_natural; dcap as prob's.  The
 // causal/window masks stay the caller's.
-template <bool kSoftcap, bool kAlibi>
-__device__ __forceinline__ float prob_mods(float qk, float scale, float softcap, float slope, int i, int j,
-                                           int offset, float lse, float bm, float& dcap) {
-    return exp2f((final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + bm - lse) * kLog2e);
+template <bool kSoftcap, bool kAlibi, class A>
+__device__ __forceinline__ A prob_mods(A qk, A scale, A softcap, A slope, int i, int j, int offset, A lse, A bm, A& dcap) {
+    constexpr A kL2e = static_cast<A>(1.4426950408889634);
+    return acc::exp2((final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + bm - lse) * kL2e);
 }
 
 // The bias and mask of a tile of scores in the C-fragment layout (ScoreMods, every load issued
@@ -71,21 +73,22 @@ __device__ __forceinline__ float prob_mods(float qk, float scale, float softcap,
 // bias there (0 without one; -inf where the mask hides the key).  kRows: the layout of S (rows i, i + 8
 // = pos(0, 0) + 0, 8 for e / 2 = 0, 1; keys j0 + 8 nt + e % 2), read row by row; else any (Sᵀ).
 // read_mask false: the tile's mask is all True (ScoreMods::tile_state), only the bias is read.
-template <bool kRows, int kNT, class Pos>
-__device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, float (&bm)[kNT][4], Pos pos, bool read_mask = true) {
+// B: float, or double in the float64 kernels (which read a float64 bias as double).
+template <bool kRows, int kNT, class B, class Pos>
+__device__ __forceinline__ void tile_bias_mask(const ScoreMods& mods, B (&bm)[kNT][4], Pos pos, bool read_mask = true) {
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) bm[nt][e] = 0.f;
+        for (int e = 0; e < 4; ++e) bm[nt][e] = 0;
     if constexpr (kRows) {
         int i, j0;
         pos(0, 0, i, j0);
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-            mods.add_bias_mask_row<kNT * 2>(i + 8 * half, j0, [&](int t) -> float& { return bm[t / 2][2 * half + t % 2]; }, read_mask);
+            mods.add_bias_mask_row<kNT * 2>(i + 8 * half, j0, [&](int t) -> B& { return bm[t / 2][2 * half + t % 2]; }, read_mask);
     } else {
         mods.add_bias_mask<kNT * 4>([&](int t, int& i, int& j) { pos(t / 4, t % 4, i, j); },
-                                    [&](int t) -> float& { return bm[t / 4][t % 4]; }, read_mask);
+                                    [&](int t) -> B& { return bm[t / 4][t % 4]; }, read_mask);
     }
 }
 

@@ -25,6 +25,13 @@ template <class T> struct ModElem16 {  // fp16 / bf16
     __device__ static float value(u16 x) { return to_float<T>(x); }
     __device__ static void split(u32 two, u16& a, u16& b) { a = static_cast<u16>(two & 0xffffu), b = static_cast<u16>(two >> 16); }
 };
+template <> struct ModElem<double> {  // (a float64 bias of the float64 kernels: read as double)
+    using Raw = double;
+    using Pair = double2;
+    static constexpr bool kMask = false;
+    __device__ static double value(double x) { return x; }
+    __device__ static void split(double2 two, double& a, double& b) { a = two.x, b = two.y; }
+};
 template <> struct ModElem<half_t> : ModElem16<half_t> {};
 template <> struct ModElem<bf16_t> : ModElem16<bf16_t> {};
 template <> struct ModElem<bool> {
@@ -34,6 +41,15 @@ template <> struct ModElem<bool> {
     __device__ static void split(unsigned short two, unsigned char& a, unsigned char& b) {
         a = static_cast<unsigned char>(two & 0xffu), b = static_cast<unsigned char>(two >> 8);
     }
+};
+
+// Whether a score reference (what the callers' accessors return) is a double: the float64
+// kernels' scores, which read a float64 bias as double (bias_dtype 3) instead of a float32 copy.
+template <class R> struct IsDoubleRef {
+    static constexpr bool value = false;
+};
+template <> struct IsDoubleRef<double&> {
+    static constexpr bool value = true;
 };
 
 // The additive bias and boolean mask of one (batch, head) problem (params.cuh: CUFLASH_MODS
@@ -94,15 +110,25 @@ struct ScoreMods {
         keep[1] = odd ? mine : other;
     }
     // Kept probabilities are multiplied by 1 / (1 - p): the forward applies it with 1 / l at the end
-    // (so that P stays in [0, 1] in 16 bits), the backward with the keep-mask (keep_scale).
-    __device__ __forceinline__ float out_scale() const { return p.dropout_scale > 0.0 ? static_cast<float>(p.dropout_scale) : 1.f; }
-    __device__ __forceinline__ float keep_scale(unsigned bits, int i, int j) const { return kept(bits, i, j) ? out_scale() : 0.f; }
-    // The bias gradient: dS at (i, j) added to the float32 accumulator of dbias (p.dbias; strides 0
-    // on the bias's broadcast axes, which sum there: atomics, not bitwise repeatable; with
-    // deterministic=True the host gives a full-size buffer, each element added once, to 0).
-    __device__ __forceinline__ void add_dbias(int i, int j, float ds) const {
-        if (!p.dbias || i >= sq || j >= sk || ds == 0.f) return;  // (hidden and dropped entries add nothing)
-        atomicAdd(p.dbias + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride + j * p.dbias_col_stride, ds);
+    // (so that P stays in [0, 1] in 16 bits), the backward with the keep-mask (keep_scale).  A: the
+    // kernel's accumulator type (float, or double in the float64 kernels).
+    template <class A = float>
+    __device__ __forceinline__ A out_scale() const { return p.dropout_scale > 0.0 ? static_cast<A>(p.dropout_scale) : A(1); }
+    template <class A = float>
+    __device__ __forceinline__ A keep_scale(unsigned bits, int i, int j) const { return kept(bits, i, j) ? out_scale<A>() : A(0); }
+    // Whether the call has dropout: the float32/float64 kernels have one modifier form (CUFLASH_MODS
+    // 2) for calls with and without it, and skip the generator when it is off (the keep bits of
+    // their callers then start as all kept, and out_scale is 1).
+    __device__ __forceinline__ bool dropout_on() const { return p.dropout_scale > 0.0; }
+    // The bias gradient: dS at (i, j) added to the accumulator of dbias (p.dbias: float32, float64
+    // for the float64 kernels, A; strides 0 on the bias's broadcast axes, which sum there: atomics,
+    // not bitwise repeatable; with deterministic=True the host gives a full-size buffer, each element
+    // added once, to 0).
+    template <class A = float>
+    __device__ __forceinline__ void add_dbias(int i, int j, A ds) const {
+        if (!p.dbias || i >= sq || j >= sk || ds == A(0)) return;  // (hidden and dropped entries add nothing)
+        atomicAdd(reinterpret_cast<A*>(p.dbias) + b * p.dbias_batch_stride + h * p.dbias_head_stride + i * p.dbias_row_stride +
+                      j * p.dbias_col_stride, ds);
     }
     // The mask's tile map (mask_tiles.cu), made for a kernel of kBM x kBN tiles (query rows x
     // keys): a tile whose mask is all False is skipped, one that is all True reads no mask
@@ -163,11 +189,13 @@ struct ScoreMods {
     // Row form: query row i, keys j0 + 8 (t / 2) + t % 2 (j0 even: one row of a C fragment,
     // mma.cuh).  With unit key stride, even strides and alignment, two elements per load at
     // constant offsets from one row pointer (no per-score address arithmetic).
+    // x(t) returns a float& (double& in the float64 kernels, which also read bias_dtype 3, float64).
     template <int kN, class X>
     __device__ __forceinline__ void add_bias_mask_row(int i, int j0, X x, bool read_mask = true) const {
         static_assert(kN % 2 == 0, "a row fragment holds key pairs");
         if (p.bias) {
-            if (p.bias_dtype == 0) row_gather<float, kN>(i, j0, x);
+            if (IsDoubleRef<decltype(x(0))>::value && p.bias_dtype == 3) row_gather<double, kN>(i, j0, x);
+            else if (p.bias_dtype == 0) row_gather<float, kN>(i, j0, x);
             else if (p.bias_dtype == 1) row_gather<half_t, kN>(i, j0, x);
             else row_gather<bf16_t, kN>(i, j0, x);
         }
@@ -178,7 +206,8 @@ struct ScoreMods {
     template <int kN, class Pos, class X>
     __device__ __forceinline__ void add_bias_mask(Pos pos, X x, bool read_mask = true) const {
         if (p.bias) {
-            if (p.bias_dtype == 0) gather<float, kN>(pos, x);
+            if (IsDoubleRef<decltype(x(0))>::value && p.bias_dtype == 3) gather<double, kN>(pos, x);
+            else if (p.bias_dtype == 0) gather<float, kN>(pos, x);
             else if (p.bias_dtype == 1) gather<half_t, kN>(pos, x);
             else gather<bf16_t, kN>(pos, x);
         }
@@ -203,9 +232,9 @@ struct ScoreMods {
                            reinterpret_cast<unsigned long long>(array) % sizeof(typename ModElem<E>::Pair) == 0;
         return {array + at, rs, cs, pairs};
     }
-    template <class E>
-    __device__ __forceinline__ static void use(float& x, typename ModElem<E>::Raw raw) {
-        if constexpr (ModElem<E>::kMask) x = raw ? x : -__int_as_float(0x7f800000);
+    template <class E, class S>
+    __device__ __forceinline__ static void use(S& x, typename ModElem<E>::Raw raw) {
+        if constexpr (ModElem<E>::kMask) x = raw ? x : -static_cast<S>(__int_as_float(0x7f800000));
         else x += ModElem<E>::value(raw);
     }
     template <class E, int kN, class X>

@@ -38,14 +38,16 @@ __device__ __forceinline__ void pack_probs(const float (&p)[kNT][4], u32 (&pk)[k
 // the LSE in natural units (RowState's kNatural: a bias near float32's lowest stays finite);
 // read_mask false: the tile's mask is all True (ScoreMods::tile_state), no mask is read.
 // kRaw: the call has no bias (the host's _raw variants), see kRawScores below.
-// The float32/float64 kernels (T = f32_t, f64_t) run it in Elem<T>::Acc with kKeepFp32: P stays in s.
+// The float32/float64 kernels (T = f32_t, f64_t) run it in Elem<T>::Acc with kKeepFp32: P stays in s;
+// their one modifier form (kMods, kDropout) skips the generator for calls without dropout
+// (ScoreMods::dropout_on), and float64 scores read a float64 bias as double.
 template <class T, int kNT, bool kSoftcap, bool kAlibi, bool kKeepFp32 = false, bool kRangeMask = false,
           bool kMods = false, bool kDropout = false, bool kRaw = false, class A = typename Elem<T>::Acc>
 __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)[2], u32 (&pk)[kNT / 2][4],
                                              A (&alpha)[2], const int (&qpos)[2], int n0, bool masked,
                                              const SeqInfo& seq, const ScoreArgsT<A>& a, int lane,
                                              const ScoreMods* mods = nullptr, bool read_mask = true) {
-    static_assert(!Elem<T>::kWide || (kKeepFp32 && !kMods), "float32/float64: P stays in s; no bias, mask or dropout yet");
+    static_assert(!Elem<T>::kWide || kKeepFp32, "float32/float64: P stays in s");
     // Without softcap, ALiBi and bias the max is taken over raw q.k and the scale folded into the
     // exponent; this needs softmax_scale > 0, which the host guarantees (it negates q for a
     // negative scale and zeroes q for a zero scale, both exact).
@@ -68,7 +70,7 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
                                                                             n0 + nt * 8 + (lane % 4) * 2 + e, seq.offset);
             }
             // this row's keys n0 + 8 (t / 2) + 2 (lane % 4) + t % 2, their bias and mask loaded at once
-            mods->template add_bias_mask_row<kNT * 2>(i, n0 + (lane % 4) * 2, [&](int t) -> float& { return s[t / 2][half * 2 + t % 2]; },
+            mods->template add_bias_mask_row<kNT * 2>(i, n0 + (lane % 4) * 2, [&](int t) -> A& { return s[t / 2][half * 2 + t % 2]; },
                                                       read_mask);
         } else if constexpr (!kPlain) {  // softcap / ALiBi: final scores in log2 units
 #pragma unroll
@@ -116,8 +118,9 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
                 p0 = acc::exp2(acc::fma(s[nt][half * 2], a.scale_log2, -m_sub));
                 p1 = acc::exp2(acc::fma(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
             } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
-                p0 = exp2f((s[nt][half * 2] - m_use) * kLog2eF);
-                p1 = exp2f((s[nt][half * 2 + 1] - m_use) * kLog2eF);
+                constexpr A kL2e = static_cast<A>(1.4426950408889634);
+                p0 = acc::exp2((s[nt][half * 2] - m_use) * kL2e);
+                p1 = acc::exp2((s[nt][half * 2 + 1] - m_use) * kL2e);
             } else {
                 p0 = acc::exp2(s[nt][half * 2] - m_use);
                 p1 = acc::exp2(s[nt][half * 2 + 1] - m_use);
@@ -132,6 +135,7 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
         row[half].l += part_sum[0] + part_sum[1];  // this thread's columns; quad-summed at the end
     }
     if constexpr (kDropout) {  // after the row sums (the LSE ignores dropout): one generator call per 8 probabilities
+        if (Elem<T>::kWide && !mods->dropout_on()) return;  // (the float32/float64 modifier form without dropout: P as it is)
         const ScoreMods::Draw draw = mods->dropout_draw();
 #pragma unroll
         for (int q = 0; q < kNT / 2; ++q) {
@@ -139,8 +143,8 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
             const unsigned keep = ScoreMods::keep_bits(draw, qpos[0], j);
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
-                float& x = s[2 * q + e / 4][e % 4];
-                x = ScoreMods::kept(keep, qpos[(e % 4) / 2], j + 8 * (e / 4) + e % 2) ? x : 0.f;
+                A& x = s[2 * q + e / 4][e % 4];
+                x = ScoreMods::kept(keep, qpos[(e % 4) / 2], j + 8 * (e / 4) + e % 2) ? x : A(0);
             }
         }
         if constexpr (!kKeepFp32) pack_probs<T, kNT>(s, pk);

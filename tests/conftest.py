@@ -15,6 +15,21 @@ GPU_SKIP_REASON = (
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason=GPU_SKIP_REASON)
 
 
+def modifier_arguments(q, k, dropout_p, seed, opts):
+    """(reference options, GPU call options) for a padded-batch call with bias/mask/dropout:
+    the reference gets the keep-mask cuflash.dropout_mask draws for ``seed``, the call the seed;
+    NumPy arrays among ``opts`` go to the GPU."""
+    import cuflash
+
+    b, sq, h, _ = q.shape
+    keep = cuflash.dropout_mask(seed, (b, h, sq, k.shape[1]), dropout_p) if dropout_p else None
+    cp = _arrays.cupy_module()
+    run = {n: cp.asarray(x) if isinstance(x, np.ndarray) else x for n, x in opts.items()}
+    if dropout_p:
+        run.update(dropout_p=dropout_p, dropout_seed=seed)
+    return dict(opts, dropout_p=dropout_p, dropout_keep=keep), run
+
+
 @pytest.fixture(params=["numpy", pytest.param("cupy", marks=[pytest.mark.gpu, requires_gpu])])
 def xp(request):
     """The array module under test: numpy runs the CPU path, cupy the CUDA kernels."""

@@ -17,8 +17,6 @@ dv too: documented in attention_backward's docstring (scripts/backward_rounding_
 it), not a GPU test.
 """
 
-import dataclasses
-
 import ml_dtypes
 import numpy as np
 import pytest

@@ -13,7 +13,7 @@ import cuflash
 from cuflash import _arrays, _gpu
 from cuflash.reference import assert_exact, attention_backward_ref, attention_ref, naive_attention, naive_attention_backward
 
-from .conftest import requires_gpu
+from .conftest import modifier_arguments, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -121,21 +121,22 @@ def test_repeated_calls_are_bitwise_identical(rng, kernels_run):
         assert bool((cuflash.attention(q, k, v, causal=True).view(cp.uint32) == first.view(cp.uint32)).all())
 
 
-def test_not_yet_covered_is_refused_before_running(rng):
+def test_varlen_dropout_runs_each_sequences_padded_mask(rng, kernels_run):
+    """attention_varlen's dropout in float32: sequence b's keep-mask is that of a padded batch
+    entry b (cuflash.dropout_mask), checked per sequence against the reference."""
     cp = _cp()
-    q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
-    out = cp.full(q.shape, 7.0, dtype=np.float32)
-    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
-    cases = [
-        (lambda: cuflash.attention(q, k, v, mask=cp.ones((20, 20), dtype=bool), out=out), "bias, mask or dropout"),
-        (lambda: cuflash.attention_varlen(q[0], k[0], v[0], cu, cu, max_seqlen_q=11, max_seqlen_k=11, dropout_p=0.1,
-                                          dropout_seed=1), "bias, mask or dropout"),
-    ]
-    for call, what in cases:
-        with pytest.raises(_gpu.NotAvailableOnGPU, match="float32") as info:
-            call()
-        assert what in str(info.value), (what, str(info.value))
-    assert bool((out == 7.0).all())
+    lens = [9, 11]
+    cu = np.array([0, 9, 20], dtype=np.int32)
+    q, k, v = (_rand(rng, (20, 2, 64)) for _ in range(3))
+    out = cuflash.attention_varlen(*(cp.asarray(x) for x in (q, k, v, cu, cu)), max_seqlen_q=11, max_seqlen_k=11,
+                                   dropout_p=0.3, dropout_seed=(5, 2)).get()
+    keep = cuflash.dropout_mask((5, 2), (2, 2, 11, 11), 0.3)
+    for b, n in enumerate(lens):
+        rows = slice(cu[b], cu[b + 1])
+        args = (q[None, rows], k[None, rows], v[None, rows])
+        one = dict(dropout_p=0.3, dropout_keep=keep[b:b + 1, :, :n, :n])
+        assert_exact(out[None, rows], attention_ref(*args, **one), naive_attention(*args, **one), f"out {b}")
+    assert any(n.startswith("cuflash_fwd_fp32_") and "_modsdrop" in n for n in kernels_run), kernels_run
 
 
 # The backward (flash_bwd.cu's TF32 form).
@@ -230,3 +231,83 @@ def test_deterministic_backward_is_bitwise_repeatable_and_matches_the_atomic_one
     atomic = cuflash.attention_backward(dout, q, k, v, out, lse, causal=True)
     scale = float(cp.abs(first[0]).max())
     assert float(cp.abs(atomic[0] - first[0]).max()) <= 1e-5 * scale
+
+
+# Bias, mask and dropout (flash_fwd.cu's and flash_bwd.cu's float32 modifier form, CUFLASH_MODS 2,
+# whose dropout generator is skipped for calls without dropout).
+
+
+def _check_modifiers(rng, q, k, v, *, precision=None, deterministic=False, dropout_p=0.0, **opts):
+    """Forward and backward (NaN-poisoned out, dq, dk, dv) with bias/mask/dropout against the
+    float64 reference and naive float32 attention, dbias included where there is a bias."""
+    cp = _cp()
+    ref_opts, run = modifier_arguments(q, k, dropout_p, (11, 3), opts)
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out = cp.full(q.shape[:-1] + v.shape[-1:], np.nan, dtype=np.float32)
+    cuflash.attention(qd, kd, vd, out=out, precision=precision, **run)
+    out, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, precision=precision, **run)
+    ref_out, ref_lse = attention_ref(q, k, v, **ref_opts)
+    naive_out, naive_lse = naive_attention(q, k, v, return_lse=True, precision=precision, **ref_opts)
+    assert_exact(out.get(), ref_out, naive_out, "out")
+    assert_exact(lse.get(), ref_lse, naive_lse, "lse")
+    dout = _rand(rng, out.shape)
+    grads = [cp.full(x.shape, np.nan, dtype=np.float32) for x in (q, k, v)]
+    with_bias = "bias" in opts
+    res = cuflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                     precision=precision, deterministic=deterministic, return_dbias=with_bias, **run)
+    refs = attention_backward_ref(dout, q, k, v, **ref_opts)
+    naives = naive_attention_backward(dout, q, k, v, precision=precision, **ref_opts)
+    for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), res, refs, naives):
+        assert g.shape == r.shape, (name, g.shape, r.shape)
+        assert_exact(g.get(), r, n, name)
+    return res
+
+
+def _bias_and_mask(rng, b, h, sq, sk):
+    mask = rng.random((b, 1, sq, sk)) < 0.8
+    mask[0, 0, 2] = False  # a row that sees no key
+    return dict(bias=rng.standard_normal((1, h, sq, sk)).astype(np.float32), mask=mask)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128, 160, 256])
+def test_bias_mask_dropout_every_headdim(rng, headdim, deterministic, kernels_run):
+    """Every head-dim bucket's modifier form (past d128 four warps share a slab: dS goes into dbias
+    once a slab), both dQ schemes; GQA, Sq != Sk, causal."""
+    q = _rand(rng, (2, 70, 4, headdim), 2.0)
+    k, v = _rand(rng, (2, 90, 2, headdim)), _rand(rng, (2, 90, 2, headdim))
+    _check_modifiers(rng, q, k, v, deterministic=deterministic, causal=True, **_bias_and_mask(rng, 2, 4, 70, 90))
+    _check_modifiers(rng, q, k, v, deterministic=deterministic, dropout_p=0.2, bias=_rand(rng, (70, 90)))
+    names = [n for n in kernels_run if n.startswith(("cuflash_fwd_fp32_", "cuflash_bwd_fp32_"))]
+    assert names and all("_modsdrop" in n for n in names), kernels_run
+    assert all(n.endswith("_adq") != deterministic for n in names if n.startswith("cuflash_bwd_")), kernels_run
+
+
+@pytest.mark.parametrize("opts", [
+    dict(window_size=(7, 3), softcap=4.0), dict(alibi_slopes=SLOPES, causal=True), dict(softmax_scale=-0.4),
+    dict(seqlens_k=np.array([90, 41], dtype=np.int32)),
+], ids=["window-softcap", "alibi-causal", "negative-scale", "seqlens_k"])
+@pytest.mark.parametrize("precision", [None, "tf32"])
+def test_bias_mask_dropout_with_every_option(rng, opts, precision, kernels_run):
+    """The score pipeline's order (scale, softcap, ALiBi, bias, masks), key-padding and float64 biases
+    (read as a float32 copy), a stride-0 bias; dropout with each option."""
+    q = _rand(rng, (2, 65, 4, 64), 2.0)
+    k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
+    _check_modifiers(rng, q, k, v, precision=precision, **_bias_and_mask(rng, 2, 4, 65, 90), **opts)
+    padding = np.where(rng.random((2, 1, 1, 90)) < 0.3, -np.inf, 0.0)  # float64: a float32 copy
+    _check_modifiers(rng, q, k, v, precision=precision, bias=padding, dropout_p=0.4, **opts)
+    stride0 = np.broadcast_to(_rand(rng, (1, 4, 1, 90)), (2, 4, 65, 90))
+    _check_modifiers(rng, q, k, v, precision=precision, bias=stride0, deterministic=True, **opts)
+    assert all(("_tf32" in n) == (precision == "tf32") for n in kernels_run if n.startswith("cuflash_fwd_fp32")), kernels_run
+
+
+def test_dropout_is_bitwise_repeatable_and_zero_is_no_dropout(rng):
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (2, 100, 2, 64))) for _ in range(3))
+    bias = cp.asarray(_rand(rng, (100, 100)))
+    first = cuflash.attention(q, k, v, bias=bias, dropout_p=0.3, dropout_seed=9)
+    again = cuflash.attention(q, k, v, bias=bias, dropout_p=0.3, dropout_seed=9)
+    assert bool((first.view(cp.uint32) == again.view(cp.uint32)).all())
+    plain = cuflash.attention(q, k, v, bias=bias)  # (the same kernel, its generator skipped)
+    zero = cuflash.attention(q, k, v, bias=bias, dropout_p=0.0, dropout_seed=9)
+    assert bool((plain.view(cp.uint32) == zero.view(cp.uint32)).all())

@@ -14,7 +14,7 @@ import cuflash
 from cuflash import _arrays, _gpu, _kernels
 from cuflash import reference as R
 
-from .conftest import requires_gpu
+from .conftest import modifier_arguments, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -30,11 +30,12 @@ def _rand(rng, shape, scale=1.0):
 
 
 def _ref_extended(q, k, v, layout="bshd", **opts):
-    """(out, lse) of attention in np.longdouble, through the reference's own score pipeline."""
+    """(out, lse) of attention in np.longdouble, through the reference's own score pipeline (bias
+    and masks in it; dropout given its keep-mask)."""
     q, k, v, o = R._prepare(q, k, v, layout, dict(opts), convert=lambda x: R._host(x).astype(np.longdouble))
     s, _ = R._scores(q, k, o)
     probs, lse = R._softmax_rows(s)
-    return R._heads_major(probs @ R._repeat_heads(v, o), layout), lse
+    return R._heads_major(o.dropped(probs) @ R._repeat_heads(v, o), layout), lse
 
 
 def _assert_f64_rule(actual, ref, naive, name, magnitude=0.0):
@@ -169,33 +170,19 @@ def test_repeated_calls_are_bitwise_identical(rng):
         assert bool((cuflash.attention(q, k, v, causal=True).view(cp.uint64) == first.view(cp.uint64)).all())
 
 
-def test_not_yet_covered_is_refused_before_running(rng):
-    """What the float64 kernel lacks raises NotAvailableOnGPU naming it; out is not written."""
+def test_what_is_not_covered_is_refused_before_running(rng, monkeypatch):
+    """What the float64 kernels lack (gradients past d192 on 99 KB GPUs) raises NotAvailableOnGPU
+    naming it, before anything is written, bias/mask/dropout or not."""
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: 99 * 1024)
     cp = _cp()
-    q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 64))) for _ in range(3))
-    out = cp.full(q.shape, 7.0)
-    cases = [
-        (lambda: cuflash.attention(q, k, v, bias=cp.zeros((20, 20)), out=out), "bias, mask or dropout"),
-        (lambda: cuflash.attention(q, k, v, dropout_p=0.1, dropout_seed=1, out=out), "bias, mask or dropout"),
-    ]
-    qp, kp, vp = (cp.asarray(_rand(rng, (20, 2, 64))) for _ in range(3))
-    cu = cp.asarray(np.array([0, 9, 20], dtype=np.int32))
-    vout = cp.full((20, 2, 64), 7.0)  # varlen with nothing to launch (no key rows) still refuses first
-    cases.append((lambda: cuflash.attention_varlen(qp, kp[:0], vp[:0], cu, cp.zeros(3, dtype=cp.int32), out=vout,
-                                                   max_seqlen_q=11, max_seqlen_k=0, dropout_p=0.1, dropout_seed=1),
-                  "bias, mask or dropout"))
-    cases.append((lambda: cuflash.attention(q, k[:, :0], v[:, :0], mask=cp.ones((20, 0), dtype=bool), out=out),
-                  "bias, mask or dropout"))  # no keys: nothing to compute, refused all the same
+    q, k, v = (cp.asarray(_rand(rng, (1, 20, 2, 256))) for _ in range(3))
+    out, lse = cuflash.attention(q, k, v, return_lse=True)
     grads = [cp.full(x.shape, 7.0) for x in (q, k, v)]
-    cases.append((lambda: cuflash.attention_backward(q, q, k[:, :0], v[:, :0], q, cp.zeros((1, 2, 20)), dq=grads[0],
-                                                     mask=cp.ones((20, 0), dtype=bool)),
-                  "bias, mask or dropout"))  # no keys: refused all the same
-    for call, what in cases:
+    for mods in (dict(), dict(bias=cp.zeros((20, 20)), mask=cp.ones((20, 20), dtype=bool), dropout_p=0.1, dropout_seed=1)):
         with pytest.raises(_gpu.NotAvailableOnGPU, match="float64") as info:
-            call()
-        assert what in str(info.value), (what, str(info.value))
-    assert bool((out == 7.0).all())  # nothing written
-    assert bool((vout == 7.0).all()) and bool((grads[0] == 7.0).all())
+            cuflash.attention_backward(q, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2], **mods)
+        assert "head dims past 192" in str(info.value), str(info.value)
+    assert all(bool((g == 7.0).all()) for g in grads)
 
 
 # The backward (flash_bwd.cu's FP64 form).
@@ -348,3 +335,76 @@ def test_varlen_forward_and_backward(rng, opts, kernels_run, monkeypatch):
         magnitude = max(float(np.abs(np.asarray(r, dtype=np.float64)).max(initial=0.0)) for r in refs)
         for name, g, r, n in zip(("dq", "dk", "dv"), (got["dq"][None, qs], got["dk"][None, ks], got["dv"][None, ks]), refs, naives):
             _assert_f64_rule(g, r, n, f"{name} {b}", magnitude)
+
+
+# Bias, mask and dropout (the float64 modifier form, CUFLASH_MODS 2: a float64 bias read as double,
+# dbias accumulated in float64, the dropout generator skipped for calls without dropout).
+
+
+def _check_modifiers(rng, monkeypatch, q, k, v, *, deterministic=False, dropout_p=0.0, **opts):
+    """Forward and backward (NaN-poisoned out, dq, dk, dv) with bias/mask/dropout against the
+    extended-precision reference with the float64 rule, dbias included where there is a bias."""
+    cp = _cp()
+    ref_opts, run = modifier_arguments(q, k, dropout_p, (21, 4), opts)
+    qd, kd, vd = (cp.asarray(x) for x in (q, k, v))
+    out = cp.full(q.shape[:-1] + v.shape[-1:], np.nan)
+    out, lse = cuflash.attention(qd, kd, vd, out=out, return_lse=True, **run)
+    assert lse.dtype == np.float64
+    ref_out, ref_lse = _ref_extended(q, k, v, **ref_opts)
+    naive_out, naive_lse = R.naive_attention(q, k, v, return_lse=True, **ref_opts)
+    _assert_f64_rule(out.get(), ref_out, naive_out, "out")
+    _assert_f64_rule(lse.get(), ref_lse, naive_lse, "lse")
+    dout = _rand(rng, out.shape)
+    grads = [cp.full(x.shape, np.nan) for x in (q, k, v)]
+    with_bias = "bias" in opts
+    res = cuflash.attention_backward(cp.asarray(dout), qd, kd, vd, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                     deterministic=deterministic, return_dbias=with_bias, **run)
+    refs = _grads_extended(monkeypatch, dout, q, k, v, **ref_opts)
+    naives = R.naive_attention_backward(dout, q, k, v, **ref_opts)
+    magnitude = max(float(np.nanmax(np.abs(np.asarray(r, dtype=np.float64)), initial=0.0)) for r in refs)
+    for name, g, r, n in zip(("dq", "dk", "dv", "dbias"), res, refs, naives):
+        assert g.shape == r.shape, (name, g.shape, r.shape)
+        if name == "dbias":
+            assert g.dtype == opts["bias"].dtype, g.dtype
+            if g.dtype != np.float64:  # (a 16-bit or float32 bias gets its gradient rounded to its dtype)
+                R.assert_exact(g.get(), r, np.asarray(n, dtype=np.float64).astype(g.dtype), name)
+                continue
+        _assert_f64_rule(g.get(), r, n, name, magnitude)
+    return res
+
+
+def _bias_and_mask(rng, b, h, sq, sk):
+    mask = rng.random((b, 1, sq, sk)) < 0.8
+    mask[0, 0, 2] = False  # a row that sees no key
+    return dict(bias=_rand(rng, (1, h, sq, sk)), mask=mask)  # (a float64 bias: read as double)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128, 160, 256])
+def test_bias_mask_dropout_every_headdim(rng, headdim, deterministic, kernels_run, monkeypatch):
+    """Every head-dim bucket's modifier form (past d64 2-8 warps share a slab: dS goes into dbias
+    once a slab), both dQ schemes; GQA, Sq != Sk, causal.  A float32 cast of the float64 bias
+    would miss the float64 rule by orders of magnitude."""
+    q = _rand(rng, (2, 70, 4, headdim), 2.0)
+    k, v = _rand(rng, (2, 90, 2, headdim)), _rand(rng, (2, 90, 2, headdim))
+    _check_modifiers(rng, monkeypatch, q, k, v, deterministic=deterministic, causal=True, **_bias_and_mask(rng, 2, 4, 70, 90))
+    _check_modifiers(rng, monkeypatch, q, k, v, deterministic=deterministic, dropout_p=0.2, bias=_rand(rng, (70, 90)))
+    names = [n for n in kernels_run if n.startswith(("cuflash_fwd_fp64_", "cuflash_bwd_fp64_"))]
+    assert names and all("_modsdrop" in n for n in names), kernels_run
+
+
+@pytest.mark.parametrize("opts", [
+    dict(window_size=(7, 3), softcap=4.0), dict(alibi_slopes=SLOPES, causal=True), dict(softmax_scale=-0.4),
+    dict(seqlens_k=np.array([90, 41], dtype=np.int32)),
+], ids=["window-softcap", "alibi-causal", "negative-scale", "seqlens_k"])
+def test_bias_mask_dropout_with_every_option(rng, opts, kernels_run, monkeypatch):
+    """The score pipeline's order with each option; float32 and float16 biases (read as they are,
+    their gradients in their dtype), a key-padding bias of -inf, a stride-0 bias, dropout."""
+    q = _rand(rng, (2, 65, 4, 64), 2.0)
+    k, v = _rand(rng, (2, 90, 2, 64)), _rand(rng, (2, 90, 2, 40))  # GQA, Dv != Dqk
+    _check_modifiers(rng, monkeypatch, q, k, v, **_bias_and_mask(rng, 2, 4, 65, 90), **opts)
+    padding = np.where(rng.random((2, 1, 1, 90)) < 0.3, -np.inf, 0.0).astype(np.float32)
+    _check_modifiers(rng, monkeypatch, q, k, v, bias=padding, dropout_p=0.4, **opts)
+    stride0 = np.broadcast_to(_rand(rng, (1, 4, 1, 90)), (2, 4, 65, 90))
+    _check_modifiers(rng, monkeypatch, q, k, v, bias=stride0, deterministic=True, **opts)
+    _check_modifiers(rng, monkeypatch, q, k, v, bias=_rand(rng, (65, 90)).astype(np.float16), **opts)
