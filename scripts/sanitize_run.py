@@ -57,6 +57,22 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
                 grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision,
                                                    deterministic=deterministic, **opts)
                 assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, opts)
+    # Bias, mask and dropout (their one modifier form): a reversed strided bias (float64 read as
+    # double by the float64 kernels), a mask with an empty row, dropout; dbias by atomics and in full.
+    for sq, sk, d in () if KV_ONLY else ((65, 129, 64), (70, 90, 256)):
+        if d > _gpu._wide_limit(np.dtype(dtype).name, True, _gpu._smem_limit(cp.cuda.Device().id)):
+            continue
+        q, k, v = rand((2, sq, 4, d), dtype), rand((2, sk, 2, d), dtype), rand((2, sk, 2, d), dtype)
+        mask = cp.asarray(rng.random((2, 1, sq, sk)) < 0.8)
+        mask[0, 0, 3] = False
+        bias = rand((2, 4, sq, 2 * sk), dtype)[..., ::-2]
+        for mods in (dict(bias=bias, mask=mask, causal=True), dict(bias=bias[:1, :, :1], dropout_p=0.3, dropout_seed=4)):
+            out, lse = cuflash.attention(q, k, v, precision=precision, return_lse=True, **mods)
+            for deterministic in () if FORWARD_ONLY else (False, True):
+                grads = cuflash.attention_backward(rand(out.shape, dtype), q, k, v, out, lse, precision=precision,
+                                                   deterministic=deterministic, return_dbias=True, **mods)
+                assert not any(bool(cp.isnan(g).any()) for g in grads), (dtype, sq, sk, d, mods.keys())
+
     def reported(call, cu):  # the call, then whether its indices were reported bad (as they should be)
         good = bool(cu) if isinstance(cu, (bool, np.bool_)) else bool((np.diff(cu) >= 0).all())
         try:
