@@ -8,7 +8,8 @@ process (its own kernels, compiled from its own sources) that measures all parts
 checkouts rotates from round to round, so none always goes first.  Rows: the forward and backward
 (bf16, batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against
 contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s), (part "widebwd", not in the
-default parts) the float32/float64 backward at head dims 64-256, seqlen 4k, and (part "host") warm
+default parts) the float32/float64 backward at head dims 64-256, seqlen 4k, (part "widemods", not in the
+default parts) their forward and backward with a bias, a key-padding mask or dropout, and (part "host") warm
 calls of tiny problems per millisecond, eager (host time, unless the kernel is slower) and
 replayed from a captured CUDA graph (the GPU's rate alone).  Per row: each checkout's median over the
 rounds, each NEW / BASE of the medians, and the spread of one checkout between rounds (the
@@ -33,6 +34,7 @@ BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, Tr
 DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
 WIDE_BWD = [(dt, d) for dt in ("float32", "float64") for d in (64, 96, 128, 160, 192, 256)]  # seqlen 4096, non-causal
+WIDE_MODS = [(dt, d) for dt in ("float32", "float64") for d in (64, 128)]  # seqlen 4096, non-causal
 
 
 def _side(checkout: str, parts: str) -> list:
@@ -78,6 +80,26 @@ def _part(checkout: str, part: str) -> list:
             grads = cuflash.attention_backward(dout, q, k, v, out, lse)
             ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2]))
             rows.append((f"bwd {np.dtype(dtype).name} d{d} s{s}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
+    elif part == "widemods":  # the float32/float64 modifier form (issue 24): none, bias, key padding, dropout
+        for dtype, d in WIDE_MODS:
+            s, batch, heads = 4096, 4, 2048 // d
+            gen = cp.random.default_rng(0)
+            q, k, v, dout = (gen.standard_normal((batch, s, heads, d), dtype=dtype) for _ in range(4))
+            valid = cp.asarray(np.random.default_rng(0).integers(s // 2, s + 1, size=(batch, 1, 1, 1)))  # valid keys per entry
+            forms = {"none": {}, "bias 1-H-S-S": dict(bias=gen.standard_normal((1, heads, s, s), dtype=dtype)),
+                     "key padding": dict(mask=cp.arange(s)[None, None, None, :] < valid),
+                     "dropout 0.1": dict(dropout_p=0.1, dropout_seed=3)}
+            for form, mods in forms.items():
+                out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
+                ms = B.time_gpu(lambda: cuflash.attention(q, k, v, out=out, **mods))
+                rows.append((f"fwd {np.dtype(dtype).name} d{d} {form}", B.attention_flops(batch, heads, s, s, d, False) / ms / 1e9))
+                grads = cuflash.attention_backward(dout, q, k, v, out, lse, **mods)
+                ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                                                   **mods))
+                rows.append((f"bwd {np.dtype(dtype).name} d{d} {form}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
+                del mods, out, lse, grads
+            del forms
+            cp.get_default_memory_pool().free_all_blocks()
     elif part == "decode":
         for name, batch, n in DECODE:
             hq, hkv = B.DECODE_HEADS[name]
