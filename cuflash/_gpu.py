@@ -755,11 +755,12 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
 
 def bwd_tiles(variant) -> tuple:
     """(query rows, key rows) per block of a backward variant's grids: flash_bwd.cu 16 per warp,
-    or per slab of CUFLASH_SLAB_WARPS warps with a column split; the Hopper kernels 64 per
+    or per slab of CUFLASH_SLAB_WARPS warps with a column split, its atomic-dQ kernel's query rows
+    CUFLASH_QUERY_TILE where set (fewer than its key rows); the Hopper kernels 64 per
     warpgroup, with 64 keys in all at d256, whose warpgroups split the columns (CUFLASH_COL_SPLIT)."""
     defines = dict(variant.defines)
     tile = variant.threads // 2 // defines.get("CUFLASH_SLAB_WARPS", 1)
-    return tile, (64 if defines.get("CUFLASH_COL_SPLIT") else tile)
+    return defines.get("CUFLASH_QUERY_TILE") or tile, (64 if defines.get("CUFLASH_COL_SPLIT") else tile)
 
 
 def _dbias_accumulator(prm, p, dbias, deterministic, acc_dtype=np.float32):

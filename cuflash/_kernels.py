@@ -344,12 +344,14 @@ def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
     return 1
 
 
-def bwd_smem_bytes(headdim: int, warps: int, itemsize: int = 2) -> int:
+def bwd_smem_bytes(headdim: int, warps: int, itemsize: int = 2, query_rows: int = 0) -> int:
     # Four (16 warps, headdim) tiles padded by 16 bytes (by 4 elements for float32/float64: their
-    # 32- and 64-bit loads), plus LSE and D of one query tile (float64's in float64).
+    # 32- and 64-bit loads), plus LSE and D of one query tile (float64's in float64); ``query_rows``
+    # (the atomic-dQ dK/dV kernel's CUFLASH_QUERY_TILE) rows of Q and dO instead of 16 warps.
     rows = 16 * warps
+    queries = query_rows or rows
     pad = 8 if itemsize == 2 else 4
-    return 4 * rows * (headdim + pad) * itemsize + 2 * rows * max(4, itemsize)
+    return 2 * (rows + queries) * (headdim + pad) * itemsize + 2 * queries * max(4, itemsize)
 
 
 def wide_bwd_schemes(dtype: str, headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> tuple:
@@ -392,8 +394,8 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     mods = _mods_form(dtype, mods)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
 
-    def ds_tile(rows):  # atomic dQ: the (rows, rows + 4) dS tile of flash_bwd.cu's _dkdv_dq
-        return 0 if deterministic else rows * (rows + 4) * itemsize
+    def ds_tile(rows, keys=None):  # atomic dQ: the (query rows, keys + 4) dS tile of flash_bwd.cu's _dkdv_dq
+        return 0 if deterministic else rows * ((keys or rows) + 4) * itemsize
 
     # float64 past d64 and float32 past d128: several warps per 16-row slab, each with its share of
     # the output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers), each
@@ -405,23 +407,28 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         col_split = 1 if d <= 64 else 2 if d <= 128 else 8 if d % 64 == 0 else 4
     else:
         col_split = 1 if itemsize == 2 or d <= 128 else 4
+    query_tile = 0  # (0: the dK/dV kernel's query tile is its key rows)
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
+    elif not deterministic and col_split == 1 and (
+            bwd_smem_bytes(d, 4, itemsize, query_rows=32) + ds_tile(32, 64) + STATIC_SMEM_RESERVE <= smem_limit):
+        warps, query_tile = 4, 32  # atomic dQ: 64 keys of 4 warps sharing 32-query tiles (flash_bwd.cu's BwdShape::kQT)
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
         two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
-    name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + "_adq" * (not deterministic)
+    name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_adq" * (not deterministic)
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
     )
-    smem = bwd_smem_bytes(d, warps // col_split, itemsize)
+    slabs = warps // col_split
+    smem = bwd_smem_bytes(d, slabs, itemsize, query_rows=query_tile)
     if not deterministic:
         assert itemsize > 2, "atomic dQ in flash_bwd.cu: float32/float64 (16-bit: flash_bwd_sm90.cu)"
-        defines += (("CUFLASH_DETERMINISTIC", 0),)
-        smem += ds_tile(16 * (warps // col_split))
+        defines += (("CUFLASH_DETERMINISTIC", 0),) + ((("CUFLASH_QUERY_TILE", query_tile),) if query_tile else ())
+        smem += ds_tile(query_tile or 16 * slabs, 16 * slabs)
     return Variant("flash_bwd.cu", name, defines, 32 * warps, smem)
 
 

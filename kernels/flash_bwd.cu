@@ -69,6 +69,9 @@
 #ifndef CUFLASH_DETERMINISTIC
 #define CUFLASH_DETERMINISTIC 1  // 0: _dkdv_dq + _dq_convert (atomic dQ; float32/float64)
 #endif
+#ifndef CUFLASH_QUERY_TILE
+#define CUFLASH_QUERY_TILE 0  // (atomic dQ) query rows a dK/dV block takes at a time; 0: as many as its key rows
+#endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // kColSplit > 1 (float64 past d64, float32 past d128: dK and dV, or dQ, would not fit in registers;
 // _kernels.bwd_variant picks 2, 4 or 8): kColSplit warps take the same 16 rows, each forms S, P, dP
@@ -78,7 +81,10 @@ constexpr int kColSplit = CUFLASH_SLAB_WARPS;
 
 // The tile geometry both kernels share: element and accumulator types (Elem), 16-byte chunk size,
 // kT rows per block (16 a slab; a column split's warps share theirs), threads, the padded
-// shared-memory row, and the output columns a warp accumulates.
+// shared-memory row, and the output columns a warp accumulates.  kQT: the query rows the dK/dV
+// kernel takes at a time (its inner tile): kT, or with atomic dQ CUFLASH_QUERY_TILE (fewer query
+// rows than key rows: 64 keys of 4 warps sharing 32-query tiles of Q and dO, whose copies and dQ
+// atomics a key then halve, in 110 KB at float32 d128: 2 blocks = 8 warps an SM against 3 x 2).
 template <class T, int kD, int kWarps>
 struct BwdShape {
     using E = typename Elem<T>::Storage;
@@ -88,10 +94,17 @@ struct BwdShape {
     static constexpr int kT = 16 * kWarps / kColSplit, kThreads = 32 * kWarps, kStride = kD + (Elem<T>::kWide ? 4 : 8);
     static constexpr int kDW = kD / kColSplit;  // output columns a warp accumulates
     static_assert(kD % (8 * kColSplit) == 0, "a warp's output columns are whole 8-column tiles");
-    // Atomic dQ: dS of the (query tile, key block) pair in shared memory as (kT queries, kLdS), and
-    // a warp's dQ columns formed kCW at a time (the widest multiple of 8 up to 32 dividing kDW).
+    static constexpr int kQT = CUFLASH_QUERY_TILE ? CUFLASH_QUERY_TILE : kT;
+    static_assert(kQT % 16 == 0 && kT % kQT == 0 && (kQT == kT || (Elem<T>::kWide && !CUFLASH_DETERMINISTIC)),
+                  "a query tile of whole 16-row slabs, dividing the key rows: the atomic-dQ kernel only");
+    // Atomic dQ: dS of the (query tile, key block) pair in shared memory as (kQT queries, kLdS);
+    // warp w forms dQ for query slab w / kDqParts, columns kDQW wide from (w % kDqParts) kDQW
+    // (kQT = kT: its own slab and column share), kCW at a time (the widest multiple of 8 up to 32
+    // dividing kDQW), over the block's keys 8 at a time (holding a whole 64-key dS spilled).
     static constexpr int kLdS = kT + 4;
-    static constexpr int kCW = kDW % 32 == 0 ? 32 : kDW % 24 == 0 ? 24 : kDW % 16 == 0 ? 16 : 8;
+    static constexpr int kDqParts = kWarps / (kQT / 16), kDQW = kD / kDqParts;
+    static_assert(kWarps % (kQT / 16) == 0 && kD % (8 * kDqParts) == 0, "dQ: whole 8-column tiles a warp");
+    static constexpr int kCW = kDQW % 32 == 0 ? 32 : kDQW % 24 == 0 ? 24 : kDQW % 16 == 0 ? 16 : 8;
 };
 
 // addr[0], addr[1] += x, y atomically (float32: one vector reduction on sm_90; addr 8-byte aligned).
@@ -225,16 +238,16 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
-    constexpr int kLdS = Shape::kLdS, kCW = Shape::kCW;
+    constexpr int kQT = Shape::kQT, kLdS = Shape::kLdS, kCW = Shape::kCW, kDqParts = Shape::kDqParts, kDQW = Shape::kDQW;
     static_assert(!kAtomicDq || Elem<T>::kWide, "atomic dQ: the float32/float64 kernels (16-bit: flash_bwd_sm90.cu)");
     extern __shared__ __align__(16) unsigned char smem_raw[];
     E* sK = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dK
     E* sV = sK + kT * kStride;               // (kT, kStride), reused to stage dV
-    E* sQ = sV + kT * kStride;               // (kT, kStride)
-    E* sdO = sQ + kT * kStride;              // (kT, kStride)
-    A* sLse2 = reinterpret_cast<A*>(sdO + kT * kStride);  // (kT) LSE of the query tile, log2 units (kMods: natural)
-    A* sDsum = sLse2 + kT;                                // (kT) D of the query tile
-    A* sdS = sDsum + kT;                                  // (kAtomicDq) (kT queries, kLdS) dS, keys of this block
+    E* sQ = sV + kT * kStride;               // (kQT, kStride)
+    E* sdO = sQ + kQT * kStride;             // (kQT, kStride)
+    A* sLse2 = reinterpret_cast<A*>(sdO + kQT * kStride);  // (kQT) LSE of the query tile, log2 units (kMods: natural)
+    A* sDsum = sLse2 + kQT;                                // (kQT) D of the query tile
+    A* sdS = sDsum + kQT;                                  // (kAtomicDq) (kQT queries, kLdS) dS, keys of this block
 
     const int tid = threadIdx.x, warp = tid / 32 / kColSplit, lane = tid % 32;
     const int col0 = (tid / 32 % kColSplit) * kDW;
@@ -273,17 +286,17 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
             const E* gQ = static_cast<const E*>(p.q) + b * p.q_batch_stride + seq.q_start * p.q_row_stride + h * p.q_head_stride;
             const E* gdO = static_cast<const E*>(p.dout) + b * p.do_batch_stride + seq.q_start * p.do_row_stride + h * p.do_head_stride;
             const long long stat = seq.lse_row(p, b, h, 0);
-            int mb_lo = i_lo / kT, mb_hi = (i_hi + kT - 1) / kT;
-            if constexpr (kMods) mods.narrow_query_tiles<kT, kT>(blockIdx.x, mb_lo, mb_hi);  // (the tile map)
-            for (int m0 = mb_lo * kT; m0 < min(i_hi, mb_hi * kT); m0 += kT) {
-                const int mask_state = kMods ? mods.tile_state<kT, kT>(m0 / kT, blockIdx.x) : 2;
+            int mb_lo = i_lo / kQT, mb_hi = (i_hi + kQT - 1) / kQT;
+            if constexpr (kMods) mods.narrow_query_tiles<kQT, kT>(blockIdx.x, mb_lo, mb_hi);  // (the tile map)
+            for (int m0 = mb_lo * kQT; m0 < min(i_hi, mb_hi * kQT); m0 += kQT) {
+                const int mask_state = kMods ? mods.tile_state<kQT, kT>(m0 / kQT, blockIdx.x) : 2;
                 if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile
-                const int rows_valid = min(kT, seq.sq - m0);
+                const int rows_valid = min(kQT, seq.sq - m0);
                 __syncthreads();  // every warp is done with the previous query tile
-                load_tile<kT, kD, kThreads, kStride>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
-                load_tile<kT, kD, kThreads, kStride>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
+                load_tile<kQT, kD, kThreads, kStride>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
+                load_tile<kQT, kD, kThreads, kStride>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
                 cp_async_commit();
-                for (int r = tid; r < kT; r += kThreads) {
+                for (int r = tid; r < kQT; r += kThreads) {
                     sLse2[r] = r >= rows_valid ? static_cast<A>(__int_as_float(0x7f800000))
                                : lse_for_prob<kMods>(stats<A>(p.lse)[stat + m0 + r]);
                     sDsum[r] = r < rows_valid ? stats<A>(p.dsum)[stat + m0 + r] : static_cast<A>(0);
@@ -291,22 +304,22 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 cp_async_wait<0>();
                 __syncthreads();  // K, V (first time), Q, dO, LSE and D of this tile are in shared memory
 
-                A st[kT / 8][4], dpt[kT / 8][4];      // this warp's 16 keys x kT queries
-                A bm[kT / 8][4];                       // (kMods) their bias or -inf, loaded during the products
+                A st[kQT / 8][4], dpt[kQT / 8][4];    // this warp's 16 keys x kQT queries
+                A bm[kQT / 8][4];                      // (kMods) their bias or -inf, loaded during the products
                 if constexpr (kMods)
                     tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
                         j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
                     }, mask_state != 1);
                 zero(st);
                 zero(dpt);
-                gemm_abt<T, kTf32Terms, kD, kT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
-                gemm_abt<T, kTf32Terms, kD, kT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
-                const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
+                gemm_abt<T, kTf32Terms, kD, kQT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
+                gemm_abt<T, kTf32Terms, kD, kQT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                const bool masked = !seq.tile_all_visible(m0, m0 + kQT, n0, n0 + kT);
                 unsigned keep[2] = {~0u, ~0u};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
                 const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
                 const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
 #pragma unroll
-                for (int nt = 0; nt < kT / 8; ++nt) {
+                for (int nt = 0; nt < kQT / 8; ++nt) {
                     if (drop && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, keep);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
@@ -327,39 +340,54 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 if constexpr (kAtomicDq) {  // dS for the block's dQ, transposed: one warp of each slab writes its keys
                     if (tid / 32 % kColSplit == 0) {
 #pragma unroll
-                        for (int nt = 0; nt < kT / 8; ++nt)
+                        for (int nt = 0; nt < kQT / 8; ++nt)
 #pragma unroll
                             for (int e = 0; e < 4; ++e)
                                 sdS[(nt * 8 + (lane % 4) * 2 + e % 2) * kLdS + warp * 16 + lane / 4 + 8 * (e / 2)] = dpt[nt][e];
                     }
                 }
                 if constexpr (Elem<T>::kWide) {
-                    gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dv, st, sdO + col0, lane);  // dV += Pᵀ dO
-                    gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dk, dpt, sQ + col0, lane);  // dK += dSᵀ Q
+                    gemm_cb<T, kTf32Terms, kQT, kDW, kStride>(dv, st, sdO + col0, lane);  // dV += Pᵀ dO
+                    gemm_cb<T, kTf32Terms, kQT, kDW, kStride>(dk, dpt, sQ + col0, lane);  // dK += dSᵀ Q
                 } else {  // (both conversions first: the order the 16-bit kernels were tuned with)
-                    u32 pa[kT / 16][4], dsa[kT / 16][4];
-                    c_to_a<T, kT>(pa, st);
-                    c_to_a<T, kT>(dsa, dpt);
-                    warp_gemm_rb<T, kT, kD, kStride>(dv, pa, sdO, lane);  // dV += Pᵀ dO
-                    warp_gemm_rb<T, kT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
+                    u32 pa[kQT / 16][4], dsa[kQT / 16][4];
+                    c_to_a<T, kQT>(pa, st);
+                    c_to_a<T, kQT>(dsa, dpt);
+                    warp_gemm_rb<T, kQT, kD, kStride>(dv, pa, sdO, lane);  // dV += Pᵀ dO
+                    warp_gemm_rb<T, kQT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
                 }
-                if constexpr (kAtomicDq) {  // dQ += dS K for query slab `warp`, this warp's columns, kCW at a time
+                if constexpr (kAtomicDq) {  // dQ += dS K for query slab dq_slab, columns dq_col0.. (Shape::kDQW), kCW at a time
                     __syncthreads();  // every slab's dS is in sdS
-                    A ds[kT / 8][4];  // (C-fragment layout: rows = this slab's queries, columns = the block's keys)
+                    const int dq_slab = tid / 32 / kDqParts, dq_col0 = (tid / 32 % kDqParts) * kDQW;
+                    // dS of keys k0.. (C-fragment layout: rows = the slab's queries, columns = keys): all
+                    // kT keys at once when the query tile is the key block's, else 8 at a time
+                    constexpr int kKC = kQT == kT ? kT : 8;
+                    auto load_ds = [&](A (&ds)[kKC / 8][4], int k0) {
 #pragma unroll
-                    for (int nt = 0; nt < kT / 8; ++nt)
+                        for (int nt = 0; nt < kKC / 8; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            ds[nt][e] = sdS[(warp * 16 + lane / 4 + 8 * (e / 2)) * kLdS + nt * 8 + (lane % 4) * 2 + e % 2];
-                    A* acc_row = reinterpret_cast<A*>(p.dq_accum) + (stat + m0 + warp * 16 + lane / 4) * kD + col0 + (lane % 4) * 2;
+                            for (int e = 0; e < 4; ++e)
+                                ds[nt][e] = sdS[(dq_slab * 16 + lane / 4 + 8 * (e / 2)) * kLdS + k0 + nt * 8 + (lane % 4) * 2 + e % 2];
+                    };
+                    A ds[kKC / 8][4];
+                    if constexpr (kKC == kT) load_ds(ds, 0);
+                    A* acc_row = reinterpret_cast<A*>(p.dq_accum) + (stat + m0 + dq_slab * 16 + lane / 4) * kD + dq_col0 + (lane % 4) * 2;
 #pragma unroll 1
-                    for (int c0 = 0; c0 < kDW; c0 += kCW) {
+                    for (int c0 = 0; c0 < kDQW; c0 += kCW) {
                         A dq[kCW / 8][4];
                         zero(dq);
-                        gemm_cb<T, kTf32Terms, kT, kCW, kStride>(dq, ds, sK + col0 + c0, lane);
+                        if constexpr (kKC == kT) {
+                            gemm_cb<T, kTf32Terms, kT, kCW, kStride>(dq, ds, sK + dq_col0 + c0, lane);
+                        } else {
+#pragma unroll 1
+                            for (int k0 = 0; k0 < kT; k0 += kKC) {
+                                load_ds(ds, k0);
+                                gemm_cb<T, kTf32Terms, kKC, kCW, kStride>(dq, ds, sK + k0 * kStride + dq_col0 + c0, lane);
+                            }
+                        }
 #pragma unroll
                         for (int half = 0; half < 2; ++half) {
-                            if (warp * 16 + lane / 4 + 8 * half >= rows_valid) continue;  // (queries past the sequence)
+                            if (dq_slab * 16 + lane / 4 + 8 * half >= rows_valid) continue;  // (queries past the sequence)
 #pragma unroll
                             for (int ot = 0; ot < kCW / 8; ++ot)
                                 red_add2(acc_row + 8 * half * kD + c0 + ot * 8, dq[ot][2 * half], dq[ot][2 * half + 1]);
@@ -394,9 +422,9 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUF
                    CUFLASH_MODS == 2, true>(p);
 }
 
-// (score_grad.cuh's dq_convert, for the rows of one kT-row block)
+// (score_grad.cuh's dq_convert, for the rows of one kQT-row block: the host's dQ grid)
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPS * 32) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
     using Shape = BwdShape<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_WARPS>;
-    dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, Shape::kT, Shape::kThreads>(p);
+    dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, Shape::kQT, Shape::kThreads>(p);
 }
 #endif  // CUFLASH_DETERMINISTIC
