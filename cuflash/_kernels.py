@@ -380,7 +380,8 @@ def dsum_variant(dtype: str) -> Variant:
 
 @functools.lru_cache(maxsize=None)
 def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: int = 0,
-                smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False, deterministic: bool = True) -> Variant:
+                smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False, deterministic: bool = True,
+                split_s: bool = True) -> Variant:
     """The backward kernels (``<name>_dq``, ``<name>_dkdv``) for one problem kind; ``mods`` as
     :func:`fwd_variant`'s (1 bias and mask, with the bias gradient; 2 and dropout; float32/float64
     one form, :func:`_mods_form`); ``tf32``
@@ -389,13 +390,19 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     the dtype, one dS tile (kT x (kT + 4)) more of shared memory.  float32/float64 run two 16-row slabs (32-row
     tiles; one where shared memory is short, or past 8 warps: their accumulators take 2-4 times the
     registers of the 16-bit ones), each slab one warp, or several that split the output's columns
-    (col_split; each recomputes the slab's S and dP)."""
+    (col_split; each recomputes the slab's S and dP, or with atomic dQ forms them over its own columns
+    and the slab sums them through shared memory, ``_ss``, where that buffer fits: ``split_s``).  With
+    atomic dQ and no column split, 64 keys of 4 warps share 32-query tiles where 4 warps fit
+    (``_q32``).  (perf-notes f9.)"""
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
 
     def ds_tile(rows, keys=None):  # atomic dQ: the (query rows, keys + 4) dS tile of flash_bwd.cu's _dkdv_dq
         return 0 if deterministic else rows * ((keys or rows) + 4) * itemsize
+
+    def parts(warps, rows):  # atomic dQ with a column split: the warps' partial S/dP tiles (CUFLASH_SPLIT_S)
+        return warps * 2 * 16 * rows * itemsize if split_s else 0
 
     # float64 past d64 and float32 past d128: several warps per 16-row slab, each with its share of
     # the output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers), each
@@ -407,6 +414,10 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         col_split = 1 if d <= 64 else 2 if d <= 128 else 8 if d % 64 == 0 else 4
     else:
         col_split = 1 if itemsize == 2 or d <= 128 else 4
+    # Atomic dQ with a column split: each warp of a slab forms S and dP over its own columns and
+    # the slab sums them through shared memory (flash_bwd.cu's sum_over_slab_warps, perf-notes f9),
+    # where that buffer fits; else each warp forms them whole.
+    split_s = split_s and not deterministic and col_split > 1
     query_tile = 0  # (0: the dK/dV kernel's query tile is its key rows)
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
@@ -414,10 +425,12 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
             bwd_smem_bytes(d, 4, itemsize, query_rows=32) + ds_tile(32, 64) + STATIC_SMEM_RESERVE <= smem_limit):
         warps, query_tile = 4, 32  # atomic dQ: 64 keys of 4 warps sharing 32-query tiles (flash_bwd.cu's BwdShape::kQT)
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
-        two = col_split <= 4 and bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + STATIC_SMEM_RESERVE <= smem_limit  # (8 warps at most: 255 registers)
+        two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32)
+                                   + STATIC_SMEM_RESERVE <= smem_limit)  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
-    name += "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_adq" * (not deterministic)
+    name += ("_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_ss" * split_s
+             + "_adq" * (not deterministic))
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
@@ -428,7 +441,11 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     if not deterministic:
         assert itemsize > 2, "atomic dQ in flash_bwd.cu: float32/float64 (16-bit: flash_bwd_sm90.cu)"
         defines += (("CUFLASH_DETERMINISTIC", 0),) + ((("CUFLASH_QUERY_TILE", query_tile),) if query_tile else ())
-        smem += ds_tile(query_tile or 16 * slabs, 16 * slabs)
+        defines += (("CUFLASH_SPLIT_S", 1),) if split_s else ()
+        smem += ds_tile(query_tile or 16 * slabs, 16 * slabs) + parts(warps, query_tile or 16 * slabs)
+    if split_s and smem + STATIC_SMEM_RESERVE > smem_limit:
+        return bwd_variant(dtype, headdim, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, tf32=tf32,
+                           deterministic=deterministic, split_s=False)
     return Variant("flash_bwd.cu", name, defines, 32 * warps, smem)
 
 

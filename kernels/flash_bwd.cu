@@ -32,7 +32,10 @@
 // forms dQ += dS K for each (query tile, key block) and adds it to a zeroed dq_accum (the dtype's
 // Acc, rows laid out like the LSE, head-dim bucket wide) with atomics, then _dq_convert scales it
 // into dq: 5 products and one S/dP recomputation instead of 7 and two (FlashAttention-2,
-// Algorithm 2's dQ update), at the price of an order of the dQ sums that varies between calls.
+// Algorithm 2's dQ update), at the price of an order of the dQ sums that varies between calls.  There
+// a block may take fewer query rows at a time than it has keys (CUFLASH_QUERY_TILE: 64 keys, 32
+// queries), and a column split's warps form S and dP over their own columns, summed over the slab
+// through shared memory (CUFLASH_SPLIT_S, sum_over_slab_warps) instead of each forming them whole.
 #include "mma.cuh"
 #include "params.cuh"
 #include "score_grad.cuh"
@@ -68,6 +71,9 @@
 #endif
 #ifndef CUFLASH_DETERMINISTIC
 #define CUFLASH_DETERMINISTIC 1  // 0: _dkdv_dq + _dq_convert (atomic dQ; float32/float64)
+#endif
+#ifndef CUFLASH_SPLIT_S
+#define CUFLASH_SPLIT_S 0  // (atomic dQ, column split) 1: each warp of a slab forms S and dP over its own columns, summed (sum_over_slab_warps)
 #endif
 #ifndef CUFLASH_QUERY_TILE
 #define CUFLASH_QUERY_TILE 0  // (atomic dQ) query rows a dK/dV block takes at a time; 0: as many as its key rows
@@ -118,6 +124,39 @@ __device__ __forceinline__ void red_add2(A* addr, A x, A y) {
 #endif
     atomicAdd(addr, x);
     atomicAdd(addr + 1, y);
+}
+
+// A column split's S^T and dP^T formed once a slab instead of once a warp: each of the kSplit warps
+// of a slab contracted only its own columns of K.Q and V.dO, and here the partial tiles (kN 8-query
+// C fragments each) go to shared memory `part` (the block's warps x 2 tiles, fragment order) and,
+// after one barrier, every warp adds its slab's kSplit partials in the same order, so that all of
+// them hold the same S^T and dP^T (their P and dS then agree bitwise, as when each formed them whole).
+template <int kSplit, int kN, class A>
+__device__ __forceinline__ void sum_over_slab_warps(A (&st)[kN][4], A (&dpt)[kN][4], A* part, int warp_id, int lane) {
+    constexpr int kVals = kN * 4 * 32;  // one tile of a warp
+    A* mine = part + warp_id * 2 * kVals + lane;
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            mine[(nt * 4 + e) * 32] = st[nt][e];
+            mine[kVals + (nt * 4 + e) * 32] = dpt[nt][e];
+        }
+    __syncthreads();
+    const A* slab = part + (warp_id / kSplit) * kSplit * 2 * kVals + lane;
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            A a = 0, b = 0;
+#pragma unroll
+            for (int c = 0; c < kSplit; ++c) {
+                a += slab[c * 2 * kVals + (nt * 4 + e) * 32];
+                b += slab[c * 2 * kVals + kVals + (nt * 4 + e) * 32];
+            }
+            st[nt][e] = a;
+            dpt[nt][e] = b;
+        }
 }
 
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel
@@ -248,6 +287,9 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     A* sLse2 = reinterpret_cast<A*>(sdO + kQT * kStride);  // (kQT) LSE of the query tile, log2 units (kMods: natural)
     A* sDsum = sLse2 + kQT;                                // (kQT) D of the query tile
     A* sdS = sDsum + kQT;                                  // (kAtomicDq) (kQT queries, kLdS) dS, keys of this block
+    // (kSplitS) the warps' partial S^T and dP^T, kWarps x 2 x (16 x kQT): sum_over_slab_warps
+    constexpr bool kSplitS = kAtomicDq && kColSplit > 1 && CUFLASH_SPLIT_S;
+    A* sPart = sdS + kQT * kLdS;
 
     const int tid = threadIdx.x, warp = tid / 32 / kColSplit, lane = tid % 32;
     const int col0 = (tid / 32 % kColSplit) * kDW;
@@ -312,8 +354,14 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     }, mask_state != 1);
                 zero(st);
                 zero(dpt);
-                gemm_abt<T, kTf32Terms, kD, kQT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
-                gemm_abt<T, kTf32Terms, kD, kQT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                if constexpr (kSplitS) {  // this warp's columns of the contractions, summed over the slab
+                    gemm_abt<T, kTf32Terms, kDW, kQT, kStride>(st, sK + warp * 16 * kStride + col0, sQ + col0, lane);
+                    gemm_abt<T, kTf32Terms, kDW, kQT, kStride>(dpt, sV + warp * 16 * kStride + col0, sdO + col0, lane);
+                    sum_over_slab_warps<kColSplit>(st, dpt, sPart, tid / 32, lane);
+                } else {
+                    gemm_abt<T, kTf32Terms, kD, kQT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
+                    gemm_abt<T, kTf32Terms, kD, kQT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                }
                 const bool masked = !seq.tile_all_visible(m0, m0 + kQT, n0, n0 + kT);
                 unsigned keep[2] = {~0u, ~0u};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
                 const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
