@@ -416,14 +416,18 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         col_split = 1 if itemsize == 2 or d <= 128 else 4
     # Atomic dQ with a column split: each warp of a slab forms S and dP over its own columns and
     # the slab sums them through shared memory (flash_bwd.cu's sum_over_slab_warps, perf-notes f9),
-    # where that buffer fits; else each warp forms them whole.
-    split_s = split_s and not deterministic and col_split > 1
+    # where that buffer fits; else each warp forms them whole.  Not at float64 d96, where the buffer
+    # halves the blocks an SM (2 -> 1 on the H200: 0.91x, session 26; float64 d128-d256 1.25-1.88x,
+    # float32 d160-d256 1.9-3.3x).
+    split_s = split_s and not deterministic and col_split > 1 and not (itemsize == 8 and d <= 96)
     query_tile = 0  # (0: the dK/dV kernel's query tile is its key rows)
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
-    elif not deterministic and col_split == 1 and (
+    elif not deterministic and itemsize == 4 and d == 128 and (
             bwd_smem_bytes(d, 4, itemsize, query_rows=32) + ds_tile(32, 64) + STATIC_SMEM_RESERVE <= smem_limit):
-        warps, query_tile = 4, 32  # atomic dQ: 64 keys of 4 warps sharing 32-query tiles (flash_bwd.cu's BwdShape::kQT)
+        # atomic dQ: 64 keys of 4 warps sharing 32-query tiles (flash_bwd.cu's BwdShape::kQT), at float32
+        # d128 (1.41x on the H200, session 26; float32 d64 0.87x and d96 0.95x, float64 d64 0.98x: off there)
+        warps, query_tile = 4, 32
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
         two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32)
                                    + STATIC_SMEM_RESERVE <= smem_limit)  # (8 warps at most: 255 registers)
