@@ -65,8 +65,8 @@ def _device_smem_limit(q) -> int:
 def _wide_covers(name: str, smem_limit: int = _kernels.DEFAULT_SMEM_LIMIT) -> str:
     grads = f" and its gradients (attention_backward, attention_vjp) up to head dim {_wide_limit(name, True, smem_limit)}"
     return ("the forward of padded and packed batches and KV caches (attention, attention_varlen, "
-            "attention_with_kvcache) with causal, window_size, softcap, alibi_slopes, seqlens_k, GQA, bias, mask "
-            "and dropout, "
+            "attention_with_kvcache) with causal, window_size, softcap, alibi_slopes, seqlens_k and GQA, bias, "
+            "mask and dropout where those calls take them, "
             f"head dims up to {_wide_limit(name, False, smem_limit)}{grads}")
 
 

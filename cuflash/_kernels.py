@@ -424,9 +424,10 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
     elif not deterministic and itemsize == 4 and d == 128 and (
-            bwd_smem_bytes(d, 4, itemsize, query_rows=32) + ds_tile(32, 64) + STATIC_SMEM_RESERVE <= smem_limit):
+            2 * (bwd_smem_bytes(d, 4, itemsize, query_rows=32) + ds_tile(32, 64) + STATIC_SMEM_RESERVE) <= smem_limit):
         # atomic dQ: 64 keys of 4 warps sharing 32-query tiles (flash_bwd.cu's BwdShape::kQT), at float32
         # d128 (1.41x on the H200, session 26; float32 d64 0.87x and d96 0.95x, float64 d64 0.98x: off there)
+        # where two such blocks share an SM (8 warps; with one, the 2-warp form's 2-3 blocks hold as many)
         warps, query_tile = 4, 32
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
         two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32)

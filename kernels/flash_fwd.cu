@@ -332,7 +332,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // The key tile after nb, walking down from nb_hi - 1 (kMods: past tiles whose mask is all False;
     // not with a paged cache, whose page slots are double-buffered by the parity of consecutive
     // tiles: no call gives both today, kvcache takes no mask).
-    const bool skip_tiles = kMods && !(kSplitKV && p.block_table);
+    constexpr bool kPagedForm = kSplitKV || kWide;  // (float32/float64 read paged caches without splitting the keys)
+    const bool skip_tiles = kMods && !(kPagedForm && p.block_table);
     auto next_tile = [&](int nb) { return skip_tiles ? mods.step_key_tile<kBM, kBN, -1>(m0 / kBM, nb, nb_lo) : nb - 1; };
     if (skip_tiles) nb_hi = next_tile(nb_hi) + 1;
 
@@ -342,7 +343,6 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     // (SeqInfo::check_pages, on the whole 64-bit value), and its NaN reaches every row in the
     // merge.  Here only the low 32 bits of an int64 entry are read (the clamp keeps any value in
     // bounds; a full 64-bit load made ptxas spill at d96 and d128).
-    constexpr bool kPagedForm = kSplitKV || kWide;  // (float32/float64 read paged caches without splitting the keys)
     const bool paged = kPagedForm && p.block_table != nullptr;
     __shared__ int2 s_page_slot[kPagedForm ? 2 : 1][kPagedForm ? kBN : 1];  // double-buffered by tile parity
     auto page_rows = [&](int nb) {

@@ -314,3 +314,28 @@ def test_dropout_is_bitwise_repeatable_and_zero_is_no_dropout(rng):
     plain = cuflash.attention(q, k, v, bias=bias)  # (the same kernel, its generator skipped)
     zero = cuflash.attention(q, k, v, bias=bias, dropout_p=0.0, dropout_seed=9)
     assert bool((plain.view(cp.uint32) == zero.view(cp.uint32)).all())
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_structured_masks_on_the_32_query_tiles(rng, deterministic, kernels_run):
+    """d128's atomic-dQ kernel takes 64 keys and 32-query tiles (perf-notes f9): a key-padding mask
+    (all-True and all-False (32, 64) tiles) and bands of 32 query rows that see alternate 64-key
+    blocks, so that the tile map skips, reads no mask, and narrows query tiles of 32 against keys of 64."""
+    q = _rand(rng, (2, 130, 2, 128), 2.0)
+    k, v = _rand(rng, (2, 200, 2, 128)), _rand(rng, (2, 200, 2, 128))
+    padding = np.arange(200)[None, None, None, :] < np.array([200, 70])[:, None, None, None]
+    bands = (np.arange(130)[:, None] // 32 + np.arange(200)[None, :] // 64) % 2 == 0
+    _check_modifiers(rng, q, k, v, deterministic=deterministic, mask=padding)
+    _check_modifiers(rng, q, k, v, deterministic=deterministic, mask=bands, bias=_rand(rng, (130, 200)), causal=True)
+    atomic = [n for n in kernels_run if n.endswith("_adq")]
+    assert (not atomic) if deterministic else (atomic and all("_q32_" in n for n in atomic)), kernels_run
+
+
+@pytest.mark.parametrize("headdim", [160, 256])
+def test_modifiers_on_small_shared_memory_gpus(rng, headdim, kernels_run, monkeypatch):
+    """The slab-summed S/dP forms a 99 KB GPU (sm_86/89) takes: one slab of 4 warps, dbias once a slab."""
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: 99 * 1024)
+    q = _rand(rng, (2, 45, 2, headdim), 2.0)
+    k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim))
+    _check_modifiers(rng, q, k, v, causal=True, dropout_p=0.2, **_bias_and_mask(rng, 2, 2, 45, 70))
+    assert any("_w4_" in n and "_ss_" in n for n in kernels_run), kernels_run

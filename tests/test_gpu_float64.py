@@ -384,7 +384,7 @@ def _bias_and_mask(rng, b, h, sq, sk):
 
 
 @pytest.mark.parametrize("deterministic", [False, True])
-@pytest.mark.parametrize("headdim", [32, 64, 96, 128, 160, 256])
+@pytest.mark.parametrize("headdim", [32, 64, 96, 128, 160, 192, 224, 256])
 def test_bias_mask_dropout_every_headdim(rng, headdim, deterministic, kernels_run, monkeypatch):
     """Every head-dim bucket's modifier form (past d64 2-8 warps share a slab: dS goes into dbias
     once a slab), both dQ schemes; GQA, Sq != Sk, causal.  A float32 cast of the float64 bias
@@ -412,3 +412,15 @@ def test_bias_mask_dropout_with_every_option(rng, opts, kernels_run, monkeypatch
     stride0 = np.broadcast_to(_rand(rng, (1, 4, 1, 90)), (2, 4, 65, 90))
     _check_modifiers(rng, monkeypatch, q, k, v, bias=stride0, deterministic=True, **opts)
     _check_modifiers(rng, monkeypatch, q, k, v, bias=_rand(rng, (65, 90)).astype(np.float16), **opts)
+
+
+@pytest.mark.parametrize("headdim", [128, 160])
+def test_modifiers_on_small_shared_memory_gpus(rng, headdim, kernels_run, monkeypatch):
+    """The forms a 99 KB GPU (sm_86/89) takes: d128's slab-summed S/dP in one 2-warp slab, d160's
+    column split without it (its buffer does not fit there); dbias once a slab."""
+    monkeypatch.setattr(_gpu, "_smem_limit", lambda device: 99 * 1024)
+    q = _rand(rng, (2, 45, 2, headdim), 2.0)
+    k, v = _rand(rng, (2, 70, 1, headdim)), _rand(rng, (2, 70, 1, headdim))
+    _check_modifiers(rng, monkeypatch, q, k, v, causal=True, dropout_p=0.2, **_bias_and_mask(rng, 2, 2, 45, 70))
+    atomic = [n for n in kernels_run if n.endswith("_adq")]
+    assert atomic and all(("_ss_" in n) == (headdim == 128) for n in atomic), kernels_run
