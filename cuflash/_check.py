@@ -29,6 +29,8 @@ OPTIONS = (
     ("alibi", {"alibi": True}),
     ("gqa 4:1", {"gqa": 4}),
     ("seqlens_k", {"seqlens_k": True, "causal": True}),
+    ("bias (1, H, Sq, Sk)", {"bias": True}),
+    ("key-padding mask", {"mask": True, "causal": True}),
 )
 
 
@@ -90,6 +92,11 @@ def run_case(case: Case, xp, rng) -> Result:
         opts["alibi_slopes"] = (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
     if opts.pop("seqlens_k", False):
         opts["seqlens_k"] = np.array([case.seqlen_k, max(case.seqlen_k // 2, 1)], dtype=np.int32)
+    if opts.pop("bias", False):
+        opts["bias"] = rng.standard_normal((1, heads, case.seqlen_q, case.seqlen_k)).astype(np.float32)
+    if opts.pop("mask", False):  # batch entry 0 sees every key, entry 1 the first half (at least one)
+        valid = np.array([case.seqlen_k, max(case.seqlen_k // 2, 1)])
+        opts["mask"] = np.arange(case.seqlen_k)[None, None, None, :] < valid[:, None, None, None]
     dt = _dtype(case.dtype)
 
     def draw(shape, scale=1.0):
