@@ -318,12 +318,13 @@ def _set_mods(prm, p, dtype):
     read as a float32 copy of its own size where the kernels form scores in float32, as itself by
     the float64 kernels of ``dtype`` float64).  Returns the arrays that must live until the launch is queued."""
     full = (p.batch, p.nheads_q, p.seqlen_q, p.seqlen_k)
+    bias_dtypes = _bias_dtypes(dtype)
     keep = []
     for name, x in (("bias", p.bias), ("mask", p.mask)):
         if x is None:
             continue
         x = x[(None,) * (4 - x.ndim)] if x.ndim < 4 else x
-        if name == "bias" and x.dtype.name not in _bias_dtypes(dtype):  # float64: cast only the distinct entries
+        if name == "bias" and x.dtype.name not in bias_dtypes:  # float64: cast only the distinct entries
             x = x[tuple(slice(0, 1) if stride == 0 else slice(None) for stride in x.strides)].astype(np.float32)
         if x.data.ptr % x.itemsize or any(stride % x.itemsize for stride in x.strides):  # (a view of other bytes)
             x = _cp().ascontiguousarray(x)
@@ -333,7 +334,7 @@ def _set_mods(prm, p, dtype):
         for axis, stride in zip(("batch", "head", "row", "col"), x.strides):
             setattr(prm, f"{name}_{axis}_stride", stride // x.itemsize)
         if name == "bias":
-            prm.bias_dtype = _bias_dtypes(dtype)[x.dtype.name]
+            prm.bias_dtype = bias_dtypes[x.dtype.name]
     if p.dropout is not None:  # (rate, seed, offset, first batch entry): cuflash/dropout.py's numbering
         from .dropout import keep_threshold
 

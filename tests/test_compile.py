@@ -52,7 +52,8 @@ def _one_per_source(variants):
     return [v for _, v in best.values()]
 
 
-COMPILED = VARIANTS if os.environ.get("CUFLASH_COMPILE_ALL", "") not in ("", "0") else _one_per_source(VARIANTS)
+COMPILE_ALL = os.environ.get("CUFLASH_COMPILE_ALL", "") not in ("", "0")
+COMPILED = VARIANTS if COMPILE_ALL else _one_per_source(VARIANTS)
 # The variants only GPUs with less shared memory a block ask for (the A100's 163 KB, sm_86/89's 99 KB):
 # one per source and switch set of those (all of them would add ~900 builds to CI's compile check).
 _NAMES = {v.name for v in VARIANTS}
@@ -62,7 +63,7 @@ BUILDS = [(v, arch) for v in COMPILED for arch in ((v.arch,) if v.arch else ARCH
 # CUFLASH_COMPILE_ALL run after the README's skips those (the same sources, the same CI run: ~150
 # builds, ~2.5 minutes of CI's 2 cores).
 _LOG = os.environ.get("CUFLASH_COMPILE_LOG", "")
-if _LOG and os.environ.get("CUFLASH_COMPILE_ALL", "") not in ("", "0") and os.path.exists(_LOG):
+if _LOG and COMPILE_ALL and os.path.exists(_LOG):
     with open(_LOG) as f:
         _DONE = {tuple(line.split()) for line in f if line.strip()}
     BUILDS = [(v, arch) for v, arch in BUILDS if (v.name, arch) not in _DONE]
@@ -97,7 +98,7 @@ def test_variant_compiles(variant, arch, built):
     # between issue and wait (C7514): correct, but it undoes the overlap the Hopper kernels are
     # built for (session 14: a merged loop form did this silently).
     assert "C7514" not in log[0], log[0][log[0].find("C7514") - 20:][:400]
-    if _LOG and os.environ.get("CUFLASH_COMPILE_ALL", "") in ("", "0"):
+    if _LOG and not COMPILE_ALL:
         with open(_LOG, "a") as f:
             f.write(f"{variant.name} {arch}\n")
 
