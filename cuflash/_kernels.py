@@ -177,6 +177,16 @@ def _mods_form(dtype: str, mods: int) -> int:
     return 2 if mods and dtype in WIDE_ITEMSIZE else mods
 
 
+def _score_switches(dtype: str, mods: int, softcap: bool, alibi: bool) -> bool:
+    """Whether a variant is built with softcap and ALiBi that the call's values switch on and off
+    (CUFLASH_SCORE_SWITCHES, seqinfo.cuh: a softcap of 0 and null slopes are off): the float32/float64
+    modifier form with softcap or ALiBi, one variant (``_switched``) for the three combinations
+    instead of three (each is a build of CI's compile check for two architectures).  The modifier
+    form without either keeps them off at compile time: the switches' per-score branches cost
+    bias calls 6-34 % (perf-notes f10)."""
+    return bool(mods) and dtype in WIDE_ITEMSIZE and (softcap or alibi)
+
+
 def _raw_applies(raw: bool, mods: int, softcap: bool, alibi: bool) -> bool:
     """CUFLASH_MODS_RAW: a forward with modifiers but no bias keeps raw q.k scores (the plain
     kernels' one FFMA per exponential; softmax_tile.cuh), where softcap and ALiBi do not change them
@@ -199,17 +209,19 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     """
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
+    switches = _score_switches(dtype, mods, softcap, alibi)
+    softcap, alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit, dtype)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
-    name += "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
+    name += "_switched" * switches + "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
-        ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)),
-        ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
-        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
-    )
+        ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap or switches)),
+        ("CUFLASH_ALIBI", int(alibi or switches)), ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad),
+        ("CUFLASH_MODS", mods), ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
+    ) + ((("CUFLASH_SCORE_SWITCHES", 1),) if switches else ())
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
 
@@ -396,6 +408,8 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     (``_q32``).  (perf-notes f9.)"""
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
+    switches = _score_switches(dtype, mods, softcap, alibi)
+    softcap, alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
 
     def ds_tile(rows, keys=None):  # atomic dQ: the (query rows, keys + 4) dS tile of flash_bwd.cu's _dkdv_dq
@@ -434,13 +448,13 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
                                    + STATIC_SMEM_RESERVE <= smem_limit)  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
-    name += ("_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_ss" * split_s
+    name += ("_switched" * switches + "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_ss" * split_s
              + "_adq" * (not deterministic))
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
-        ("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_MODS", mods),
+        ("CUFLASH_SOFTCAP", int(softcap or switches)), ("CUFLASH_ALIBI", int(alibi or switches)), ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
-    )
+    ) + ((("CUFLASH_SCORE_SWITCHES", 1),) if switches else ())
     slabs = warps // col_split
     smem = bwd_smem_bytes(d, slabs, itemsize, query_rows=query_tile)
     if not deterministic:
@@ -522,20 +536,21 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
-    scores = [(softcap, alibi) for softcap in (False, True) for alibi in (False, True)]
-    wide_mods = (0, 2)  # (issue 24; one modifier form, _mods_form)
+    # float32/float64: four score forms without modifiers; one modifier form (_mods_form) without
+    # softcap and ALiBi and one with them switched at run time (_score_switches) (issue 24)
+    wide = [(softcap, alibi, mods) for mods in (0, 2) for softcap in (False, True) for alibi in (False, True)
+            if not mods or softcap == alibi]
     out += [fwd_variant("float64", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)
-            for d in HEADDIM_BUCKETS for softcap, alibi in scores for mods in wide_mods]
+            for d in HEADDIM_BUCKETS for softcap, alibi, mods in wide]
     out += [fwd_variant("float32", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, tf32=tf32)
-            for d in HEADDIM_BUCKETS for softcap, alibi in scores for tf32 in (False, True) for mods in wide_mods]
+            for d in HEADDIM_BUCKETS for softcap, alibi, mods in wide for tf32 in (False, True)]
     out += [bwd_variant("float64", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, deterministic=det)
-            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap, alibi in scores
-            for det in wide_bwd_schemes("float64", d, smem_limit) for mods in wide_mods]
+            for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float64", smem_limit) for softcap, alibi, mods in wide
+            for det in wide_bwd_schemes("float64", d, smem_limit)]
     out += [bwd_variant("float32", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, tf32=tf32,
                         deterministic=det)
             for d in HEADDIM_BUCKETS if d <= wide_bwd_max_headdim("float32", smem_limit)
-            for softcap, alibi in scores for tf32 in (False, True) for det in wide_bwd_schemes("float32", d, smem_limit)
-            for mods in wide_mods]
+            for softcap, alibi, mods in wide for tf32 in (False, True) for det in wide_bwd_schemes("float32", d, smem_limit)]
     out += [dsum_variant(dtype) for dtype in ("float32", "float64")]
     out += [softmax_variant(dt) for dt in DTYPE_TAGS] + [varlen_tail_variant(), kv_append_variant(), mask_tiles_variant(), read_bandwidth_variant(),
             tma_copy_variant()]

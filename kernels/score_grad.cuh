@@ -23,11 +23,14 @@ __device__ __forceinline__ A final_score_dcap(A qk, A scale, A softcap, A slope,
     dcap = 1;
     A s = qk * scale;
     if constexpr (kSoftcap) {
-        const A t = acc::tanh(s / softcap);
-        s = softcap * t;
-        dcap = static_cast<A>(1) - t * t;
+        if (!kScoreSwitches || softcap != A(0)) {  // (seqinfo.cuh's kScoreSwitches)
+            const A t = acc::tanh(s / softcap);
+            s = softcap * t;
+            dcap = static_cast<A>(1) - t * t;
+        }
     }
-    if constexpr (kAlibi) s -= slope * acc::abs(static_cast<A>(i + offset - j));
+    if constexpr (kAlibi)
+        if (!kScoreSwitches || slope != A(0)) s -= slope * acc::abs(static_cast<A>(i + offset - j));
     return s;
 }
 

@@ -236,10 +236,21 @@ struct SeqInfo {
     }
 };
 
+// CUFLASH_SCORE_SWITCHES 1 (the float32/float64 modifier form, cuflash/_kernels.py): the kernel is
+// built with softcap and ALiBi (kSoftcap and kAlibi true) and the call's values switch them, a
+// softcap of 0 and null slopes being off, so that one variant serves the four combinations (each
+// variant is one more build in CI's compile check).  The branches are uniform over the block.
+#ifndef CUFLASH_SCORE_SWITCHES
+#define CUFLASH_SCORE_SWITCHES 0
+#endif
+constexpr bool kScoreSwitches = CUFLASH_SCORE_SWITCHES != 0;
+
 // The ALiBi slope of head h of batch entry b: float, or double in the float64 kernels (the host
-// passes float64 slopes with float64 inputs, float32 ones otherwise).
+// passes float64 slopes with float64 inputs, float32 ones otherwise); 0 without slopes where the
+// call switches ALiBi (kScoreSwitches).
 template <class A>
 __device__ __forceinline__ A alibi_slope(const FlashParams& p, int b, int h) {
+    if (kScoreSwitches && p.alibi_slopes == nullptr) return A(0);
     const long long i = static_cast<long long>(b) * p.nheads_q + h;
     if constexpr (sizeof(A) == 8) return reinterpret_cast<const double*>(p.alibi_slopes)[i];
     else return p.alibi_slopes[i];
@@ -252,8 +263,10 @@ __device__ __forceinline__ A alibi_slope(const FlashParams& p, int b, int h) {
 template <bool kSoftcap, bool kAlibi, class A>
 __device__ __forceinline__ A final_score(A qk, A scale, A softcap, A slope, int i, int j, int offset) {
     A s = qk * scale;
-    if constexpr (kSoftcap) s = softcap * acc::tanh(s / softcap);
-    if constexpr (kAlibi) s -= slope * acc::abs(static_cast<A>(i + offset - j));
+    if constexpr (kSoftcap)
+        if (!kScoreSwitches || softcap != A(0)) s = softcap * acc::tanh(s / softcap);
+    if constexpr (kAlibi)
+        if (!kScoreSwitches || slope != A(0)) s -= slope * acc::abs(static_cast<A>(i + offset - j));
     return s;
 }
 

@@ -288,8 +288,8 @@ def test_bias_mask_dropout_every_headdim(rng, headdim, deterministic, kernels_ru
 
 @pytest.mark.parametrize("opts", [
     dict(window_size=(7, 3), softcap=4.0), dict(alibi_slopes=SLOPES, causal=True), dict(softmax_scale=-0.4),
-    dict(seqlens_k=np.array([90, 41], dtype=np.int32)),
-], ids=["window-softcap", "alibi-causal", "negative-scale", "seqlens_k"])
+    dict(seqlens_k=np.array([90, 41], dtype=np.int32)), dict(softcap=3.0, alibi_slopes=SLOPES),
+], ids=["window-softcap", "alibi-causal", "negative-scale", "seqlens_k", "softcap-alibi"])
 @pytest.mark.parametrize("precision", [None, "tf32"])
 def test_bias_mask_dropout_with_every_option(rng, opts, precision, kernels_run):
     """The score pipeline's order (scale, softcap, ALiBi, bias, masks), key-padding and float64 biases
@@ -302,6 +302,8 @@ def test_bias_mask_dropout_with_every_option(rng, opts, precision, kernels_run):
     stride0 = np.broadcast_to(_rand(rng, (1, 4, 1, 90)), (2, 4, 65, 90))
     _check_modifiers(rng, q, k, v, precision=precision, bias=stride0, deterministic=True, **opts)
     assert all(("_tf32" in n) == (precision == "tf32") for n in kernels_run if n.startswith("cuflash_fwd_fp32")), kernels_run
+    switched = bool(opts.get("softcap") or "alibi_slopes" in opts)  # (softcap and ALiBi switched at run time)
+    assert all(("_switched" in n) == switched for n in kernels_run if "_modsdrop" in n), kernels_run
 
 
 def test_dropout_is_bitwise_repeatable_and_zero_is_no_dropout(rng):

@@ -399,8 +399,8 @@ def test_bias_mask_dropout_every_headdim(rng, headdim, deterministic, kernels_ru
 
 @pytest.mark.parametrize("opts", [
     dict(window_size=(7, 3), softcap=4.0), dict(alibi_slopes=SLOPES, causal=True), dict(softmax_scale=-0.4),
-    dict(seqlens_k=np.array([90, 41], dtype=np.int32)),
-], ids=["window-softcap", "alibi-causal", "negative-scale", "seqlens_k"])
+    dict(seqlens_k=np.array([90, 41], dtype=np.int32)), dict(softcap=3.0, alibi_slopes=SLOPES),
+], ids=["window-softcap", "alibi-causal", "negative-scale", "seqlens_k", "softcap-alibi"])
 def test_bias_mask_dropout_with_every_option(rng, opts, kernels_run, monkeypatch):
     """The score pipeline's order with each option; float32 and float16 biases (read as they are,
     their gradients in their dtype), a key-padding bias of -inf, a stride-0 bias, dropout."""
@@ -412,6 +412,8 @@ def test_bias_mask_dropout_with_every_option(rng, opts, kernels_run, monkeypatch
     stride0 = np.broadcast_to(_rand(rng, (1, 4, 1, 90)), (2, 4, 65, 90))
     _check_modifiers(rng, monkeypatch, q, k, v, bias=stride0, deterministic=True, **opts)
     _check_modifiers(rng, monkeypatch, q, k, v, bias=_rand(rng, (65, 90)).astype(np.float16), **opts)
+    switched = bool(opts.get("softcap") or "alibi_slopes" in opts)  # (softcap and ALiBi switched at run time)
+    assert all(("_switched" in n) == switched for n in kernels_run if "_modsdrop" in n), kernels_run
 
 
 @pytest.mark.parametrize("headdim", [128, 160])
