@@ -36,6 +36,12 @@
 // a block may take fewer query rows at a time than it has keys (CUFLASH_QUERY_TILE: 64 keys, 32
 // queries), and a column split's warps form S and dP over their own columns, summed over the slab
 // through shared memory (CUFLASH_SPLIT_S, sum_over_slab_warps) instead of each forming them whole.
+// float64 products on sm_90 in k steps of 4 (m16n8k4; warp_gemm.cuh's CUFLASH_F64_MMA): steps of 8
+// hold two more A values in registers, which made the atomic-dQ kernels spill (88-100 bytes at
+// d64/d128) and run 5-8 % slower there (perf-notes f10).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(CUFLASH_F64_MMA)
+#define CUFLASH_F64_MMA 4
+#endif
 #include "mma.cuh"
 #include "params.cuh"
 #include "score_grad.cuh"

@@ -17,7 +17,7 @@
 // Not handled here: head dims that are not multiples of 8 (the caller pads).
 //
 // CUFLASH_DTYPE f64_t builds the float64 form (issue 24): elements and accumulators in double,
-// both products on the FP64 tensor cores (mma.m8n8k4, warp_gemm.cuh: the same 16-row C fragments,
+// both products on the FP64 tensor cores (mma.m16n8k8 on sm_90, m8n8k4 on sm_80, warp_gemm.cuh: the same 16-row C fragments,
 // so the score pipeline and the online softmax are the same code in double), P kept in the
 // registers of S, the LSE in double.  f32_t the float32 form: float32 elements, products on the
 // TF32 tensor cores (mma.m16n8k8), CUFLASH_TF32_TERMS 3 (3xTF32) or 1 (TF32), P kept in S's

@@ -107,9 +107,25 @@ __device__ __forceinline__ u32 to_tf32(float x) {
 // x = hi + lo, both TF32: hi·hi + hi·lo + lo·hi (3xTF32) keeps a float32 product's accuracy on the
 // tensor cores (Ootomo and Yokota, "Recovering single precision accuracy from Tensor Cores while
 // surpassing the FP32 theoretical peak performance", IJHPCA 2022).
+// On sm_90 both parts are rounded by cvt.rn (ties to even), one instruction there, where cvt.rna
+// takes four (a finiteness test, an add, a select and a mask; sm_80 has no cvt.rn to TF32): the
+// split's accuracy does not depend on how ties go (perf-notes f10).  precision="tf32" keeps
+// to_tf32's ties away, the rounding of the NumPy path it must match.
+#ifndef CUFLASH_TF32_SPLIT_RN
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CUFLASH_TF32_SPLIT_RN 1
+#else
+#define CUFLASH_TF32_SPLIT_RN 0
+#endif
+#endif
 __device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+#if CUFLASH_TF32_SPLIT_RN
+    asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(hi) : "f"(x));
+    asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+#else
     hi = to_tf32(x);
     lo = to_tf32(x - __uint_as_float(hi));
+#endif
 }
 // D = A(16x8, row) * B(8x8, col) + D with TF32 operands, fp32 accumulators.
 __device__ __forceinline__ void mma_16x8x8_tf32(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
@@ -124,6 +140,21 @@ __device__ __forceinline__ void mma_8x8x4_f64(double& d0, double& d1, double a, 
         : "d"(a), "d"(b));
 }
 __device__ __forceinline__ void mma_8x8x4_f64(double (&d)[2], double a, double b) { mma_8x8x4_f64(d[0], d[1], a, b); }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// D = A(16x8, row) * B(8x8, col) + D in float64: sm_90's 16-row shape (PTX ISA 7.8), fragments as
+// m16n8k8 tf32's above with one double per element; one DMMA.16x8x8 where m8n8k4 needs four.
+__device__ __forceinline__ void mma_16x8x8_f64(double (&d)[4], const double (&a)[4], double b0, double b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b0), "d"(b1));
+}
+// The same with k = 4: a0 (g, t), a1 (g + 8, t); b0 (k t, n g).
+__device__ __forceinline__ void mma_16x8x4_f64(double (&d)[4], double a0, double a1, double b) {
+    asm("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+        : "d"(a0), "d"(a1), "d"(b));
+}
+#endif
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     return static_cast<u32>(__cvta_generic_to_shared(p));

@@ -37,30 +37,72 @@ __device__ __forceinline__ void warp_gemm_rb(float (&acc)[kD / 8][4], const u32 
     }
 }
 
-// float64 (mma.m8n8k4, mma.cuh): the same 16-row slabs and C-fragment layout from two stacked
-// 8-row products; operands read from shared memory with plain 64-bit loads (ldmatrix has no
-// 64-bit form).  acc (16 x kN) += A (16 x kD) · Bᵀ, as warp_gemm_abt.
+// float64 products: the shape of one tensor-core step.  sm_90 has 16-row shapes (m16n8k4, m16n8k8,
+// PTX ISA 7.8); its m8n8k4 peaks near half the float64 matmul's rate (perf-notes f10: the H200's
+// float64 forward ran 1.4-1.6x faster on m16n8k8).  sm_80 has m8n8k4 only: two of them stacked make
+// the 16-row C fragment.  CUFLASH_F64_MMA: 8 (m16n8k8), 4 (m16n8k4; flash_bwd.cu's choice) or 0
+// (m8n8k4 pairs, sm_80).
+#ifndef CUFLASH_F64_MMA
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CUFLASH_F64_MMA 8
+#else
+#define CUFLASH_F64_MMA 0
+#endif
+#endif
+
+// float64 (mma.cuh's f64 shapes): the same 16-row slabs and C-fragment layout as the 16-bit
+// products; operands read from shared memory with plain 64-bit loads (ldmatrix has no 64-bit
+// form).  acc (16 x kN) += A (16 x kD) · Bᵀ, as warp_gemm_abt.
 template <int kD, int kN, int kStride>
 __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], const double* sA, const double* sB, int lane) {
     const int g = lane / 4, t = lane % 4;
+#if CUFLASH_F64_MMA == 8
+    static_assert(kD % 8 == 0, "k steps of 8");
+#pragma unroll
+    for (int ks = 0; ks < kD / 8; ++ks) {
+        const double* a = sA + g * kStride + ks * 8 + t;
+        const double av[4] = {a[0], a[8 * kStride], a[4], a[8 * kStride + 4]};  // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
+#pragma unroll
+        for (int nt = 0; nt < kN / 8; ++nt) {
+            const double* b = sB + (nt * 8 + g) * kStride + ks * 8 + t;
+            mma_16x8x8_f64(acc[nt], av, b[0], b[4]);
+        }
+    }
+#else
 #pragma unroll
     for (int ks = 0; ks < kD / 4; ++ks) {
         const double a_hi = sA[g * kStride + ks * 4 + t], a_lo = sA[(g + 8) * kStride + ks * 4 + t];
 #pragma unroll
         for (int nt = 0; nt < kN / 8; ++nt) {
             const double b = sB[(nt * 8 + g) * kStride + ks * 4 + t];
+#if CUFLASH_F64_MMA == 4
+            mma_16x8x4_f64(acc[nt], a_hi, a_lo, b);
+#else
             mma_8x8x4_f64(acc[nt][0], acc[nt][1], a_hi, b);
             mma_8x8x4_f64(acc[nt][2], acc[nt][3], a_lo, b);
+#endif
         }
     }
+#endif
 }
 
 // acc (16 x kD) += P (16 x kK, C fragments as S left them) · B (kK rows at sB).  The order of the
-// keys inside the contraction is free, so step (nt, e) gives lane t the key 8 nt + 2 t + e as its
-// k: the column its C fragment already holds (P never moves between lanes), and B's row.
+// keys inside the contraction is free, so lane t takes the keys its C fragment already holds (P
+// never moves between lanes) and B's rows follow: with k steps of 8, tile nt's k = t is the key
+// 8 nt + 2 t and k = t + 4 the key 8 nt + 2 t + 1 (as warp_gemm_cb_f32); with steps of 4, step
+// (nt, e) gives k = t the key 8 nt + 2 t + e.
 template <int kK, int kD, int kStride>
 __device__ __forceinline__ void warp_gemm_cb_f64(double (&acc)[kD / 8][4], const double (&p)[kK / 8][4], const double* sB, int lane) {
     const int g = lane / 4, t = lane % 4;
+#if CUFLASH_F64_MMA == 8
+#pragma unroll
+    for (int nt = 0; nt < kK / 8; ++nt) {
+        const double pv[4] = {p[nt][0], p[nt][2], p[nt][1], p[nt][3]};  // (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1)
+        const double* row = sB + (nt * 8 + 2 * t) * kStride + g;
+#pragma unroll
+        for (int ot = 0; ot < kD / 8; ++ot) mma_16x8x8_f64(acc[ot], pv, row[ot * 8], row[kStride + ot * 8]);
+    }
+#else
 #pragma unroll
     for (int nt = 0; nt < kK / 8; ++nt)
 #pragma unroll
@@ -69,10 +111,15 @@ __device__ __forceinline__ void warp_gemm_cb_f64(double (&acc)[kD / 8][4], const
 #pragma unroll
             for (int ot = 0; ot < kD / 8; ++ot) {
                 const double b = row[ot * 8];
+#if CUFLASH_F64_MMA == 4
+                mma_16x8x4_f64(acc[ot], p[nt][e], p[nt][2 + e], b);
+#else
                 mma_8x8x4_f64(acc[ot][0], acc[ot][1], p[nt][e], b);
                 mma_8x8x4_f64(acc[ot][2], acc[ot][3], p[nt][2 + e], b);
+#endif
             }
         }
+#endif
 }
 
 // float32 (mma.m16n8k8 .tf32, mma.cuh): kTerms 1 rounds every operand to TF32 (precision="tf32");
