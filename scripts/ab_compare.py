@@ -7,8 +7,8 @@ Each checkout is a directory, optionally followed by environment settings for it
 process (its own kernels, compiled from its own sources) that measures all parts; the order of the
 checkouts rotates from round to round, so none always goes first.  Rows: the forward and backward
 (bf16, batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against
-contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s), (part "widebwd", not in the
-default parts) the float32/float64 backward at head dims 64-256, seqlen 4k, (part "widemods", not in the
+contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s), (parts "widefwd" and "widebwd",
+not in the default parts) the float32/float64 forward and backward at head dims 64-256, seqlen 4k, (part "widemods", not in the
 default parts) their forward and backward with a bias, a key-padding mask or dropout, and (part "host") warm
 calls of tiny problems per millisecond, eager (host time, unless the kernel is slower) and
 replayed from a captured CUDA graph (the GPU's rate alone).  Per row: each checkout's median over the
@@ -72,6 +72,13 @@ def _part(checkout: str, part: str) -> list:
                 ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, dq=grads[0],
                                                                    dk=grads[1], dv=grads[2]))
             rows.append((f"{part} d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
+    elif part == "widefwd":  # the float32/float64 forward (issue 24)
+        for dtype, d in WIDE_BWD:
+            s, batch, heads = 4096, 4, 2048 // d
+            q, k, v = (cp.random.default_rng(0).standard_normal((batch, s, heads, d), dtype=dtype) for _ in range(3))
+            out = cuflash.attention(q, k, v)
+            ms = B.time_gpu(lambda: cuflash.attention(q, k, v, out=out))
+            rows.append((f"fwd {np.dtype(dtype).name} d{d} s{s}", B.attention_flops(batch, heads, s, s, d, False) / ms / 1e9))
     elif part == "widebwd":  # the float32/float64 backward (issue 24), atomic dQ as by default
         for dtype, d in WIDE_BWD:
             s, batch, heads = 4096, 4, 2048 // d
