@@ -210,16 +210,17 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
     switches = _score_switches(dtype, mods, softcap, alibi)
-    softcap, alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
+    named_softcap, named_alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit, dtype)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
-    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * softcap + "_alibi" * alibi + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
+    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * named_softcap + "_alibi" * named_alibi + "_splitkv" * splitkv
+    name += _MODS_SUFFIX[mods]
     name += "_switched" * switches + "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
-        ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(softcap or switches)),
-        ("CUFLASH_ALIBI", int(alibi or switches)), ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad),
+        ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(named_softcap or switches)),
+        ("CUFLASH_ALIBI", int(named_alibi or switches)), ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad),
         ("CUFLASH_MODS", mods), ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
     ) + ((("CUFLASH_SCORE_SWITCHES", 1),) if switches else ())
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
@@ -409,7 +410,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
     switches = _score_switches(dtype, mods, softcap, alibi)
-    softcap, alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
+    named_softcap, named_alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
 
     def ds_tile(rows, keys=None):  # atomic dQ: the (query rows, keys + 4) dS tile of flash_bwd.cu's _dkdv_dq
@@ -447,12 +448,13 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32)
                                    + STATIC_SMEM_RESERVE <= smem_limit)  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
-    name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * softcap + "_alibi" * alibi + _MODS_SUFFIX[mods]
+    name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * named_softcap + "_alibi" * named_alibi + _MODS_SUFFIX[mods]
     name += ("_switched" * switches + "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_ss" * split_s
              + "_adq" * (not deterministic))
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
-        ("CUFLASH_SOFTCAP", int(softcap or switches)), ("CUFLASH_ALIBI", int(alibi or switches)), ("CUFLASH_MODS", mods),
+        ("CUFLASH_SOFTCAP", int(named_softcap or switches)), ("CUFLASH_ALIBI", int(named_alibi or switches)),
+        ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
     ) + ((("CUFLASH_SCORE_SWITCHES", 1),) if switches else ())
     slabs = warps // col_split

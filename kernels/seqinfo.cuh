@@ -238,8 +238,9 @@ struct SeqInfo {
 
 // CUFLASH_SCORE_SWITCHES 1 (the float32/float64 modifier form, cuflash/_kernels.py): the kernel is
 // built with softcap and ALiBi (kSoftcap and kAlibi true) and the call's values switch them, a
-// softcap of 0 and null slopes being off, so that one variant serves the four combinations (each
-// variant is one more build in CI's compile check).  The branches are uniform over the block.
+// softcap of 0 and null slopes being off, so that one variant serves the three combinations with
+// either (each variant is one more build in CI's compile check).  The branches are uniform over
+// the block.
 #ifndef CUFLASH_SCORE_SWITCHES
 #define CUFLASH_SCORE_SWITCHES 0
 #endif

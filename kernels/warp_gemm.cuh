@@ -49,6 +49,9 @@ __device__ __forceinline__ void warp_gemm_rb(float (&acc)[kD / 8][4], const u32 
 #define CUFLASH_F64_MMA 0
 #endif
 #endif
+#if CUFLASH_F64_MMA != 0 && CUFLASH_F64_MMA != 4 && CUFLASH_F64_MMA != 8
+#error "CUFLASH_F64_MMA: 0 (m8n8k4 pairs), 4 (m16n8k4) or 8 (m16n8k8)"
+#endif
 
 // float64 (mma.cuh's f64 shapes): the same 16-row slabs and C-fragment layout as the 16-bit
 // products; operands read from shared memory with plain 64-bit loads (ldmatrix has no 64-bit

@@ -127,6 +127,32 @@ def test_variant_names_are_unique_and_spell_the_switches():
     assert dict(v.defines)["CUFLASH_HEADDIM"] == 128
 
 
+def test_switched_modifier_variants_keep_softcap_and_alibi():
+    """float32/float64 calls with a bias, mask or dropout and softcap or ALiBi run one ``_switched``
+    variant built with both (perf-notes f10), on every GPU size and through the backward's fallback
+    to whole S/dP tiles where the slab-summed buffer does not fit (a review found that fallback
+    dropping softcap and ALiBi); without either they keep the plain modifier form."""
+    wide_limits = (99 * 1024, 163 * 1024, 227 * 1024)
+    for limit in wide_limits:
+        for dtype in ("float32", "float64"):
+            for d in _kernels.HEADDIM_BUCKETS:
+                for softcap, alibi in ((True, False), (False, True), (True, True), (False, False)):
+                    switched = softcap or alibi
+                    kinds = [_kernels.fwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=2, smem_limit=limit)]
+                    kinds += [_kernels.bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=1, smem_limit=limit,
+                                                   deterministic=det) for det in (True, False)]
+                    for v in kinds:
+                        defines = dict(v.defines)
+                        assert ("_switched" in v.name) == switched, v.name
+                        assert defines["CUFLASH_SOFTCAP"] == defines["CUFLASH_ALIBI"] == int(switched), v
+                        assert defines.get("CUFLASH_SCORE_SWITCHES", 0) == int(switched), v
+                        assert "_softcap" not in v.name and "_alibi" not in v.name, v.name
+    # without modifiers the score forms stay variants of their own; 16-bit kernels never switch
+    v = _kernels.fwd_variant("float64", 128, softcap=True, alibi=False)
+    assert v.name.endswith("_softcap") and "CUFLASH_SCORE_SWITCHES" not in dict(v.defines)
+    assert "CUFLASH_SCORE_SWITCHES" not in dict(_kernels.fwd_variant("float16", 128, softcap=True, alibi=True, mods=1).defines)
+
+
 def test_tile_table_respects_shared_memory_limits():
     for dtype in ("float16", "float32", "float64"):
         for limit in (99 * 1024, 163 * 1024, 227 * 1024):

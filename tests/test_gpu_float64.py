@@ -426,3 +426,6 @@ def test_modifiers_on_small_shared_memory_gpus(rng, headdim, kernels_run, monkey
     _check_modifiers(rng, monkeypatch, q, k, v, causal=True, dropout_p=0.2, **_bias_and_mask(rng, 2, 2, 45, 70))
     atomic = [n for n in kernels_run if n.endswith("_adq")]
     assert atomic and all(("_ss_" in n) == (headdim == 128) for n in atomic), kernels_run
+    # softcap with them: the _switched variant, also where the slab-summed buffer does not fit (d160)
+    _check_modifiers(rng, monkeypatch, q, k, v, softcap=3.0, **_bias_and_mask(rng, 2, 2, 45, 70))
+    assert any("_switched" in n and n.endswith("_adq") for n in kernels_run), kernels_run

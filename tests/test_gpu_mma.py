@@ -21,8 +21,8 @@ extern "C" __global__ void mma_tf32_check(const float* A, const float* B, float*
     const float bf[2] = {B[t * 8 + g], B[(t + 4) * 8 + g]};
     float d[4] = {0.f, 0.f, 0.f, 0.f};
     u32 ah[4], al[4], bh[2], bl[2];
-    for (int i = 0; i < 4; ++i) split_tf32(af[i], ah[i], al[i]);
-    for (int i = 0; i < 2; ++i) split_tf32(bf[i], bh[i], bl[i]);
+    for (int i = 0; i < 4; ++i) split ? split_tf32(af[i], ah[i], al[i]) : void(ah[i] = to_tf32(af[i]));
+    for (int i = 0; i < 2; ++i) split ? split_tf32(bf[i], bh[i], bl[i]) : void(bh[i] = to_tf32(bf[i]));
     if (split) {  // 3xTF32: the small terms first
         mma_16x8x8_tf32(d, al, bh[0], bh[1]);
         mma_16x8x8_tf32(d, ah, bl[0], bl[1]);
@@ -31,14 +31,23 @@ extern "C" __global__ void mma_tf32_check(const float* A, const float* B, float*
     for (int e = 0; e < 4; ++e) D[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
 }
 
-extern "C" __global__ void mma_f64_check(const double* A, const double* B, double* D) {
+extern "C" __global__ void mma_f64_check(const double* A, const double* B, double* D, int shape) {
     const int lane = threadIdx.x, g = lane / 4, t = lane % 4;  // A (16 x 8) and B (8 x 8) row-major
-    double d[2][2] = {{0.0, 0.0}, {0.0, 0.0}};  // rows g and g + 8: two m8n8 tiles stacked
-    for (int k0 = 0; k0 < 8; k0 += 4)
-        for (int half = 0; half < 2; ++half)
-            mma_8x8x4_f64(d[half], A[(g + 8 * half) * 8 + k0 + t], B[(k0 + t) * 8 + g]);
-    for (int half = 0; half < 2; ++half)
-        for (int e = 0; e < 2; ++e) D[(g + 8 * half) * 8 + 2 * t + e] = d[half][e];
+    double d[4] = {0.0, 0.0, 0.0, 0.0};  // the 16 x 8 C fragment: rows g (d0, d1) and g + 8 (d2, d3)
+    if (shape == 0) {  // m8n8k4 (sm_80+): two tiles stacked
+        for (int k0 = 0; k0 < 8; k0 += 4)
+            for (int half = 0; half < 2; ++half)
+                mma_8x8x4_f64(d[2 * half], d[2 * half + 1], A[(g + 8 * half) * 8 + k0 + t], B[(k0 + t) * 8 + g]);
+    }
+#if __CUDA_ARCH__ >= 900
+    if (shape == 4)  // m16n8k4 (sm_90+)
+        for (int k0 = 0; k0 < 8; k0 += 4) mma_16x8x4_f64(d, A[g * 8 + k0 + t], A[(g + 8) * 8 + k0 + t], B[(k0 + t) * 8 + g]);
+    if (shape == 8) {  // m16n8k8 (sm_90+)
+        const double a[4] = {A[g * 8 + t], A[(g + 8) * 8 + t], A[g * 8 + t + 4], A[(g + 8) * 8 + t + 4]};
+        mma_16x8x8_f64(d, a, B[t * 8 + g], B[(t + 4) * 8 + g]);
+    }
+#endif
+    for (int e = 0; e < 4; ++e) D[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
 }
 '''
 
@@ -115,13 +124,17 @@ def test_3xtf32_products_keep_float32_accuracy(module, seed):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("shape", [0, 4, 8], ids=["m8n8k4", "m16n8k4", "m16n8k8"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_float64_products(module, seed):
+def test_float64_products(module, seed, shape):
+    """sm_80's m8n8k4 pairs and sm_90's 16-row shapes (warp_gemm.cuh's CUFLASH_F64_MMA)."""
     import cupy as cp
 
+    if shape and int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("m16n8k4/m16n8k8 .f64 need sm_90")
     a, b = _operands(seed)
-    out = cp.empty((16, 8), dtype=cp.float64)
-    module.get_function("mma_f64_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out))
+    out = cp.full((16, 8), np.nan, dtype=cp.float64)
+    module.get_function("mma_f64_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out, np.int32(shape)))
     exact = a @ b
     scale = np.abs(a) @ np.abs(b)
     assert (np.abs(out.get() - exact) <= 8 * 2.0**-53 * scale).all()
