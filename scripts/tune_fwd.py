@@ -2,7 +2,8 @@
 
 Tuning writes data: the winner goes into cuflash._kernels.fwd_tile.  Each configuration is
 checked against plain attention before it is timed.
-Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPSxMINBLOCKSxQINREGS,...]
+Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPSxMINBLOCKSxQINREGS[xCOLSPLIT],...]
+       (COLSPLIT, float32/float64 only: warps sharing each 16-row slab, each with its share of O's columns)
        python scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS,... (the Hopper forward's SM90_FWD_TILES)
        python scripts/tune_fwd.py --decode BMxBNxWARPS,...
 """
@@ -123,10 +124,10 @@ def main():
                                    lambda: _kernels.sm90_fwd_variant("bfloat16", d, softcap=False, alibi=False))
                     continue
                 for cfg in args.configs.split(","):
-                    bm, bn, w, mb, qr = map(int, cfg.split("x"))
-                    wide = dict(row_pad=4, itemsize=itemsize) if itemsize > 2 else {}
+                    bm, bn, w, mb, qr, cs = (*map(int, cfg.split("x")), 1)[:6]
+                    wide = dict(row_pad=4, itemsize=itemsize, col_split=cs) if itemsize > 2 else {}
                     tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr), **wide)
-                    if bm % (16 * w) or tile.smem_bytes(d) > 227 * 1024 - _kernels.STATIC_SMEM_RESERVE:
+                    if w % cs or bm % (16 * w // cs) or tile.smem_bytes(d) > 227 * 1024 - _kernels.STATIC_SMEM_RESERVE:
                         continue
                     run_config(qkv, causal, cfg, overridden(vars(_kernels), "fwd_tile", tile_function(tile)),
                                lambda: _kernels.fwd_variant(dtype_name, d, softcap=False, alibi=False))
