@@ -177,14 +177,16 @@ def _mods_form(dtype: str, mods: int) -> int:
     return 2 if mods and dtype in WIDE_ITEMSIZE else mods
 
 
-def _score_switches(dtype: str, mods: int, softcap: bool, alibi: bool) -> bool:
-    """Whether a variant is built with softcap and ALiBi that the call's values switch on and off
-    (CUFLASH_SCORE_SWITCHES, seqinfo.cuh: a softcap of 0 and null slopes are off): the float32/float64
-    modifier form with softcap or ALiBi, one variant (``_switched``) for the three combinations
-    instead of three (each is a build of CI's compile check for two architectures).  The modifier
-    form without either keeps them off at compile time: the switches' per-score branches cost
-    bias calls 6-34 % (perf-notes f10)."""
-    return bool(mods) and dtype in WIDE_ITEMSIZE and (softcap or alibi)
+def _score_form(dtype: str, mods: int, softcap: bool, alibi: bool) -> tuple:
+    """(name part, defines) of a variant's softcap and ALiBi.  The float32/float64 modifier form
+    with either is one ``_switched`` variant built with both, which the call's values switch on and
+    off (CUFLASH_SCORE_SWITCHES, seqinfo.cuh: a softcap of 0 and null slopes are off): one build of
+    CI's compile check (for two architectures) instead of three.  Every other variant, and that
+    form without either, has them on or off at compile time: the switches' per-score branches
+    cost bias calls 6-34 % (perf-notes f10)."""
+    if mods and dtype in WIDE_ITEMSIZE and (softcap or alibi):
+        return "_switched", (("CUFLASH_SOFTCAP", 1), ("CUFLASH_ALIBI", 1), ("CUFLASH_SCORE_SWITCHES", 1))
+    return "_softcap" * softcap + "_alibi" * alibi, (("CUFLASH_SOFTCAP", int(softcap)), ("CUFLASH_ALIBI", int(alibi)))
 
 
 def _raw_applies(raw: bool, mods: int, softcap: bool, alibi: bool) -> bool:
@@ -209,20 +211,18 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     """
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
-    switches = _score_switches(dtype, mods, softcap, alibi)
-    named_softcap, named_alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
+    score_name, score_defines = _score_form(dtype, mods, softcap, alibi)
     t = decode_tile(d) if splitkv else fwd_tile(d, smem_limit, dtype)
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
-    name += "_qsmem" * (not t.q_in_regs) + "_softcap" * named_softcap + "_alibi" * named_alibi + "_splitkv" * splitkv
-    name += _MODS_SUFFIX[mods]
-    name += "_switched" * switches + "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
+    name += "_qsmem" * (not t.q_in_regs) + score_name + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
+    name += "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
-        ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), ("CUFLASH_SOFTCAP", int(named_softcap or switches)),
-        ("CUFLASH_ALIBI", int(named_alibi or switches)), ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad),
-        ("CUFLASH_MODS", mods), ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
-    ) + ((("CUFLASH_SCORE_SWITCHES", 1),) if switches else ())
+        ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), *score_defines,
+        ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
+        ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
+    )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
 
@@ -409,8 +409,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     (``_q32``).  (perf-notes f9.)"""
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
-    switches = _score_switches(dtype, mods, softcap, alibi)
-    named_softcap, named_alibi = softcap and not switches, alibi and not switches  # (switched: built in, named _switched)
+    score_name, score_defines = _score_form(dtype, mods, softcap, alibi)
     itemsize = WIDE_ITEMSIZE.get(dtype, 2)
 
     def ds_tile(rows, keys=None):  # atomic dQ: the (query rows, keys + 4) dS tile of flash_bwd.cu's _dkdv_dq
@@ -448,15 +447,14 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32)
                                    + STATIC_SMEM_RESERVE <= smem_limit)  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
-    name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + "_softcap" * named_softcap + "_alibi" * named_alibi + _MODS_SUFFIX[mods]
-    name += ("_switched" * switches + "_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_ss" * split_s
+    name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + score_name + _MODS_SUFFIX[mods]
+    name += ("_tf32" * tf32 + f"_cs{col_split}" * (col_split > 1) + f"_q{query_tile}" * bool(query_tile) + "_ss" * split_s
              + "_adq" * (not deterministic))
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
-        ("CUFLASH_SOFTCAP", int(named_softcap or switches)), ("CUFLASH_ALIBI", int(named_alibi or switches)),
-        ("CUFLASH_MODS", mods),
+        *score_defines, ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
-    ) + ((("CUFLASH_SCORE_SWITCHES", 1),) if switches else ())
+    )
     slabs = warps // col_split
     smem = bwd_smem_bytes(d, slabs, itemsize, query_rows=query_tile)
     if not deterministic:
@@ -539,7 +537,7 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
     # float32/float64: four score forms without modifiers; one modifier form (_mods_form) without
-    # softcap and ALiBi and one with them switched at run time (_score_switches) (issue 24)
+    # softcap and ALiBi and one with them switched at run time (_score_form) (issue 24)
     wide = [(softcap, alibi, mods) for mods in (0, 2) for softcap in (False, True) for alibi in (False, True)
             if not mods or softcap == alibi]
     out += [fwd_variant("float64", d, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit)

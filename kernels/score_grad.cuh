@@ -16,24 +16,6 @@ __device__ __forceinline__ A lse_log2(A lse) {
     return lse == -inf ? inf : lse * static_cast<A>(1.4426950408889634);
 }
 
-// seqinfo.cuh's final_score (scale, softcap, ALiBi; natural units), and d(final score)/d(scale·q·k)
-// (the softcap derivative) in dcap.
-template <bool kSoftcap, bool kAlibi, class A>
-__device__ __forceinline__ A final_score_dcap(A qk, A scale, A softcap, A slope, int i, int j, int offset, A& dcap) {
-    dcap = 1;
-    A s = qk * scale;
-    if constexpr (kSoftcap) {
-        if (!kScoreSwitches || softcap != A(0)) {  // (seqinfo.cuh's kScoreSwitches)
-            const A t = acc::tanh(s / softcap);
-            s = softcap * t;
-            dcap = static_cast<A>(1) - t * t;
-        }
-    }
-    if constexpr (kAlibi)
-        if (!kScoreSwitches || slope != A(0)) s -= slope * acc::abs(static_cast<A>(i + offset - j));
-    return s;
-}
-
 // P for one score, and the softcap derivative in dcap.
 template <bool kSoftcap, bool kAlibi, class A>
 __device__ __forceinline__ A prob(A qk, A scale, A softcap, A slope, int i, int j, int offset, A lse2, A& dcap) {

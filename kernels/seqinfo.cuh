@@ -258,17 +258,29 @@ __device__ __forceinline__ A alibi_slope(const FlashParams& p, int b, int h) {
 }
 
 // The score pipeline of docs/conventions, in order: scale -> softcap -> ALiBi -> bias -> mask.
-// final_score: scale, softcap and ALiBi in natural units (the caller adds the bias, where there
-// is one: softmax_tile.cuh, and applies the masks).
+// final_score_dcap: scale, softcap and ALiBi in natural units (the caller adds the bias, where
+// there is one: softmax_tile.cuh, and applies the masks), and d(final score)/d(scale·q·k) (the
+// softcap derivative, for the backward's score_grad.cuh) in dcap; final_score without it.
 // A: float, or double in the float64 kernels.
 template <bool kSoftcap, bool kAlibi, class A>
-__device__ __forceinline__ A final_score(A qk, A scale, A softcap, A slope, int i, int j, int offset) {
+__device__ __forceinline__ A final_score_dcap(A qk, A scale, A softcap, A slope, int i, int j, int offset, A& dcap) {
+    dcap = 1;
     A s = qk * scale;
-    if constexpr (kSoftcap)
-        if (!kScoreSwitches || softcap != A(0)) s = softcap * acc::tanh(s / softcap);
+    if constexpr (kSoftcap) {
+        if (!kScoreSwitches || softcap != A(0)) {
+            const A t = acc::tanh(s / softcap);
+            s = softcap * t;
+            dcap = static_cast<A>(1) - t * t;
+        }
+    }
     if constexpr (kAlibi)
         if (!kScoreSwitches || slope != A(0)) s -= slope * acc::abs(static_cast<A>(i + offset - j));
     return s;
+}
+template <bool kSoftcap, bool kAlibi, class A>
+__device__ __forceinline__ A final_score(A qk, A scale, A softcap, A slope, int i, int j, int offset) {
+    A dcap;  // (unused: the compiler drops its arithmetic)
+    return final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap);
 }
 
 // The same in log2 units (times log2(e)) so the softmax can use exp2.  Without softcap and ALiBi

@@ -33,7 +33,7 @@ FWD = [(d, s, c) for d in (64, 128, 256) for s, c in ((1024, False), (4096, Fals
 BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True), (256, 4096, False)]
 DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
-WIDE_BWD = [(dt, d) for dt in ("float32", "float64") for d in (64, 96, 128, 160, 192, 256)]  # seqlen 4096, non-causal
+WIDE_ROWS = [(dt, d) for dt in ("float32", "float64") for d in (64, 96, 128, 160, 192, 256)]  # (widefwd, widebwd) seqlen 4096, non-causal
 WIDE_MODS = [(dt, d) for dt in ("float32", "float64") for d in (64, 128)]  # seqlen 4096, non-causal
 
 
@@ -73,14 +73,14 @@ def _part(checkout: str, part: str) -> list:
                                                                    dk=grads[1], dv=grads[2]))
             rows.append((f"{part} d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
     elif part == "widefwd":  # the float32/float64 forward (issue 24)
-        for dtype, d in WIDE_BWD:
+        for dtype, d in WIDE_ROWS:
             s, batch, heads = 4096, 4, 2048 // d
             q, k, v = (cp.random.default_rng(0).standard_normal((batch, s, heads, d), dtype=dtype) for _ in range(3))
             out = cuflash.attention(q, k, v)
             ms = B.time_gpu(lambda: cuflash.attention(q, k, v, out=out))
             rows.append((f"fwd {np.dtype(dtype).name} d{d} s{s}", B.attention_flops(batch, heads, s, s, d, False) / ms / 1e9))
     elif part == "widebwd":  # the float32/float64 backward (issue 24), atomic dQ as by default
-        for dtype, d in WIDE_BWD:
+        for dtype, d in WIDE_ROWS:
             s, batch, heads = 4096, 4, 2048 // d
             q, k, v, dout = (cp.random.default_rng(0).standard_normal((batch, s, heads, d), dtype=dtype) for _ in range(4))
             out, lse = cuflash.attention(q, k, v, return_lse=True)
