@@ -104,8 +104,10 @@ class TileConfig:
     col_split: int = 1  # warps sharing each 16-row slab, each with its share of O's columns (float64 past d128)
 
     def smem_bytes(self, headdim: int) -> int:
-        # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements.
-        return (self.block_m + 2 * self.block_n) * (headdim + self.row_pad) * self.itemsize
+        # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements (float64's
+        # V rows by 16 bytes: flash_fwd.cu's kStrideV).
+        v_pad = 16 // self.itemsize if self.itemsize == 8 else self.row_pad
+        return ((self.block_m + self.block_n) * (headdim + self.row_pad) + self.block_n * (headdim + v_pad)) * self.itemsize
 
 
 def headdim_bucket(headdim: int) -> int:
@@ -126,19 +128,23 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     32 spilled 224 bytes: 14), 64 x 16 where 169 KB do not fit (the A100: 163), 32 x 16 on GPUs of
     99 KB (sm_86/89); past d128 two warps share each 16-row slab (col_split, each with half of O's
     columns), 64 x 16 with 8 warps (32 keys spilled 840 bytes at d256; not measured yet).
-    float32 likewise: 64 x 64 to d64, 64 x 32 past it, smaller where shared memory is short (3xTF32, seqlen
-    4k, session 23: d128 64 x 32 39 TF/s non-causal, 36 causal; 64 x 64 32 and 25, spilling 32 bytes).
+    float32 likewise: 64 x 32 to d192 (3xTF32, seqlen 4k, session 23: d128 39 TF/s non-causal, 36
+    causal, 64 x 64 32 and 25 spilling 32 bytes; session 28, d64: 50 against 64 x 64's 45), at d256
+    64 x 16 with 8 warps and O's columns over two (27 against 64 x 32's 23), smaller where shared
+    memory is short.  float64's V rows are padded by 16 bytes (TileConfig.smem_bytes).
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
     if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks
         item = WIDE_ITEMSIZE[dtype]
-        split = 2 if item == 8 and headdim > 128 else 1  # (float64's O: D/2 doubles a thread without it)
-        if item == 8 and split == 2:  # (32 keys spilled 840 bytes at d256, 16 keys 4-8: NVRTC 13.0, session 24)
+        # Column splits: float64 past d128 (its O: D/2 doubles a thread without one), float32 at d256
+        # (O's 128 registers left one 4-warp block an SM: 23 TF/s against 27 with 8 warps, session 28).
+        split = 2 if (item == 8 and headdim > 128) or headdim > 224 else 1
+        if split == 2:  # (float64: 32 keys spilled 840 bytes at d256, 16 keys 4-8: NVRTC 13.0, session 24)
             shapes = ((64, 16, 8), (32, 16, 4), (16, 16, 2))
         elif item == 8:  # (past d64 the 32-key tiles spill 224 bytes: 14 TF/s against 16 keys' 21-23, session 24)
             shapes = ((64, 32, 4), (32, 16, 2)) if headdim <= 64 else ((128, 16, 8), (64, 16, 4), (32, 16, 2))
-        else:
-            shapes = ((64, 64 if headdim <= 64 else 32, 4), (64, 32, 4), (32, 32, 2))
+        else:  # (d64: 32 keys 47-50 TF/s against 64 keys' 42-45, which spilled 88 bytes; session 28)
+            shapes = ((64, 32, 4), (32, 32, 2))
         tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split) for bm, bn, w in shapes]
         # (their static shared memory: seqinfo.cuh's 256 bytes and the paged caches' page slots, 16 a key)
         return next((t for t in tiles if t.smem_bytes(headdim) + 256 + 16 * t.block_n <= smem_limit), tiles[-1])

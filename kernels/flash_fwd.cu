@@ -92,6 +92,7 @@ constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // kColSplit 2 (float64 past d128: its O accumulator would be D/2 doubles a thread): two warps take
 // the same 16 query rows, both form S and P for them, and each accumulates half of O's columns.
 constexpr int kColSplit = CUFLASH_SLAB_WARPS;
+template <int kValue> struct IntConst { static constexpr int value = kValue; };
 
 // Merge the softmax states of warps that saw different keys of the same rows into warp 0:
 // with M the largest running max of a row and f_w = 2^(m_w - M), warp 0 ends with m = M,
@@ -271,13 +272,17 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     constexpr int kStride = kD + kRowPad;        // padded shared-memory row, in elements
     static_assert(kBM % (16 * kRowWarps) == 0 && kBNW % 16 == 0 && kD % 32 == 0, "bad tile shape");
     static_assert(kRowPad * sizeof(E) == 16 || kRowPad * sizeof(E) == 32, "rows padded by 16 or 32 bytes");
+    // float64: V's rows padded by 16 bytes, not Q's and K's 32.  P V reads V at rows 2t, columns g
+    // (lane = 4g + t): with 32 bytes rows 2t and 2t + 4 met in the same banks (2-way conflicts on a
+    // third of the loads, perf-notes f11); S's loads (rows g, columns t) keep 32 bytes for theirs.
+    constexpr int kStrideV = kF64 ? kD + 16 / static_cast<int>(sizeof(E)) : kStride;
 
     // 128-byte aligned: dynamic shared memory follows the static variables, and a base off a
     // 32-byte unit would undo the whole-sector rows of split-KV (16 bytes of static data cost 15 %, d8).
     extern __shared__ __align__(128) unsigned char smem_raw[];
     E* sQ = reinterpret_cast<E*>(smem_raw);  // (kBM, kStride), reused to stage O
     E* sK = sQ + kBM * kStride;              // (kBN, kStride)
-    E* sV = sK + kBN * kStride;              // (kBN, kStride)
+    E* sV = sK + kBN * kStride;              // (kBN, kStrideV)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row_warp = kSplitKV ? 0 : warp / kColSplit, key_warp = kSplitKV ? warp : 0;
@@ -357,21 +362,26 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             }
         }
     };
-    auto load_kv = [&](E* smem, const void* base, const E* g_seq, long long batch_stride, long long row_stride,
+    auto load_kv = [&](auto stride, E* smem, const void* base, const E* g_seq, long long batch_stride, long long row_stride,
                        long long head_stride, int nb, int chunks) {
+        constexpr int kStrideKV = decltype(stride)::value;  // (the tile's rows in shared memory)
         const int n0 = nb * kBN;
         if (paged) {
             const E* g_head = static_cast<const E*>(base) + hk * head_stride;
             const int2* rows = s_page_slot[nb & 1];
-            load_tile_rows<kBN, kD, kThreads, kStride, kSplitKV>(
+            load_tile_rows<kBN, kD, kThreads, kStrideKV, kSplitKV>(
                 smem, [&](int r) { return g_head + rows[r].x * batch_stride + rows[r].y * row_stride; },
                 g_head, seq.sk - n0, chunks, tid);
         } else {
-            load_tile<kBN, kD, kThreads, kStride, kSplitKV>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
+            load_tile<kBN, kD, kThreads, kStrideKV, kSplitKV>(smem, g_seq + n0 * row_stride, row_stride, seq.sk - n0, chunks, tid);
         }
     };
-    auto load_k = [&](int nb) { load_kv(sK, p.k, gK(), p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks); };
-    auto load_v = [&](int nb) { load_kv(sV, p.v, gV(), p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks); };
+    auto load_k = [&](int nb) {
+        load_kv(IntConst<kStride>{}, sK, p.k, gK(), p.k_batch_stride, p.k_row_stride, p.k_head_stride, nb, qk_chunks);
+    };
+    auto load_v = [&](int nb) {
+        load_kv(IntConst<kStrideV>{}, sV, p.v, gV(), p.v_batch_stride, p.v_row_stride, p.v_head_stride, nb, v_chunks);
+    };
 
     const ScoreArgsT<A> score_args = {static_cast<A>(p.softmax_scale), static_cast<A>(p.softmax_scale * 1.4426950408889634),
                                       static_cast<A>(p.softcap), kAlibi ? alibi_slope<A>(p, b, h) : A(0)};
@@ -401,7 +411,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         u32 qf[kQInRegs ? kMT : 1][kQInRegs ? kKS : 1][4];
         const E* sQw = sQ + row_warp * kMT * 16 * kStride;  // this warp's rows
         const E* sKw = sK + key_warp * kBNW * kStride;      // this warp's keys, of K and V
-        const E* sVw = sV + key_warp * kBNW * kStride;
+        const E* sVw = sV + key_warp * kBNW * kStrideV;
 
         // (The loop steps by --nb, with kMods' skip added at the end of the body, and next_tile(nb)
         // is recomputed where it is used: `nb = next_tile(nb)` as the step, even where it is
@@ -498,14 +508,14 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
             // O += P V, with P's registers as the A operand.
             if constexpr (kWide) {  // (P as S left it: warp_gemm.cuh)
 #pragma unroll
-                for (int mt = 0; mt < kMT; ++mt) gemm_cb<T, kTf32Terms, kBNW, kOW * 8, kStride>(o[mt], s[mt], sVw + col0, lane);
+                for (int mt = 0; mt < kMT; ++mt) gemm_cb<T, kTf32Terms, kBNW, kOW * 8, kStrideV>(o[mt], s[mt], sVw + col0, lane);
             } else {
 #pragma unroll
             for (int kk = 0; kk < kBNW / 16; ++kk) {
 #pragma unroll
                 for (int dp = 0; dp < kOT / 2; ++dp) {
                     u32 vb[4];  // B fragments of O columns 16dp..+7 (vb[0..1]) and +8..15 (vb[2..3])
-                    ldmatrix_x4_trans(vb, sVw + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStride + dp * 16 + (lane / 16) * 8);
+                    ldmatrix_x4_trans(vb, sVw + (kk * 16 + lane % 8 + ((lane / 8) % 2) * 8) * kStrideV + dp * 16 + (lane / 16) * 8);
 #pragma unroll
                     for (int mt = 0; mt < kMT; ++mt) {
                         mma_16x8x16<T>(o[mt][2 * dp], pk[mt][kk], vb[0], vb[1]);

@@ -179,10 +179,13 @@ def test_wide_backward_variants_fit_their_gpus():
 
 
 def test_float32_forward_tiles():
-    """float32 (3xTF32) takes 64 keys a tile to d64 and 32 past it: at d128 64 keys spilled (32 ->
-    39 TF/s with 32, H200, session 23)."""
-    assert _kernels.fwd_tile(64, dtype="float32").block_n == 64
-    assert all(_kernels.fwd_tile(d, dtype="float32").block_n == 32 for d in _kernels.HEADDIM_BUCKETS if d > 64)
+    """float32 (3xTF32) takes 64 x 32 tiles to d192 (64 keys spilled: at d128 32 -> 39 TF/s with 32,
+    session 23; at d64 45 -> 50, session 28) and at d256 64 x 16 with 8 warps, O's columns over two
+    (23 -> 27 TF/s, H200, session 28)."""
+    for d in _kernels.HEADDIM_BUCKETS:
+        t = _kernels.fwd_tile(d, dtype="float32")
+        expected = (64, 16, 8, 2) if d == 256 else (64, 32, 4, 1)
+        assert (t.block_m, t.block_n, t.warps, t.col_split) == expected, (d, t)
 
 
 def test_float64_forward_tiles():
