@@ -117,6 +117,13 @@ struct BwdShape {
     static constexpr int kDqParts = kWarps / (kQT / 16), kDQW = kD / kDqParts;
     static_assert(kWarps % (kQT / 16) == 0 && kD % (8 * kDqParts) == 0, "dQ: whole 8-column tiles a warp");
     static constexpr int kCW = kDQW % 32 == 0 ? 32 : kDQW % 24 == 0 ? 24 : kDQW % 16 == 0 ? 16 : 8;
+    // float64 with atomic dQ: Q, dO, K and V tiles swizzled (tile_io.cuh's swizzle_f64).  Each is
+    // read both as rows g / columns t (the S and dP products) and as rows 2t / columns g (B of dV, dK
+    // and dQ), which no row padding serves at once: with 32 bytes the second form was 2-way bank
+    // conflicted.  (Not in the ordered kernels of deterministic=True: there ptxas 13.0 spilled 1.7 KB
+    // in _dq at d128 with it, 0.7 KB without.)
+    static constexpr bool kSwz = Elem<T>::kF64 && !CUFLASH_DETERMINISTIC;
+    static_assert(!kSwz || kStride % 16 == 4, "swizzle_f64's banks: rows of 4 mod 16 doubles");
 };
 
 // addr[0], addr[1] += x, y atomically (float32: one vector reduction on sm_90; addr 8-byte aligned).
@@ -179,6 +186,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
+    constexpr bool kSwz = Shape::kSwz;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     E* sQ = reinterpret_cast<E*>(smem_raw);  // (kT, kStride), reused to stage dQ
     E* sdO = sQ + kT * kStride;              // (kT, kStride)
@@ -225,14 +233,14 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         mods.narrow_key_tiles<kT, kT>(blockIdx.x, lo, hi);
         n_lo = max(n_lo, lo * kT), n_hi = min(n_hi, hi * kT);
     }
-    load_tile<kT, kD, kThreads, kStride>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
-    load_tile<kT, kD, kThreads, kStride>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
+    load_tile<kT, kD, kThreads, kStride, false, kSwz>(sQ, gQ, p.q_row_stride, rows_valid, qk_chunks, tid);
+    load_tile<kT, kD, kThreads, kStride, false, kSwz>(sdO, gdO, p.do_row_stride, rows_valid, v_chunks, tid);
     cp_async_commit();
     for (int n0 = n_lo / kT * kT; n0 < n_hi; n0 += kT) {
         const int mask_state = kMods ? mods.tile_state<kT, kT>(blockIdx.x, n0 / kT) : 2;
         if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile: it adds nothing
-        load_tile<kT, kD, kThreads, kStride>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
-        load_tile<kT, kD, kThreads, kStride>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride, false, kSwz>(sK, gK + n0 * p.k_row_stride, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride, false, kSwz>(sV, gV + n0 * p.v_row_stride, p.v_row_stride, seq.sk - n0, v_chunks, tid);
         cp_async_commit();
         cp_async_wait<0>();
         __syncthreads();  // Q, dO (first time), K and V tiles are in shared memory
@@ -245,8 +253,8 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
             }, mask_state != 1);
         zero(s);
         zero(dp);
-        gemm_abt<T, kTf32Terms, kD, kT, kStride>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
-        gemm_abt<T, kTf32Terms, kD, kT, kStride>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
+        gemm_abt<T, kTf32Terms, kD, kT, kStride, kSwz>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
+        gemm_abt<T, kTf32Terms, kD, kT, kStride, kSwz>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
         unsigned keep = ~0u;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
@@ -268,7 +276,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                 s[nt][e] = ds * dcap;  // dS, without the softmax scale
             }
         }
-        gemm_cb<T, kTf32Terms, kT, kDW, kStride>(dq, s, sK + col0, lane);  // dQ += dS K
+        gemm_cb<T, kTf32Terms, kT, kDW, kStride, kSwz>(dq, s, sK + col0, lane);  // dQ += dS K
         __syncthreads();  // every warp is done with sK, sV before the next tiles overwrite them
     }
     cp_async_wait<0>();  // the Q/dO copies are complete even when no key tile was visited
@@ -283,6 +291,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     using E = typename Shape::E;
     using A = typename Shape::A;
     constexpr int kPer = Shape::kPer, kT = Shape::kT, kThreads = Shape::kThreads, kStride = Shape::kStride, kDW = Shape::kDW;
+    constexpr bool kSwz = Shape::kSwz;
     constexpr int kQT = Shape::kQT, kLdS = Shape::kLdS, kCW = Shape::kCW, kDqParts = Shape::kDqParts, kDQW = Shape::kDQW;
     static_assert(!kAtomicDq || Elem<T>::kWide, "atomic dQ: the float32/float64 kernels (16-bit: flash_bwd_sm90.cu)");
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -322,8 +331,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     zero(dk);
     zero(dv);
     if (n0 < seq.sk) {
-        load_tile<kT, kD, kThreads, kStride>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
-        load_tile<kT, kD, kThreads, kStride>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride, false, kSwz>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
+        load_tile<kT, kD, kThreads, kStride, false, kSwz>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
         cp_async_commit();
         int i_lo, i_hi;
         seq.query_range(n0, n0 + kT, i_lo, i_hi);
@@ -341,8 +350,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile
                 const int rows_valid = min(kQT, seq.sq - m0);
                 __syncthreads();  // every warp is done with the previous query tile
-                load_tile<kQT, kD, kThreads, kStride>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
-                load_tile<kQT, kD, kThreads, kStride>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
+                load_tile<kQT, kD, kThreads, kStride, false, kSwz>(sQ, gQ + m0 * p.q_row_stride, p.q_row_stride, rows_valid, qk_chunks, tid);
+                load_tile<kQT, kD, kThreads, kStride, false, kSwz>(sdO, gdO + m0 * p.do_row_stride, p.do_row_stride, rows_valid, v_chunks, tid);
                 cp_async_commit();
                 for (int r = tid; r < kQT; r += kThreads) {
                     sLse2[r] = r >= rows_valid ? static_cast<A>(__int_as_float(0x7f800000))
@@ -361,12 +370,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 zero(st);
                 zero(dpt);
                 if constexpr (kSplitS) {  // this warp's columns of the contractions, summed over the slab
-                    gemm_abt<T, kTf32Terms, kDW, kQT, kStride>(st, sK + warp * 16 * kStride + col0, sQ + col0, lane);
-                    gemm_abt<T, kTf32Terms, kDW, kQT, kStride>(dpt, sV + warp * 16 * kStride + col0, sdO + col0, lane);
+                    gemm_abt<T, kTf32Terms, kDW, kQT, kStride, kSwz>(st, sK + warp * 16 * kStride + col0, sQ + col0, lane);
+                    gemm_abt<T, kTf32Terms, kDW, kQT, kStride, kSwz>(dpt, sV + warp * 16 * kStride + col0, sdO + col0, lane);
                     sum_over_slab_warps<kColSplit>(st, dpt, sPart, tid / 32, lane);
                 } else {
-                    gemm_abt<T, kTf32Terms, kD, kQT, kStride>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
-                    gemm_abt<T, kTf32Terms, kD, kQT, kStride>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
+                    gemm_abt<T, kTf32Terms, kD, kQT, kStride, kSwz>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
+                    gemm_abt<T, kTf32Terms, kD, kQT, kStride, kSwz>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 }
                 const bool masked = !seq.tile_all_visible(m0, m0 + kQT, n0, n0 + kT);
                 unsigned keep[2] = {~0u, ~0u};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
@@ -401,8 +410,8 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     }
                 }
                 if constexpr (Elem<T>::kWide) {
-                    gemm_cb<T, kTf32Terms, kQT, kDW, kStride>(dv, st, sdO + col0, lane);  // dV += Pᵀ dO
-                    gemm_cb<T, kTf32Terms, kQT, kDW, kStride>(dk, dpt, sQ + col0, lane);  // dK += dSᵀ Q
+                    gemm_cb<T, kTf32Terms, kQT, kDW, kStride, kSwz>(dv, st, sdO + col0, lane);  // dV += Pᵀ dO
+                    gemm_cb<T, kTf32Terms, kQT, kDW, kStride, kSwz>(dk, dpt, sQ + col0, lane);  // dK += dSᵀ Q
                 } else {  // (both conversions first: the order the 16-bit kernels were tuned with)
                     u32 pa[kQT / 16][4], dsa[kQT / 16][4];
                     c_to_a<T, kQT>(pa, st);
@@ -431,12 +440,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                         A dq[kCW / 8][4];
                         zero(dq);
                         if constexpr (kKC == kT) {
-                            gemm_cb<T, kTf32Terms, kT, kCW, kStride>(dq, ds, sK + dq_col0 + c0, lane);
+                            gemm_cb<T, kTf32Terms, kT, kCW, kStride, kSwz>(dq, ds, sK + dq_col0 + c0, lane);
                         } else {
 #pragma unroll 1
                             for (int k0 = 0; k0 < kT; k0 += kKC) {
                                 load_ds(ds, k0);
-                                gemm_cb<T, kTf32Terms, kKC, kCW, kStride>(dq, ds, sK + k0 * kStride + dq_col0 + c0, lane);
+                                gemm_cb<T, kTf32Terms, kKC, kCW, kStride, kSwz>(dq, ds, sK + k0 * kStride + dq_col0 + c0, lane);
                             }
                         }
 #pragma unroll

@@ -56,11 +56,15 @@ __device__ __forceinline__ void warp_gemm_rb(float (&acc)[kD / 8][4], const u32 
 // float64 (mma.cuh's f64 shapes): the same 16-row slabs and C-fragment layout as the 16-bit
 // products; operands read from shared memory with plain 64-bit loads (ldmatrix has no 64-bit
 // form).  acc (16 x kN) += A (16 x kD) · Bᵀ, as warp_gemm_abt.
-template <int kD, int kN, int kStride>
+// kSwz (steps of 4, flash_bwd.cu): the tiles are stored with tile_io.cuh's swizzle_f64 (columns
+// XOR 4 in rows 4-7 of every 8), which both read patterns (rows g, columns t here; rows 2t,
+// columns g in warp_gemm_cb_f64) take without bank conflicts; tiles start on rows and columns
+// that are multiples of 8.
+template <int kD, int kN, int kStride, bool kSwz = false>
 __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], const double* sA, const double* sB, int lane) {
     const int g = lane / 4, t = lane % 4;
 #if CUFLASH_F64_MMA == 8
-    static_assert(kD % 8 == 0, "k steps of 8");
+    static_assert(kD % 8 == 0 && !kSwz, "k steps of 8 (swizzled tiles: steps of 4)");
 #pragma unroll
     for (int ks = 0; ks < kD / 8; ++ks) {
         const double* a = sA + g * kStride + ks * 8 + t;
@@ -72,12 +76,16 @@ __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], cons
         }
     }
 #else
+    // (kSwz: column 4 ks + t of rows g, g + 8 and nt * 8 + g is stored at 4 (ks ^ s) + t, s = bit 2 of g)
+    const int swz = kSwz ? 4 * ((g >> 2) & 1) : 0;
 #pragma unroll
     for (int ks = 0; ks < kD / 4; ++ks) {
-        const double a_hi = sA[g * kStride + ks * 4 + t], a_lo = sA[(g + 8) * kStride + ks * 4 + t];
+        const int c = ks * 4 + t + (ks % 2 ? -swz : swz);  // (kSwz)
+        const double a_hi = kSwz ? sA[g * kStride + c] : sA[g * kStride + ks * 4 + t];
+        const double a_lo = kSwz ? sA[(g + 8) * kStride + c] : sA[(g + 8) * kStride + ks * 4 + t];
 #pragma unroll
         for (int nt = 0; nt < kN / 8; ++nt) {
-            const double b = sB[(nt * 8 + g) * kStride + ks * 4 + t];
+            const double b = kSwz ? sB[(nt * 8 + g) * kStride + c] : sB[(nt * 8 + g) * kStride + ks * 4 + t];
 #if CUFLASH_F64_MMA == 4
             mma_16x8x4_f64(acc[nt], a_hi, a_lo, b);
 #else
@@ -94,10 +102,12 @@ __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], cons
 // never moves between lanes) and B's rows follow: with k steps of 8, tile nt's k = t is the key
 // 8 nt + 2 t and k = t + 4 the key 8 nt + 2 t + 1 (as warp_gemm_cb_f32); with steps of 4, step
 // (nt, e) gives k = t the key 8 nt + 2 t + e.
-template <int kK, int kD, int kStride>
+// (kSwz: as warp_gemm_abt_f64's; column g of row 8 nt + 2t + e is stored at g ^ 4 (bit 1 of t))
+template <int kK, int kD, int kStride, bool kSwz = false>
 __device__ __forceinline__ void warp_gemm_cb_f64(double (&acc)[kD / 8][4], const double (&p)[kK / 8][4], const double* sB, int lane) {
     const int g = lane / 4, t = lane % 4;
 #if CUFLASH_F64_MMA == 8
+    static_assert(!kSwz, "swizzled tiles: steps of 4");
 #pragma unroll
     for (int nt = 0; nt < kK / 8; ++nt) {
         const double pv[4] = {p[nt][0], p[nt][2], p[nt][1], p[nt][3]};  // (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1)
@@ -110,7 +120,7 @@ __device__ __forceinline__ void warp_gemm_cb_f64(double (&acc)[kD / 8][4], const
     for (int nt = 0; nt < kK / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const double* row = sB + (nt * 8 + 2 * t + e) * kStride + g;
+            const double* row = sB + (nt * 8 + 2 * t + e) * kStride + (kSwz ? g ^ (4 * (t >> 1)) : g);
 #pragma unroll
             for (int ot = 0; ot < kD / 8; ++ot) {
                 const double b = row[ot * 8];
@@ -218,16 +228,16 @@ __device__ __forceinline__ void zero(A (&c)[kN][4]) {
 // acc (16 x kN) += A (16 x kD) · Bᵀ and acc (16 x kD) += C (16 x kK, C fragments) · B for the
 // dtype tag T: the 16-bit products above (C converted to A fragments), or the float32 (kTerms TF32
 // products, warp_gemm_abt_f32) and float64 ones (C used as it is).
-template <class T, int kTerms, int kD, int kN, int kStride, class A, class E>
+template <class T, int kTerms, int kD, int kN, int kStride, bool kSwz = false, class A, class E>
 __device__ __forceinline__ void gemm_abt(A (&acc)[kN / 8][4], const E* sA, const E* sB, int lane) {
-    if constexpr (Elem<T>::kF64) warp_gemm_abt_f64<kD, kN, kStride>(acc, sA, sB, lane);
+    if constexpr (Elem<T>::kF64) warp_gemm_abt_f64<kD, kN, kStride, kSwz>(acc, sA, sB, lane);
     else if constexpr (Elem<T>::kF32) warp_gemm_abt_f32<kTerms, kD, kN, kStride>(acc, sA, sB, lane);
     else warp_gemm_abt<T, kD, kN, kStride>(acc, sA, sB, lane);
 }
-template <class T, int kTerms, int kK, int kD, int kStride, class A, class E>
+template <class T, int kTerms, int kK, int kD, int kStride, bool kSwz = false, class A, class E>
 __device__ __forceinline__ void gemm_cb(A (&acc)[kD / 8][4], const A (&c)[kK / 8][4], const E* sB, int lane) {
     if constexpr (Elem<T>::kF64) {
-        warp_gemm_cb_f64<kK, kD, kStride>(acc, c, sB, lane);
+        warp_gemm_cb_f64<kK, kD, kStride, kSwz>(acc, c, sB, lane);
     } else if constexpr (Elem<T>::kF32) {
         warp_gemm_cb_f32<kTerms, kK, kD, kStride>(acc, c, sB, lane);
     } else {

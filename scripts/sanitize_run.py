@@ -5,7 +5,7 @@ out-of-bounds access is reported instead of landing in a neighbouring pool block
 SANITIZE_PARTS=fwd runs the forward calls only (racecheck on the Hopper forward takes minutes
 for the whole sweep); SANITIZE_PARTS=varlen the packed calls with hostile and well-formed offsets only;
 SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32); widekv their
-KV-cache calls only.
+KV-cache calls only.  SANITIZE_WIDE_DTYPES (e.g. "float64") narrows the float32/float64 calls to those dtypes.
 """
 
 import os
@@ -40,7 +40,10 @@ from cuflash import _gpu  # noqa: E402
 wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 128, 40, dict(softcap=3.0)),
               (100, 300, 100, 100, dict(window_size=(7, 2))), (33, 97, 1, 1, dict(causal=True, seqlens_k=True)),
               (70, 90, 256, 256, dict(causal=True)), (50, 70, 64, 64, dict(alibi=True, softcap=2.0)))
+WIDE_DTYPES = os.environ.get("SANITIZE_WIDE_DTYPES", "float64,float32").split(",")
 for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32, None), (np.float32, "tf32")):
+    if np.dtype(dtype).name not in WIDE_DTYPES:
+        continue
     for sq, sk, d, dv, opts in () if KV_ONLY else wide_cases:
         name = np.dtype(dtype).name
         if d > _gpu._wide_limit(name, backward=False):
