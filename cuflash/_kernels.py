@@ -123,7 +123,7 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     Measured on the H200 with scripts/tune_fwd.py (bf16, seqlen 4k; see docs/perf-notes.md):
     d64 128x64, 8 warps, 2 blocks/SM: 185 TF/s; d128 64x128, 4 warps, 2 blocks/SM: 197;
     d256 128x64, 8 warps, Q re-read from shared memory: 194.  float64: Q read from shared memory
-    (its fragments would take 2·D/4 registers), rows padded by 32 bytes; to d64 64 rows x 32 keys
+    (its fragments would take 2·D/4 registers), Q and K rows padded by 32 bytes (V's by 16); to d64 64 rows x 32 keys
     (23 TF/s, seqlen 4k, session 24), to d128 128 x 16 with 8 warps (23 non-causal, 21 causal; 64 x
     32 spilled 224 bytes: 14), 64 x 16 where 169 KB do not fit (the A100: 163), 32 x 16 on GPUs of
     99 KB (sm_86/89); past d128 two warps share each 16-row slab (col_split, each with half of O's

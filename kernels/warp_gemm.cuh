@@ -77,6 +77,7 @@ __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], cons
     }
 #else
     // (kSwz: column 4 ks + t of rows g, g + 8 and nt * 8 + g is stored at 4 (ks ^ s) + t, s = bit 2 of g)
+    static_assert(!kSwz || kD % 8 == 0, "swizzled tiles: whole 8-column groups");
     const int swz = kSwz ? 4 * ((g >> 2) & 1) : 0;
 #pragma unroll
     for (int ks = 0; ks < kD / 4; ++ks) {
