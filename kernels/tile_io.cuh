@@ -20,26 +20,7 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, long long row_str
                                           int chunks_valid, int tid) {
     constexpr int kPer = 16 / sizeof(E), kChunks = kD / kPer;
     static_assert(!kSwz || (sizeof(E) == 8 && kD % 8 == 0), "swizzled tiles: float64, whole 8-column groups");
-    if constexpr (kSwz && kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {  // (as below, chunks moved by the XOR)
-        constexpr int kRowStep = kThreads / kChunks;
-        const int r0 = tid / kChunks, col = tid % kChunks;
-        const bool col_ok = col < chunks_valid;
-        const E* src = g + r0 * row_stride + col * kPer;
-#pragma unroll
-        for (int i = 0; i < kRows / kRowStep; ++i) {
-            const int r = r0 + i * kRowStep;
-            const bool valid = col_ok && r < rows_valid;
-            cp_async_16<kFetchLine>(smem + r * kStride + swizzle_f64(r, col * kPer), valid ? src : g, valid);
-            src += kRowStep * row_stride;
-        }
-    } else if constexpr (kSwz) {
-#pragma unroll
-        for (int c = tid; c < kRows * kChunks; c += kThreads) {
-            const int r = c / kChunks, col = c % kChunks;
-            const bool valid = r < rows_valid && col < chunks_valid;
-            cp_async_16<kFetchLine>(smem + r * kStride + swizzle_f64(r, col * kPer), valid ? g + r * row_stride + col * kPer : g, valid);
-        }
-    } else if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
+    if constexpr (kThreads % kChunks == 0 && kRows % (kThreads / kChunks) == 0) {
         constexpr int kRowStep = kThreads / kChunks;
         const int r0 = tid / kChunks, col = tid % kChunks;
         const bool col_ok = col < chunks_valid;
@@ -47,8 +28,10 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, long long row_str
         E* dst = smem + r0 * kStride + col * kPer;
 #pragma unroll
         for (int i = 0; i < kRows / kRowStep; ++i) {
-            const bool valid = col_ok && r0 + i * kRowStep < rows_valid;
-            cp_async_16<kFetchLine>(dst + i * kRowStep * kStride, valid ? src : g, valid);
+            const int r = r0 + i * kRowStep;
+            const bool valid = col_ok && r < rows_valid;  // (kSwz: the chunk moved by the XOR)
+            cp_async_16<kFetchLine>(kSwz ? smem + r * kStride + swizzle_f64(r, col * kPer) : dst + i * kRowStep * kStride,
+                                    valid ? src : g, valid);
             src += kRowStep * row_stride;
         }
     } else {
@@ -56,7 +39,8 @@ __device__ __forceinline__ void load_tile(E* smem, const E* g, long long row_str
         for (int c = tid; c < kRows * kChunks; c += kThreads) {
             const int r = c / kChunks, col = c % kChunks;
             const bool valid = r < rows_valid && col < chunks_valid;
-            cp_async_16<kFetchLine>(smem + r * kStride + col * kPer, valid ? g + r * row_stride + col * kPer : g, valid);
+            cp_async_16<kFetchLine>(smem + r * kStride + (kSwz ? swizzle_f64(r, col * kPer) : col * kPer),
+                                    valid ? g + r * row_stride + col * kPer : g, valid);
         }
     }
 }

@@ -81,7 +81,9 @@ __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], cons
     const int swz = kSwz ? 4 * ((g >> 2) & 1) : 0;
 #pragma unroll
     for (int ks = 0; ks < kD / 4; ++ks) {
-        const int c = ks * 4 + t + (ks % 2 ? -swz : swz);  // (kSwz)
+        // (kSwz only: indexing through c without the swizzle changed ptxas's code for the ordered
+        // float64 backward kernels, which session 28 kept as they were)
+        const int c = ks * 4 + t + (ks % 2 ? -swz : swz);
         const double a_hi = kSwz ? sA[g * kStride + c] : sA[g * kStride + ks * 4 + t];
         const double a_lo = kSwz ? sA[(g + 8) * kStride + c] : sA[(g + 8) * kStride + ks * 4 + t];
 #pragma unroll

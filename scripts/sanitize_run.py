@@ -42,10 +42,10 @@ wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 
               (70, 90, 256, 256, dict(causal=True)), (50, 70, 64, 64, dict(alibi=True, softcap=2.0)))
 WIDE_DTYPES = os.environ.get("SANITIZE_WIDE_DTYPES", "float64,float32").split(",")
 for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32, None), (np.float32, "tf32")):
-    if np.dtype(dtype).name not in WIDE_DTYPES:
+    name = np.dtype(dtype).name
+    if name not in WIDE_DTYPES:
         continue
     for sq, sk, d, dv, opts in () if KV_ONLY else wide_cases:
-        name = np.dtype(dtype).name
         if d > _gpu._wide_limit(name, backward=False):
             continue
         if opts.get("seqlens_k"):
@@ -63,7 +63,7 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
     # Bias, mask and dropout (their one modifier form): a reversed strided bias (float64 read as
     # double by the float64 kernels), a mask with an empty row, dropout; dbias by atomics and in full.
     for sq, sk, d in () if KV_ONLY else ((65, 129, 64), (70, 90, 256)):
-        if d > _gpu._wide_limit(np.dtype(dtype).name, True, _gpu._smem_limit(cp.cuda.Device().id)):
+        if d > _gpu._wide_limit(name, True, _gpu._smem_limit(cp.cuda.Device().id)):
             continue
         q, k, v = rand((2, sq, 4, d), dtype), rand((2, sk, 2, d), dtype), rand((2, sk, 2, d), dtype)
         mask = cp.asarray(rng.random((2, 1, sq, sk)) < 0.8)
