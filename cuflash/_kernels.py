@@ -102,6 +102,7 @@ class TileConfig:
     row_pad: int = 8  # elements of padding per shared-memory row: 16 or 32 bytes (kernels/flash_fwd.cu)
     itemsize: int = 2  # bytes per element: 2, or 4/8 (float32/float64)
     col_split: int = 1  # warps sharing each 16-row slab, each with its share of O's columns (float64 past d128)
+    tf32_chains: tuple = (3, 3)  # float32 3xTF32 steps of S and of P V: 3 products in one accumulator chain, or 2 chains (warp_gemm.cuh)
 
     def smem_bytes(self, headdim: int) -> int:
         # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements (float64's
@@ -131,7 +132,10 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     float32 likewise: 64 x 32 to d192 (3xTF32, seqlen 4k, session 23: d128 39 TF/s non-causal, 36
     causal, 64 x 64 32 and 25 spilling 32 bytes; session 28, d64: 50 against 64 x 64's 45), at d256
     64 x 16 with 8 warps and O's columns over two (27 against 64 x 32's 23), smaller where shared
-    memory is short.  float64's V rows are padded by 16 bytes (TileConfig.smem_bytes).
+    memory is short.  float64's V rows are padded by 16 bytes (TileConfig.smem_bytes).  float32's
+    3xTF32 steps run as two chains of products (tf32_chains, S's and P V's) where that measured
+    faster (session 29, seqlen 4k, one A/B of every form): S and P V at d128 (+10 %), S alone at d160
+    (+9 %) and d256 (+10 %); at d64, d96 and d192 either was 0-9 % slower, and three chains stay.
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
     if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks
@@ -145,7 +149,9 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
             shapes = ((64, 32, 4), (32, 16, 2)) if headdim <= 64 else ((128, 16, 8), (64, 16, 4), (32, 16, 2))
         else:  # (d64: 32 keys 47-50 TF/s against 64 keys' 42-45, which spilled 88 bytes; session 28)
             shapes = ((64, 32, 4), (32, 32, 2))
-        tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split) for bm, bn, w in shapes]
+        chains = {128: (2, 2), 160: (2, 3), 256: (2, 3)}.get(headdim, (3, 3)) if item == 4 else (3, 3)
+        tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split, tf32_chains=chains)
+                 for bm, bn, w in shapes]
         # (their static shared memory: seqinfo.cuh's 256 bytes and the paged caches' page slots, 16 a key)
         return next((t for t in tiles if t.smem_bytes(headdim) + 256 + 16 * t.block_n <= smem_limit), tiles[-1])
     if headdim <= 64:
@@ -222,12 +228,15 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     name = f"cuflash_fwd_{_SHORT[dtype]}_d{d}_bm{t.block_m}_bn{t.block_n}_w{t.warps}_mb{t.min_blocks}"
     name += "_qsmem" * (not t.q_in_regs) + score_name + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
     name += "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
+    chains = (3, 3) if tf32 else t.tf32_chains  # (single TF32 products have no chains)
+    name += "_ch{}{}".format(*chains) * (chains != (3, 3))
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), *score_defines,
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
+        ("CUFLASH_TF32_CHAINS_ABT", chains[0]), ("CUFLASH_TF32_CHAINS_CB", chains[1]),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 

@@ -149,17 +149,35 @@ __device__ __forceinline__ void tf32_parts(float x, u32& hi, u32& lo) {
     else
         split_tf32(x, hi, lo);
 }
-// 3xTF32: the k step's three products go into an accumulator of their own, added to d with FADD
-// (rounded to nearest).  Added in the tensor core, each step's sum was cut to d's magnitude with
-// truncation (the tensor cores' fp32 accumulation rounds toward zero): over a d256 row or a
-// 1000-key P V that bias grew to 1.0-1.5x the exactness rule's bound against naive float32.
-template <int kTerms>
+// 3xTF32: the k step's products go into accumulators of their own, added to d with FADD (rounded
+// to nearest).  Added in the tensor core, each step's sum was cut to d's magnitude with truncation
+// (the tensor cores' fp32 accumulation rounds toward zero): over a d256 row or a 1000-key P V that
+// bias grew to 1.0-1.5x the exactness rule's bound against naive float32.  kChains 3: the three
+// products in one accumulator; 2: hi·hi in one, the cross terms in another, so that a step is two
+// chained products, not three (the float32 forward waits on chained HMMAs, perf-notes f11).  Which
+// one a product gets: CUFLASH_TF32_CHAINS_ABT (S = Q Kᵀ) and CUFLASH_TF32_CHAINS_CB (O += P V),
+// set per head dim by _kernels.fwd_tile (TileConfig.tf32_chains); 3 where unset (the backward).
+#ifndef CUFLASH_TF32_CHAINS_ABT
+#define CUFLASH_TF32_CHAINS_ABT 3
+#endif
+#ifndef CUFLASH_TF32_CHAINS_CB
+#define CUFLASH_TF32_CHAINS_CB 3
+#endif
+template <int kTerms, int kChains>
 __device__ __forceinline__ void mma_tf32_terms(float (&d)[4], const u32 (&ah)[4], const u32 (&al)[4], float b0, float b1) {
     static_assert(kTerms == 1 || kTerms == 3, "TF32 products: 1 term or 3 (3xTF32)");
+    static_assert(kChains == 2 || kChains == 3, "3xTF32 steps: 2 chains of products or 3");
     u32 bh0, bl0, bh1, bl1;
     tf32_parts<kTerms>(b0, bh0, bl0);
     tf32_parts<kTerms>(b1, bh1, bl1);
-    if constexpr (kTerms == 3) {
+    if constexpr (kTerms == 3 && kChains == 2) {
+        float cross[4] = {0.f, 0.f, 0.f, 0.f}, main[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_16x8x8_tf32(cross, al, bh0, bh1);
+        mma_16x8x8_tf32(main, ah, bh0, bh1);
+        mma_16x8x8_tf32(cross, ah, bl0, bl1);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] += main[e] + cross[e];
+    } else if constexpr (kTerms == 3) {
         float step[4] = {0.f, 0.f, 0.f, 0.f};
         mma_16x8x8_tf32(step, al, bh0, bh1);
         mma_16x8x8_tf32(step, ah, bl0, bl1);
@@ -185,7 +203,7 @@ __device__ __forceinline__ void warp_gemm_abt_f32(float (&acc)[kN / 8][4], const
 #pragma unroll
         for (int nt = 0; nt < kN / 8; ++nt) {
             const float* b = sB + (nt * 8 + g) * kStride + ks * 8 + t;
-            mma_tf32_terms<kTerms>(acc[nt], ah, al, b[0], b[4]);
+            mma_tf32_terms<kTerms, CUFLASH_TF32_CHAINS_ABT>(acc[nt], ah, al, b[0], b[4]);
         }
     }
 }
@@ -204,7 +222,7 @@ __device__ __forceinline__ void warp_gemm_cb_f32(float (&acc)[kD / 8][4], const 
         for (int i = 0; i < 4; ++i) tf32_parts<kTerms>(pv[i], ah[i], al[i]);
         const float* row = sB + (nt * 8 + 2 * t) * kStride + g;
 #pragma unroll
-        for (int ot = 0; ot < kD / 8; ++ot) mma_tf32_terms<kTerms>(acc[ot], ah, al, row[ot * 8], row[kStride + ot * 8]);
+        for (int ot = 0; ot < kD / 8; ++ot) mma_tf32_terms<kTerms, CUFLASH_TF32_CHAINS_CB>(acc[ot], ah, al, row[ot * 8], row[kStride + ot * 8]);
     }
 }
 

@@ -181,11 +181,20 @@ def test_wide_backward_variants_fit_their_gpus():
 def test_float32_forward_tiles():
     """float32 (3xTF32) takes 64 x 32 tiles to d192 (64 keys spilled: at d128 32 -> 39 TF/s with 32,
     session 23; at d64 45 -> 50, session 28) and at d256 64 x 16 with 8 warps, O's columns over two
-    (23 -> 27 TF/s, H200, session 28)."""
+    (23 -> 27 TF/s, H200, session 28); its 3xTF32 steps in two chains of products for S and P V at
+    d128, for S at d160 and d256 (session 29), and the variant's name and defines say so."""
     for d in _kernels.HEADDIM_BUCKETS:
         t = _kernels.fwd_tile(d, dtype="float32")
         expected = (64, 16, 8, 2) if d == 256 else (64, 32, 4, 1)
         assert (t.block_m, t.block_n, t.warps, t.col_split) == expected, (d, t)
+        chains = {128: (2, 2), 160: (2, 3), 256: (2, 3)}.get(d, (3, 3))
+        assert t.tf32_chains == chains, (d, t)
+        for tf32 in (False, True):
+            v = _kernels.fwd_variant("float32", d, softcap=False, alibi=False, tf32=tf32)
+            used = (3, 3) if tf32 else chains
+            assert (dict(v.defines)["CUFLASH_TF32_CHAINS_ABT"], dict(v.defines)["CUFLASH_TF32_CHAINS_CB"]) == used
+            assert ("_ch" in v.name) == (used != (3, 3)), v.name
+        assert _kernels.fwd_tile(d, dtype="float64").tf32_chains == (3, 3)
 
 
 def test_float64_forward_tiles():
