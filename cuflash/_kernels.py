@@ -103,12 +103,15 @@ class TileConfig:
     itemsize: int = 2  # bytes per element: 2, or 4/8 (float32/float64)
     col_split: int = 1  # warps sharing each 16-row slab, each with its share of O's columns (float64 past d128)
     tf32_chains: tuple = (3, 3)  # float32 3xTF32 steps of S and of P V: 3 products in one accumulator chain, or 2 chains (warp_gemm.cuh)
+    share_s: bool = False  # col_split 2: each warp of a slab forms half of S's keys, swapped through shared memory (flash_fwd.cu)
 
     def smem_bytes(self, headdim: int) -> int:
         # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements (float64's
         # V rows by 16 bytes: flash_fwd.cu's kStrideV).
+        # share_s: S itself, block_m x block_n elements.
         v_pad = 16 // self.itemsize if self.itemsize == 8 else self.row_pad
-        return ((self.block_m + self.block_n) * (headdim + self.row_pad) + self.block_n * (headdim + v_pad)) * self.itemsize
+        rows = (self.block_m + self.block_n) * (headdim + self.row_pad) + self.block_n * (headdim + v_pad)
+        return (rows + self.share_s * self.block_m * self.block_n) * self.itemsize
 
 
 def headdim_bucket(headdim: int) -> int:
@@ -128,14 +131,16 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     (23 TF/s, seqlen 4k, session 24), to d128 128 x 16 with 8 warps (23 non-causal, 21 causal; 64 x
     32 spilled 224 bytes: 14), 64 x 16 where 169 KB do not fit (the A100: 163), 32 x 16 on GPUs of
     99 KB (sm_86/89); past d128 two warps share each 16-row slab (col_split, each with half of O's
-    columns), 64 x 16 with 8 warps (32 keys spilled 840 bytes at d256; not measured yet).
-    float32 likewise: 64 x 32 to d192 (3xTF32, seqlen 4k, session 23: d128 39 TF/s non-causal, 36
-    causal, 64 x 64 32 and 25 spilling 32 bytes; session 28, d64: 50 against 64 x 64's 45), at d256
-    64 x 16 with 8 warps and O's columns over two (27 against 64 x 32's 23), smaller where shared
-    memory is short.  float64's V rows are padded by 16 bytes (TileConfig.smem_bytes).  float32's
-    3xTF32 steps run as two chains of products (tf32_chains, S's and P V's) where that measured
-    faster (session 29, seqlen 4k, one A/B of every form): S and P V at d128 (+10 %), S alone at d160
-    (+9 %) and d256 (+10 %); at d64, d96 and d192 either was 0-9 % slower, and three chains stay.
+    columns, and since session 29 each forming half of S, share_s): 64 x 32 with 8 warps where it
+    fits (d160/d192: 31/33 TF/s against 64 x 16's 24/26), else 64 x 16.  float32 likewise: 64 x 32
+    to d192 (3xTF32, seqlen 4k, session 23: d128 39 TF/s non-causal, 36 causal, 64 x 64 32 and 25
+    spilling 32 bytes; session 28, d64: 50 against 64 x 64's 45), at d256 64 x 32 with 8 warps, O's
+    columns over two and S shared (43 against 64 x 16's 38 with it, 27 before it), smaller where
+    shared memory is short.  float64's V rows are padded by 16 bytes (TileConfig.smem_bytes).
+    float32's 3xTF32 steps run as two chains of products (tf32_chains, S's and P V's) where that
+    measured faster (session 29, seqlen 4k, one A/B of every form): S and P V at d128 (+10 %) and
+    d256 (64 x 32: (2, 3) spilled 72 bytes), S alone at d160 (+9 %); at d64, d96 and d192 either was
+    0-9 % slower, and three chains stay.
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
     if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks
@@ -143,15 +148,17 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
         # Column splits: float64 past d128 (its O: D/2 doubles a thread without one), float32 at d256
         # (O's 128 registers left one 4-warp block an SM: 23 TF/s against 27 with 8 warps, session 28).
         split = 2 if (item == 8 and headdim > 128) or headdim > 224 else 1
-        if split == 2:  # (float64: 32 keys spilled 840 bytes at d256, 16 keys 4-8: NVRTC 13.0, session 24)
-            shapes = ((64, 16, 8), (32, 16, 4), (16, 16, 2))
+        if split == 2:  # (32 keys where they fit: float64 d160/d192 31/33 TF/s against 16 keys' 24/26, float32 d256 43 against 38, session 29)
+            shapes = ((64, 32, 8), (64, 16, 8), (32, 16, 4), (16, 16, 2))
         elif item == 8:  # (past d64 the 32-key tiles spill 224 bytes: 14 TF/s against 16 keys' 21-23, session 24)
             shapes = ((64, 32, 4), (32, 16, 2)) if headdim <= 64 else ((128, 16, 8), (64, 16, 4), (32, 16, 2))
         else:  # (d64: 32 keys 47-50 TF/s against 64 keys' 42-45, which spilled 88 bytes; session 28)
             shapes = ((64, 32, 4), (32, 32, 2))
-        chains = {128: (2, 2), 160: (2, 3), 256: (2, 3)}.get(headdim, (3, 3)) if item == 4 else (3, 3)
-        tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split, tf32_chains=chains)
-                 for bm, bn, w in shapes]
+        chains = {128: (2, 2), 160: (2, 3), 256: (2, 2)}.get(headdim, (3, 3)) if item == 4 else (3, 3)
+        # A column split's warps share S (f13) where its bytes fit beside the shape; else (float64 d256
+        # with 99 KB) each forms all of it.  (A larger shape without it before a smaller one with it.)
+        tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split, tf32_chains=chains,
+                            share_s=share) for bm, bn, w in shapes for share in ((True, False) if split == 2 else (False,))]
         # (their static shared memory: seqinfo.cuh's 256 bytes and the paged caches' page slots, 16 a key)
         return next((t for t in tiles if t.smem_bytes(headdim) + 256 + 16 * t.block_n <= smem_limit), tiles[-1])
     if headdim <= 64:
@@ -229,14 +236,14 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
     name += "_qsmem" * (not t.q_in_regs) + score_name + "_splitkv" * splitkv + _MODS_SUFFIX[mods]
     name += "_tf32" * tf32 + f"_cs{t.col_split}" * (t.col_split > 1)
     chains = (3, 3) if tf32 else t.tf32_chains  # (single TF32 products have no chains)
-    name += "_ch{}{}".format(*chains) * (chains != (3, 3))
+    name += "_ch{}{}".format(*chains) * (chains != (3, 3)) + "_sh" * t.share_s
     defines = (
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_BLOCK_M", t.block_m),
         ("CUFLASH_BLOCK_N", t.block_n), ("CUFLASH_WARPS", t.warps), ("CUFLASH_MIN_BLOCKS", t.min_blocks),
         ("CUFLASH_Q_IN_REGS", int(t.q_in_regs)), *score_defines,
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
-        ("CUFLASH_TF32_CHAINS_ABT", chains[0]), ("CUFLASH_TF32_CHAINS_CB", chains[1]),
+        ("CUFLASH_TF32_CHAINS_ABT", chains[0]), ("CUFLASH_TF32_CHAINS_CB", chains[1]), ("CUFLASH_SHARE_S", int(t.share_s)),
     )
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 

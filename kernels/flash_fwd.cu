@@ -25,7 +25,8 @@
 // cache_batch_idx, or paged through p.block_table, every page checked by each block) run this
 // one-pass kernel: no split-KV form yet.  Bias, mask and dropout in one form, CUFLASH_MODS 2, whose
 // generator is skipped for calls without dropout (softmax_tile.cuh); a float64 bias is read as double
-// by the float64 form.  float64 past d128 splits O's columns over two warps (CUFLASH_SLAB_WARPS 2).
+// by the float64 form.  float64 past d128 and float32 at d256 split O's columns over two warps
+// (CUFLASH_SLAB_WARPS 2), which split S's keys and swap their halves (CUFLASH_SHARE_S).
 //
 // CUFLASH_SPLITKV=1 builds the decode variant (Flash-Decoding, Dao et al. 2023): the key range of
 // each query block is cut into p.num_splits parts run by separate blocks (grid x = query blocks x
@@ -85,13 +86,21 @@
 #ifndef CUFLASH_SLAB_WARPS
 #define CUFLASH_SLAB_WARPS 1  // float32/float64: warps per 16-row slab, each owning that share of O's columns
 #endif
+#ifndef CUFLASH_SHARE_S
+#define CUFLASH_SHARE_S 0  // with CUFLASH_SLAB_WARPS 2: the slab's warps form halves of S and swap them
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_fwd
 #endif
 constexpr int kTf32Terms = CUFLASH_TF32_TERMS;
 // kColSplit 2 (float64 past d128: its O accumulator would be D/2 doubles a thread): two warps take
-// the same 16 query rows, both form S and P for them, and each accumulates half of O's columns.
+// the same 16 query rows, both hold S and P for them, and each accumulates half of O's columns.
+// kShareS: each of them forms S for its half of the tile's keys only and stores it in shared memory
+// (kBM x kBN elements after V, in C-fragment order: [16-row tile][8-key tile][element][lane], so that
+// a warp's stores and loads are whole rows of banks), and after the barrier that follows S each
+// loads the whole of S back; without it (float64 d256 on 99 KB GPUs) both form all of S (perf-notes f13).
 constexpr int kColSplit = CUFLASH_SLAB_WARPS;
+constexpr bool kShareS = CUFLASH_SHARE_S != 0;
 template <int kValue> struct IntConst { static constexpr int value = kValue; };
 
 // Merge the softmax states of warps that saw different keys of the same rows into warp 0:
@@ -260,6 +269,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     static_assert(kColSplit == 1 || (kWide && !kSplitKV && kWarps % kColSplit == 0),
                   "a column split: float32/float64 one-pass kernels, whole pairs of warps");
     static_assert(!kF64 || kD / kColSplit <= 128, "float64: O of a 256-wide head takes 256 registers a thread");
+    static_assert(!kShareS || (kColSplit == 2 && kBN % 16 == 0), "S shared: a column split's pairs, whole 8-key tiles each");
     constexpr int kThreads = kWarps * 32;
     // Warps split the rows of the block, or (split-KV) the keys of each tile.
     constexpr int kRowWarps = kSplitKV ? 1 : kWarps / kColSplit, kKeyWarps = kSplitKV ? kWarps : 1;
@@ -283,6 +293,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
     E* sQ = reinterpret_cast<E*>(smem_raw);  // (kBM, kStride), reused to stage O
     E* sK = sQ + kBM * kStride;              // (kBN, kStride)
     E* sV = sK + kBN * kStride;              // (kBN, kStrideV)
+    E* sS = sV + kBN * kStrideV;             // (kShareS: kBM x kBN, C-fragment order)
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
     const int row_warp = kSplitKV ? 0 : warp / kColSplit, key_warp = kSplitKV ? warp : 0;
@@ -441,7 +452,22 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-            if constexpr (kWide) {  // (plain shared-memory operands: warp_gemm.cuh)
+            // (kShareS: this warp's half of the key tiles, nt = half kNT / 2 + j)
+            constexpr int kHalfNT = kNT / 2;
+            A* sSw = reinterpret_cast<A*>(sS) + row_warp * kMT * kNT * 4 * 32 + lane;  // (E is A in the wide forms)
+            if constexpr (kWide && kShareS) {
+                const int half = warp % 2;
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt) {
+                    A mine[kHalfNT][4];
+                    zero<kHalfNT>(mine);
+                    gemm_abt<T, kTf32Terms, kD, kBNW / 2, kStride>(mine, sQw + mt * 16 * kStride, sKw + half * (kBNW / 2) * kStride, lane);
+#pragma unroll
+                    for (int j = 0; j < kHalfNT; ++j)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) sSw[((mt * kNT + half * kHalfNT + j) * 4 + e) * 32] = mine[j][e];
+                }
+            } else if constexpr (kWide) {  // (plain shared-memory operands: warp_gemm.cuh)
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) gemm_abt<T, kTf32Terms, kD, kBNW, kStride>(s[mt], sQw + mt * 16 * kStride, sKw, lane);
             } else {
@@ -469,7 +495,15 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 }
             }
             }
-            __syncthreads();  // every warp is done with sK: the next K tile may overwrite it
+            __syncthreads();  // every warp is done with sK: the next K tile may overwrite it (kShareS: S's halves are in sS)
+            if constexpr (kShareS) {  // (sS is written again after the next tile's first barrier)
+#pragma unroll
+                for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+                    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) s[mt][nt][e] = sSw[((mt * kNT + nt) * 4 + e) * 32];
+            }
             if (next_tile(nb) >= nb_lo) {
                 load_k(next_tile(nb));
                 cp_async_commit();

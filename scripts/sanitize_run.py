@@ -4,8 +4,8 @@ CuPy's memory pool is switched off so that each array is its own allocation and 
 out-of-bounds access is reported instead of landing in a neighbouring pool block.
 SANITIZE_PARTS=fwd runs the forward calls only (racecheck on the Hopper forward takes minutes
 for the whole sweep); SANITIZE_PARTS=varlen the packed calls with hostile and well-formed offsets only;
-SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32); widekv their
-KV-cache calls only.  SANITIZE_WIDE_DTYPES (e.g. "float64") narrows the float32/float64 calls to those dtypes.
+SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32); widefwd
+their forward calls only; widekv their KV-cache calls only.  SANITIZE_WIDE_DTYPES (e.g. "float64") narrows the float32/float64 calls to those dtypes.
 """
 
 import os
@@ -23,7 +23,7 @@ import cuflash  # noqa: E402
 
 cp.cuda.set_allocator(None)
 rng = np.random.default_rng(0)
-FORWARD_ONLY = os.environ.get("SANITIZE_PARTS", "all") == "fwd"
+FORWARD_ONLY = os.environ.get("SANITIZE_PARTS", "all") in ("fwd", "widefwd")
 VARLEN_ONLY = os.environ.get("SANITIZE_PARTS", "all") == "varlen"
 KV_ONLY = os.environ.get("SANITIZE_PARTS") == "widekv"  # the float32/float64 KV-cache calls only  # the packed calls' hostile offsets only
 
@@ -39,7 +39,8 @@ from cuflash import _gpu  # noqa: E402
 
 wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 128, 40, dict(softcap=3.0)),
               (100, 300, 100, 100, dict(window_size=(7, 2))), (33, 97, 1, 1, dict(causal=True, seqlens_k=True)),
-              (70, 90, 256, 256, dict(causal=True)), (50, 70, 64, 64, dict(alibi=True, softcap=2.0)))
+              (70, 90, 256, 256, dict(causal=True)), (50, 70, 64, 64, dict(alibi=True, softcap=2.0)),
+              (37, 45, 192, 130, dict(window_size=(20, 3))))
 WIDE_DTYPES = os.environ.get("SANITIZE_WIDE_DTYPES", "float64,float32").split(",")
 for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32, None), (np.float32, "tf32")):
     name = np.dtype(dtype).name
@@ -110,7 +111,7 @@ for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32,
                                                                max_seqlen_q=40, max_seqlen_k=40, causal=True,
                                                                precision=precision), cu)
 cp.cuda.Device().synchronize()
-if os.environ.get("SANITIZE_PARTS") in ("wide", "widekv"):
+if os.environ.get("SANITIZE_PARTS") in ("wide", "widefwd", "widekv"):
     print("sanitize sweep done")
     sys.exit(0)
 

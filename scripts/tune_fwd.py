@@ -3,7 +3,8 @@
 Tuning writes data: the winner goes into cuflash._kernels.fwd_tile.  Each configuration is
 checked against plain attention before it is timed.
 Usage: python scripts/tune_fwd.py [--headdims 64,128,256] [--configs BMxBNxWARPSxMINBLOCKSxQINREGS[xCOLSPLIT[xCHAINS]],...]
-       (COLSPLIT, float32/float64 only: warps sharing each 16-row slab, each with its share of O's columns;
+       (COLSPLIT, float32/float64 only: warps sharing each 16-row slab, each with its share of O's columns,
+       and with 2 each forming half of S (TileConfig.share_s);
        CHAINS, float32 only: the 3xTF32 chains of S and of P V as two digits, e.g. 23; 33 unless given)
        python scripts/tune_fwd.py --sm90 BNxSTAGESxCONSUMERS,... (the Hopper forward's SM90_FWD_TILES)
        python scripts/tune_fwd.py --decode BMxBNxWARPS,...
@@ -127,7 +128,7 @@ def main():
                 for cfg in args.configs.split(","):
                     fields = list(map(int, cfg.split("x")))
                     bm, bn, w, mb, qr, cs, ch = fields + [1, 33][len(fields) - 5:]
-                    wide = dict(row_pad=4, itemsize=itemsize, col_split=cs, tf32_chains=divmod(ch, 10)) if itemsize > 2 else {}
+                    wide = dict(row_pad=4, itemsize=itemsize, col_split=cs, tf32_chains=divmod(ch, 10), share_s=cs == 2) if itemsize > 2 else {}
                     tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr), **wide)
                     if w % cs or bm % (16 * w // cs) or tile.smem_bytes(d) > 227 * 1024 - _kernels.STATIC_SMEM_RESERVE:
                         continue

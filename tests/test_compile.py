@@ -7,6 +7,7 @@ variant the dispatcher can request (``.ci/run`` does, after the README's command
 Needs CuPy's NVRTC binding and the NVRTC library (the ``cuda12``/``cuda13`` extras), not a GPU.
 """
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -180,14 +181,14 @@ def test_wide_backward_variants_fit_their_gpus():
 
 def test_float32_forward_tiles():
     """float32 (3xTF32) takes 64 x 32 tiles to d192 (64 keys spilled: at d128 32 -> 39 TF/s with 32,
-    session 23; at d64 45 -> 50, session 28) and at d256 64 x 16 with 8 warps, O's columns over two
-    (23 -> 27 TF/s, H200, session 28); its 3xTF32 steps in two chains of products for S and P V at
-    d128, for S at d160 and d256 (session 29), and the variant's name and defines say so."""
+    session 23; at d64 45 -> 50, session 28) and at d256 64 x 32 with 8 warps, O's columns over two
+    and S shared (27 -> 43 TF/s, H200, sessions 28-29); its 3xTF32 steps in two chains of products
+    for S and P V at d128 and d256, for S at d160 (session 29), and the variant's name and defines say so."""
     for d in _kernels.HEADDIM_BUCKETS:
         t = _kernels.fwd_tile(d, dtype="float32")
-        expected = (64, 16, 8, 2) if d == 256 else (64, 32, 4, 1)
+        expected = (64, 32, 8, 2) if d == 256 else (64, 32, 4, 1)
         assert (t.block_m, t.block_n, t.warps, t.col_split) == expected, (d, t)
-        chains = {128: (2, 2), 160: (2, 3), 256: (2, 3)}.get(d, (3, 3))
+        chains = {128: (2, 2), 160: (2, 3), 256: (2, 2)}.get(d, (3, 3))
         assert t.tf32_chains == chains, (d, t)
         for tf32 in (False, True):
             v = _kernels.fwd_variant("float32", d, softcap=False, alibi=False, tf32=tf32)
@@ -207,7 +208,30 @@ def test_float64_forward_tiles():
     assert (tile(128, 163 * 1024, "float64").block_m, tile(128, 163 * 1024, "float64").block_n) == (64, 16)
     for d in (160, 192, 224, 256):  # past d128: 64 x 16, 8 warps, O's columns split over 2 (32 x 32 spilled 840 bytes at d256)
         t = tile(d, dtype="float64")
-        assert (t.block_m, t.block_n, t.warps, t.col_split) == (64, 16, 8, 2)
+        assert (t.block_m, t.block_n, t.warps, t.col_split) == (64, 32 if d <= 192 else 16, 8, 2)
+
+
+def test_column_split_tiles_share_s_where_it_fits():
+    """A column split's warps form half of S each and swap it through shared memory (share_s: its
+    block_m x block_n elements counted in smem_bytes) wherever that fits beside the tile the limit
+    allows without it; the tile does not shrink for it (float64 d192 and float32 d256 at 99 KB keep
+    their shapes without it, float64 d256 at 99 KB has no room)."""
+    for dtype in ("float32", "float64"):
+        for limit in (227 * 1024, 163 * 1024, 99 * 1024):
+            for d in _kernels.HEADDIM_BUCKETS:
+                t = _kernels.fwd_tile(d, limit, dtype)
+                plain = dataclasses.replace(t, share_s=False)
+                assert t.smem_bytes(d) == plain.smem_bytes(d) + t.share_s * t.block_m * t.block_n * t.itemsize
+                fits = plain.smem_bytes(d) + t.block_m * t.block_n * t.itemsize + 256 + 16 * t.block_n <= limit
+                assert t.share_s == (t.col_split == 2 and fits), (dtype, limit, d, t)
+                v = _kernels.fwd_variant(dtype, d, softcap=False, alibi=False, smem_limit=limit)
+                assert dict(v.defines)["CUFLASH_SHARE_S"] == int(t.share_s) and ("_sh" in v.name) == t.share_s
+                assert v.smem_bytes == t.smem_bytes(d)
+    tile = _kernels.fwd_tile
+    assert (tile(256, 99 * 1024, "float32").block_m, tile(256, 99 * 1024, "float32").share_s) == (64, False)
+    assert (tile(192, 99 * 1024, "float64").block_m, tile(192, 99 * 1024, "float64").share_s) == (32, False)
+    assert (tile(256, 99 * 1024, "float64").block_m, tile(256, 99 * 1024, "float64").share_s) == (16, False)
+    assert tile(256, dtype="float32").share_s and tile(160, dtype="float64").share_s
 
 
 def test_wide_dtype_limits_are_checked_before_any_kernel():

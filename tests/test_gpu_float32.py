@@ -55,7 +55,7 @@ def test_headdims_and_lengths(rng, precision, headdim, seqlens, causal, kernels_
     k, v = _rand(rng, (2, sk, 3, headdim)), _rand(rng, (2, sk, 3, headdim))
     _check(q, k, v, causal=causal, precision=precision)
     suffix = "_tf32" if precision == "tf32" else "_qsmem"
-    assert kernels_run and all(n.startswith("cuflash_fwd_fp32_") and re.sub(r"(_cs2)?(_ch\d\d)?$", "", n).endswith(suffix) for n in kernels_run), kernels_run
+    assert kernels_run and all(n.startswith("cuflash_fwd_fp32_") and re.sub(r"(_cs2)?(_ch\d\d)?(_sh)?$", "", n).endswith(suffix) for n in kernels_run), kernels_run
 
 
 @pytest.mark.parametrize("headdim", [128, 256])

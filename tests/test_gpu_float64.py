@@ -108,8 +108,8 @@ def test_head_dims_past_128_split_o_over_two_warps(rng, headdim, smem_kb, kernel
     _check(q, k, v, softcap=3.0, window_size=(40, 7))
     _check(q, k, _rand(rng, (2, 130, 1, 136)))  # Dv != Dqk
     assert kernels_run and all("_cs2" in n for n in kernels_run), kernels_run
-    # 64 x 16 (8 warps), on 99 KB 32 x 16 (4 warps) to d192 and 16 x 16 (2 warps, one row slab) past it
-    tile = "_bm64_bn16_w8_" if smem_kb == 227 else "_bm16_bn16_w2_" if headdim > 192 else "_bm32_bn16_w4_"
+    # 64 x 32 (8 warps) to d192, 64 x 16 past it, on 99 KB 32 x 16 (4 warps) to d192 and 16 x 16 (2 warps, one row slab) past it
+    tile = ("_bm64_bn32_w8_" if headdim <= 192 else "_bm64_bn16_w8_") if smem_kb == 227 else "_bm16_bn16_w2_" if headdim > 192 else "_bm32_bn16_w4_"
     assert all(tile in n for n in kernels_run), kernels_run
 
 
