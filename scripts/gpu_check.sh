@@ -86,12 +86,12 @@ for stage in $stages; do
         timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 192 --seqlen 1024,4096,16384 --sm90 96x2,80x2,64x2; } >"$OUT/tune.log" 2>&1
       rc=$?; summary+=("tune rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune.log" ;;
-    tune_wide)  # float64 / float32 forward tiles (issue 24, docs/perf-notes.md f1, f10): the float64 tiles again
-      # on sm_90's 16-row products, and d256 with O's columns over two warps a slab (the 6th field)
-      { timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 64,128 --seqlen 4096 \
-          --configs 64x32x4x1x0,128x32x8x1x0,64x16x4x1x0,128x16x8x1x0
-        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp32 --headdims 256 --seqlen 4096 \
-          --configs 64x32x4x1x0,32x32x2x1x0,64x32x8x1x0x2,32x32x4x1x0x2,64x16x8x1x0x2; } >"$OUT/tune_wide.log" 2>&1
+    tune_wide)  # float32 / float64 forward tiles (issue 24, docs/perf-notes.md f12, f13): a column split with S
+      # shared (the 6th field 2) and 32 keys below d256, the 7th field float32's 3xTF32 chains of S and P V
+      { timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp32 --headdims 192,160 --seqlen 4096 \
+          --configs 64x32x4x1x0,64x32x8x1x0x2x22,64x32x8x1x0x2x23,64x32x8x1x0x2x33
+        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 224 --seqlen 4096 \
+          --configs 64x16x8x1x0x2,32x32x4x1x0x2; } >"$OUT/tune_wide.log" 2>&1
       rc=$?; summary+=("tune_wide rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune_wide.log" ;;
     smoke)  # the Hopper kernels' exactness rows and their ablation columns (docs/perf-notes.md h7-h9)
