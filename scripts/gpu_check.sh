@@ -88,8 +88,9 @@ for stage in $stages; do
       tail -n 30 "$OUT/tune.log" ;;
     tune_wide)  # float32 / float64 forward tiles (issue 24, docs/perf-notes.md f12, f13): a column split with S
       # shared (the 6th field 2) and 32 keys below d256, the 7th field float32's 3xTF32 chains of S and P V
-      { timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp32 --headdims 192,160 --seqlen 4096 \
-          --configs 64x32x4x1x0,64x32x8x1x0x2x22,64x32x8x1x0x2x23,64x32x8x1x0x2x33
+      # (NVRTC 13.0, sm_90, 64x32x8 with S shared and (2, 2) chains: d128 174 registers, d160 196, d192 204, no spill)
+      { timeout ${TUNE_TIMEOUT:-200} $PY scripts/tune_fwd.py --dtype fp32 --headdims 192,160,128 --seqlen 4096 \
+          --configs 64x32x4x1x0,64x32x4x1x0x1x22,64x32x8x1x0x2x22,64x32x8x1x0x2x23
         timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 224 --seqlen 4096 \
           --configs 64x16x8x1x0x2,32x32x4x1x0x2; } >"$OUT/tune_wide.log" 2>&1
       rc=$?; summary+=("tune_wide rc=$rc ($(elapsed))")
