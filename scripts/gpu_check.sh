@@ -91,7 +91,7 @@ for stage in $stages; do
       # (NVRTC 13.0, sm_90, 64x32x8 with S shared and (2, 2) chains: d128 174 registers, d160 196, d192 204, no spill)
       { timeout ${TUNE_TIMEOUT:-200} $PY scripts/tune_fwd.py --dtype fp32 --headdims 192,160,128 --seqlen 4096 \
           --configs 64x32x4x1x0,64x32x4x1x0x1x22,64x32x8x1x0x2x22,64x32x8x1x0x2x23
-        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 224 --seqlen 4096 \
+        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 224,256 --seqlen 4096 \
           --configs 64x16x8x1x0x2,32x32x4x1x0x2; } >"$OUT/tune_wide.log" 2>&1
       rc=$?; summary+=("tune_wide rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune_wide.log" ;;
