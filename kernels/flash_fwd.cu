@@ -423,6 +423,8 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
         const E* sQw = sQ + row_warp * kMT * 16 * kStride;  // this warp's rows
         const E* sKw = sK + key_warp * kBNW * kStride;      // this warp's keys, of K and V
         const E* sVw = sV + key_warp * kBNW * kStrideV;
+        constexpr int kHalfNT = kNT / 2;  // (kShareS) the key tiles of S each warp of a slab forms
+        A* sSw = reinterpret_cast<A*>(sS) + row_warp * kMT * kNT * 4 * 32 + lane;  // (kShareS) this slab's S, this lane's (E is A in the wide forms)
 
         // (The loop steps by --nb, with kMods' skip added at the end of the body, and next_tile(nb)
         // is recomputed where it is used: `nb = next_tile(nb)` as the step, even where it is
@@ -452,10 +454,7 @@ __device__ __forceinline__ void flash_fwd(const FlashParams& p) {
                 for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.f;
-            // (kShareS: this warp's half of the key tiles, nt = half kNT / 2 + j)
-            constexpr int kHalfNT = kNT / 2;
-            A* sSw = reinterpret_cast<A*>(sS) + row_warp * kMT * kNT * 4 * 32 + lane;  // (E is A in the wide forms)
-            if constexpr (kWide && kShareS) {
+            if constexpr (kWide && kShareS) {  // (this warp's half of the key tiles, nt = half kHalfNT + j)
                 const int half = warp % 2;
 #pragma unroll
                 for (int mt = 0; mt < kMT; ++mt) {
