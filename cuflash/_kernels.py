@@ -428,7 +428,8 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     (col_split; each recomputes the slab's S and dP, or with atomic dQ forms them over its own columns
     and the slab sums them through shared memory, ``_ss``, where that buffer fits: ``split_s``).  With
     atomic dQ and no column split, 64 keys of 4 warps share 32-query tiles where 4 warps fit
-    (``_q32``).  (perf-notes f9.)"""
+    (``_q32``); float64 d128 and d192 with atomic dQ, 8 warps in slabs of 2 or 4 share 16-query
+    tiles (``_q16``).  (perf-notes f9, f14.)"""
     d = headdim_bucket(headdim)
     mods = _mods_form(dtype, mods)
     score_name, score_defines = _score_form(dtype, mods, softcap, alibi)
@@ -455,7 +456,18 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     # where that buffer fits; else each warp forms them whole.  Not at float64 d96, where the buffer
     # halves the blocks an SM (2 -> 1 on the H200: 0.91x, session 26; float64 d128-d256 1.25-1.88x,
     # float32 d160-d256 1.9-3.3x).
-    split_s = split_s and not deterministic and col_split > 1 and not (itemsize == 8 and d <= 96)
+    # float64 with atomic dQ and the slab-summed S/dP, a column split of 2 or 4 and head dims whose dQ
+    # columns make whole 8-column tiles over 8 warps: 8 warps, 8 / col_split slabs of keys sharing
+    # 16-query tiles, where that fits (perf-notes f14): d128 (1.30x against 2 slabs of 16 keys sharing
+    # 32-query tiles) and d192, whose split drops from 8 to 4 for it (1.76x; d256's form does not fit).
+    def q16_fits(cs):
+        return (split_s and not deterministic and itemsize == 8 and cs in (2, 4) and d % 64 == 0
+                and bwd_smem_bytes(d, 8 // cs, itemsize, query_rows=16) + ds_tile(16, 16 * (8 // cs))
+                + parts(8, 16) + STATIC_SMEM_RESERVE <= smem_limit)
+    if col_split == 8 and q16_fits(4):
+        col_split = 4
+    q16 = q16_fits(col_split)
+    split_s = split_s and not deterministic and col_split > 1 and (q16 or not (itemsize == 8 and d <= 96))
     query_tile = 0  # (0: the dK/dV kernel's query tile is its key rows)
     if itemsize == 2:
         warps = bwd_warps(d, smem_limit)
@@ -465,6 +477,12 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         # d128 (1.41x on the H200, session 26; float32 d64 0.87x and d96 0.95x, float64 d64 0.98x: off there)
         # where two such blocks share an SM (8 warps; with one, the 2-warp form's 2-3 blocks hold as many)
         warps, query_tile = 4, 32
+    elif q16:
+        # e.g. float64 d128: 4 slabs of 2 warps, 64 keys sharing 16-query tiles (211 KB).  The 2-slab
+        # form's one 177 KB block left each scheduler a single warp (ncu: 85 % of the issue slots
+        # empty, 45 % of the stalls on fixed-latency dependencies); this one has two, half the Q/dO
+        # copies and dQ atomics a key, and 16 x 16 S/dP tiles a warp.
+        warps, query_tile = 8, 16
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
         two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32)
                                    + STATIC_SMEM_RESERVE <= smem_limit)  # (8 warps at most: 255 registers)

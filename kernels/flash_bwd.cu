@@ -34,8 +34,9 @@
 // into dq: 5 products and one S/dP recomputation instead of 7 and two (FlashAttention-2,
 // Algorithm 2's dQ update), at the price of an order of the dQ sums that varies between calls.  There
 // a block may take fewer query rows at a time than it has keys (CUFLASH_QUERY_TILE: 64 keys, 32
-// queries), and a column split's warps form S and dP over their own columns, summed over the slab
-// through shared memory (CUFLASH_SPLIT_S, sum_over_slab_warps) instead of each forming them whole.
+// queries; float64 d128/d192 32-64 keys of 8 warps, 16 queries), and a column split's warps form S
+// and dP over their own columns, summed over the slab through shared memory (CUFLASH_SPLIT_S,
+// sum_over_slab_warps) instead of each forming them whole.
 // float64 products on sm_90 in k steps of 4 (m16n8k4; warp_gemm.cuh's CUFLASH_F64_MMA): steps of 8
 // hold two more A values in registers, which made the atomic-dQ kernels spill (88-100 bytes at
 // d64/d128) and run 5-8 % slower there (perf-notes f10).
@@ -96,7 +97,8 @@ constexpr int kColSplit = CUFLASH_SLAB_WARPS;
 // shared-memory row, and the output columns a warp accumulates.  kQT: the query rows the dK/dV
 // kernel takes at a time (its inner tile): kT, or with atomic dQ CUFLASH_QUERY_TILE (fewer query
 // rows than key rows: 64 keys of 4 warps sharing 32-query tiles of Q and dO, whose copies and dQ
-// atomics a key then halve, in 110 KB at float32 d128: 2 blocks = 8 warps an SM against 3 x 2).
+// atomics a key then halve, in 110 KB at float32 d128: 2 blocks = 8 warps an SM against 3 x 2;
+// float64 d128: 4 slabs of 2 warps sharing 16-query tiles, 8 warps an SM against one 4-warp block).
 template <class T, int kD, int kWarps>
 struct BwdShape {
     using E = typename Elem<T>::Storage;

@@ -378,12 +378,14 @@ def test_backward_grids_match_the_kernels_tiles():
     for dtype, d, smem_kb, rows in cases:
         v = _kernels.bwd_variant(dtype, d, softcap=False, alibi=False, smem_limit=smem_kb * 1024)
         assert _gpu.bwd_tiles(v) == (rows, rows), (v.name, _gpu.bwd_tiles(v))
-    # The atomic-dQ dK/dV kernel of 64 keys with 32-query tiles (BwdShape::kQT, float32 d128): dQ's grid
-    # and the mask's tile map by 32 query rows, the dK/dV grid by 64 keys; 2 warps a block where 110 KB
-    # do not fit, and at the head dims where it measured slower.
+    # The atomic-dQ dK/dV kernels of 64 keys sharing query tiles (BwdShape::kQT): float32 d128's 32-query
+    # tiles, float64 d128's 16-query tiles (4 slabs of 2 warps); dQ's grid and the mask's tile map by the
+    # query tile, the dK/dV grid by 64 keys; the smaller forms where they do not fit, and at the head
+    # dims where they measured slower or whose dQ columns do not split into 8-column tiles over 8 warps.
     cases = [("float32", 64, 227, (32, 32)), ("float32", 128, 227, (32, 64)), ("float32", 128, 163, (32, 32)),
-             ("float32", 128, 99, (32, 32)), ("float64", 64, 227, (32, 32)), ("float64", 128, 227, (32, 32))]
+             ("float32", 128, 99, (32, 32)), ("float64", 64, 227, (32, 32)), ("float64", 128, 227, (16, 64)),
+             ("float64", 128, 163, (16, 16)), ("float64", 96, 227, (32, 32)), ("float64", 160, 227, (16, 16))]
     for dtype, d, smem_kb, tiles in cases:
         v = _kernels.bwd_variant(dtype, d, softcap=False, alibi=False, smem_limit=smem_kb * 1024, deterministic=False)
         assert _gpu.bwd_tiles(v) == tiles, (v.name, _gpu.bwd_tiles(v))
-        assert ("_q32_" in v.name) == (tiles[1] == 64), v.name
+        assert (f"_q{tiles[0]}_" in v.name) == (tiles[0] < tiles[1]), v.name
