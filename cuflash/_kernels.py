@@ -422,7 +422,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     one form, :func:`_mods_form`); ``tf32``
     (float32) single TF32 products instead of 3xTF32; ``deterministic=False`` (float32/float64
     only) ``<name>_dkdv_dq`` + ``<name>_dq_convert`` instead: dQ added atomically to a dq_accum in
-    the dtype, one dS tile (kT x (kT + 4)) more of shared memory.  float32/float64 run two 16-row slabs (32-row
+    the dtype, one dS tile (query tile x (kT + 4)) more of shared memory.  float32/float64 run two 16-row slabs (32-row
     tiles; one where shared memory is short, or past 8 warps: their accumulators take 2-4 times the
     registers of the 16-bit ones), each slab one warp, or several that split the output's columns
     (col_split; each recomputes the slab's S and dP, or with atomic dQ forms them over its own columns
