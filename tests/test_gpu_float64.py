@@ -452,3 +452,43 @@ def test_128k_tokens_without_score_matrix(rng):
     naive_out, naive_lse = R.naive_attention(q[:, rows], k, v, return_lse=True)
     _assert_f64_rule(out.get()[:, rows], ref_out, naive_out, "out rows")
     _assert_f64_rule(lse.get()[:, :, rows], ref_lse, naive_lse, "lse rows")
+
+
+def _central_difference_check(xp, rng, q, k, v, w, samples=10, eps=1e-5, **opts):
+    """attention_backward's dq, dk, dv against central differences of attention itself: the loss
+    sum(out * w), each of ``samples`` random entries of q, k and v moved by +-eps (float64 throughout,
+    so the differences keep about 10 digits).  ``xp``: cupy (the GPU kernels) or numpy (the CPU
+    path, which checks the check)."""
+    arrays = [xp.asarray(x) for x in (q, k, v)]
+    wd = xp.asarray(w)
+
+    def loss(qkv):
+        return float((cuflash.attention(*qkv, **opts) * wd).sum())
+
+    out, lse = cuflash.attention(*arrays, return_lse=True, **opts)
+    grads = cuflash.attention_backward(wd, *arrays, out, lse, **opts)
+    for name, x, g in zip(("dq", "dk", "dv"), arrays, grads):
+        g = _arrays.to_numpy(g)
+        scale = float(np.abs(g).max())
+        for flat in rng.choice(x.size, size=min(samples, x.size), replace=False):
+            idx = np.unravel_index(flat, x.shape)
+            moved = []
+            for sign in (1.0, -1.0):
+                x2 = x.copy()
+                x2[idx] += sign * eps
+                qkv = [x2 if y is x else y for y in arrays]
+                moved.append(loss(qkv))
+            fd = (moved[0] - moved[1]) / (2 * eps)
+            assert abs(fd - g[idx]) <= 1e-7 * max(scale, 1.0), f"{name}{idx}: backward {g[idx]:.12g}, central difference {fd:.12g}"
+
+
+@pytest.mark.parametrize("case", ["d64-causal", "d128-gqa-softcap", "d160-window-alibi"])
+def test_gradients_against_central_differences(rng, case):
+    """Issue 24's check of the float64 gradients against central differences, through the GPU's own
+    forward and backward (the atomic-dQ default: 16-query tiles at d128, the column split at d160)."""
+    d, opts, hk = {"d64-causal": (64, dict(causal=True), 2),
+                   "d128-gqa-softcap": (128, dict(softcap=3.0), 1),
+                   "d160-window-alibi": (160, dict(window_size=(5, 2), alibi_slopes=SLOPES[:2]), 2)}[case]
+    q = _rand(rng, (1, 19, 2, d))
+    k, v = _rand(rng, (1, 23, hk, d)), _rand(rng, (1, 23, hk, d))
+    _central_difference_check(_cp(), rng, q, k, v, _rand(rng, (1, 19, 2, d)), **opts)
