@@ -3,6 +3,8 @@
 // After each key tile:   m' = max(m, rowmax(S)),   alpha = 2^(m - m'),
 //                        P = 2^(S - m'),           l' = alpha * l + rowsum(P),   O' = alpha * O + P V
 // and at the end         O = O / l,                lse = (m + log2 l) * ln 2.
+// (float64: m' stays m unless rowmax(S) passes it by CUFLASH_F64_MAX_SLACK, below; any common m
+// gives the same O and LSE up to rounding, with P <= 2^slack.)
 // A row that has seen only hidden keys keeps m = -inf; using 0 in its place makes every 2^(...)
 // exactly 0 instead of 2^(-inf - -inf) = NaN.  This is the only place that guard lives.
 // kNatural (kernels with an additive bias, softmax_tile.cuh): scores and m in natural units
@@ -21,7 +23,7 @@ constexpr float kLog2eF = 1.4426950408889634f;
 // A: float, or double in the float64 kernels (mma.cuh, Elem).
 template <class A>
 struct RowStateT {
-    A m = -static_cast<A>(__int_as_float(0x7f800000));  // running max of the scores seen (log2 units)
+    A m = -static_cast<A>(__int_as_float(0x7f800000));  // the max subtracted: the running max of the scores seen (log2 units; float64: within the slack below it)
     A l = 0;                                            // running sum of 2^(s - m) over this thread's columns
 
     // Take a new tile maximum (already reduced over the row); return (alpha, the max to subtract).
