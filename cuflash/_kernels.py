@@ -438,8 +438,8 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     def ds_tile(rows, keys=None):  # atomic dQ: the (query rows, keys + 4) dS tile of flash_bwd.cu's _dkdv_dq
         return 0 if deterministic else rows * ((keys or rows) + 4) * itemsize
 
-    def parts(warps, rows):  # atomic dQ with a column split: the warps' partial S/dP tiles (CUFLASH_SPLIT_S)
-        return warps * 2 * 16 * rows * itemsize if split_s else 0
+    def parts(warps, rows, keys):  # atomic dQ with a column split: the warps' partial S/dP tiles and P^T (CUFLASH_SPLIT_S)
+        return (warps * 2 * 16 * rows + rows * (keys + 4)) * itemsize if split_s else 0
 
     # float64 past d64 and float32 past d128: several warps per 16-row slab, each with its share of
     # the output's columns (flash_bwd.cu's kColSplit: dK and dV would not fit in registers), each
@@ -463,7 +463,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
     def q16_fits(cs):
         return (split_s and not deterministic and itemsize == 8 and cs in (2, 4) and d % 64 == 0
                 and bwd_smem_bytes(d, 8 // cs, itemsize, query_rows=16) + ds_tile(16, 16 * (8 // cs))
-                + parts(8, 16) + STATIC_SMEM_RESERVE <= smem_limit)
+                + parts(8, 16, 16 * (8 // cs)) + STATIC_SMEM_RESERVE <= smem_limit)
     if col_split == 8 and q16_fits(4):
         col_split = 4
     q16 = q16_fits(col_split)
@@ -484,7 +484,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         # copies and dQ atomics a key, and 16 x 16 S/dP tiles a warp.
         warps, query_tile = 8, 16
     else:  # 2 slabs of 16 rows, 1 where shared memory is short (99 KB GPUs)
-        two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32)
+        two = col_split <= 4 and (bwd_smem_bytes(d, 2, itemsize) + ds_tile(32) + parts(2 * col_split, 32, 32)
                                    + STATIC_SMEM_RESERVE <= smem_limit)  # (8 warps at most: 255 registers)
         warps = col_split * (2 if two else 1)
     name = f"cuflash_bwd_{_SHORT[dtype]}_d{d}_w{warps}" + score_name + _MODS_SUFFIX[mods]
@@ -501,7 +501,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         assert itemsize > 2, "atomic dQ in flash_bwd.cu: float32/float64 (16-bit: flash_bwd_sm90.cu)"
         defines += (("CUFLASH_DETERMINISTIC", 0),) + ((("CUFLASH_QUERY_TILE", query_tile),) if query_tile else ())
         defines += (("CUFLASH_SPLIT_S", 1),) if split_s else ()
-        smem += ds_tile(query_tile or 16 * slabs, 16 * slabs) + parts(warps, query_tile or 16 * slabs)
+        smem += ds_tile(query_tile or 16 * slabs, 16 * slabs) + parts(warps, query_tile or 16 * slabs, 16 * slabs)
     if split_s and smem + STATIC_SMEM_RESERVE > smem_limit:
         return bwd_variant(dtype, headdim, softcap=softcap, alibi=alibi, mods=mods, smem_limit=smem_limit, tf32=tf32,
                            deterministic=deterministic, split_s=False)

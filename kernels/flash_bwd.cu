@@ -36,7 +36,8 @@
 // a block may take fewer query rows at a time than it has keys (CUFLASH_QUERY_TILE: 64 keys, 32
 // queries; float64 d128/d192 32-64 keys of 8 warps, 16 queries), and a column split's warps form S
 // and dP over their own columns, summed over the slab through shared memory (CUFLASH_SPLIT_S,
-// sum_over_slab_warps) instead of each forming them whole.
+// sum_over_slab_warps) instead of each forming them whole, each then forming P and dS for its
+// share of the tile's elements only and handing them to the others (share_over_slab).
 // float64 products on sm_90 in k steps of 4 (m16n8k4; warp_gemm.cuh's CUFLASH_F64_MMA): steps of 8
 // hold two more A values in registers, which made the atomic-dQ kernels spill (88-100 bytes at
 // d64/d128) and run 5-8 % slower there (perf-notes f10).
@@ -81,6 +82,9 @@
 #endif
 #ifndef CUFLASH_SPLIT_S
 #define CUFLASH_SPLIT_S 0  // (atomic dQ, column split) 1: each warp of a slab forms S and dP over its own columns, summed (sum_over_slab_warps)
+#endif
+#ifndef CUFLASH_SLAB_SHARE
+#define CUFLASH_SLAB_SHARE 1  // (CUFLASH_SPLIT_S) 1: each warp of a slab forms P and dS for its share of the elements (share_over_slab)
 #endif
 #ifndef CUFLASH_QUERY_TILE
 #define CUFLASH_QUERY_TILE 0  // (atomic dQ) query rows a dK/dV block takes at a time; 0: as many as its key rows
@@ -144,9 +148,15 @@ __device__ __forceinline__ void red_add2(A* addr, A x, A y) {
 // A column split's S^T and dP^T formed once a slab instead of once a warp: each of the kSplit warps
 // of a slab contracted only its own columns of K.Q and V.dO, and here the partial tiles (kN 8-query
 // C fragments each) go to shared memory `part` (the block's warps x 2 tiles, fragment order) and,
-// after one barrier, every warp adds its slab's kSplit partials in the same order, so that all of
-// them hold the same S^T and dP^T (their P and dS then agree bitwise, as when each formed them whole).
-template <int kSplit, int kN, class A>
+// after one barrier, each warp adds its slab's kSplit partials in the same order, so that all hold
+// the same S^T and dP^T (their P and dS then agree bitwise, as when each formed them whole); or
+// (kOwnOnly, CUFLASH_SLAB_SHARE) for its own fragment slots only: slot (nt, e) belongs to the slab's
+// warp (4 nt + e) % kSplit, which forms that slot's P and dS for the slab (share_over_slab then
+// hands them to the others).
+template <int kSplit>
+__device__ __forceinline__ bool own_slot(int nt, int e, int warp_id) { return (nt * 4 + e) % kSplit == warp_id % kSplit; }
+
+template <int kSplit, bool kOwnOnly, int kN, class A>
 __device__ __forceinline__ void sum_over_slab_warps(A (&st)[kN][4], A (&dpt)[kN][4], A* part, int warp_id, int lane) {
     constexpr int kVals = kN * 4 * 32;  // one tile of a warp
     A* mine = part + warp_id * 2 * kVals + lane;
@@ -163,6 +173,7 @@ __device__ __forceinline__ void sum_over_slab_warps(A (&st)[kN][4], A (&dpt)[kN]
     for (int nt = 0; nt < kN; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+            if (kOwnOnly && !own_slot<kSplit>(nt, e, warp_id)) continue;
             A a = 0, b = 0;
 #pragma unroll
             for (int c = 0; c < kSplit; ++c) {
@@ -172,6 +183,34 @@ __device__ __forceinline__ void sum_over_slab_warps(A (&st)[kN][4], A (&dpt)[kN]
             st[nt][e] = a;
             dpt[nt][e] = b;
         }
+}
+
+// The other half of sum_over_slab_warps: each warp stores the P^T and dS^T of its own slots
+// transposed, as (kQT queries, kLd) tiles keyed by the block's keys (sdS, which the dQ pass reads,
+// and sP), and after one barrier loads the slab's other slots from them: every warp of the slab
+// then holds the whole P^T and dS^T, each element formed once a slab.
+template <int kSplit, int kN, int kLd, class A>
+__device__ __forceinline__ void share_over_slab(A (&pt)[kN][4], A (&dst)[kN][4], A* sP, A* sdS, int warp_id, int lane) {
+    const int key = warp_id / kSplit * 16 + lane / 4;  // the slab's keys, this lane's rows g and g + 8
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (own_slot<kSplit>(nt, e, warp_id)) {
+                const int at = (nt * 8 + (lane % 4) * 2 + e % 2) * kLd + key + 8 * (e / 2);
+                sP[at] = pt[nt][e];
+                sdS[at] = dst[nt][e];
+            }
+    __syncthreads();
+#pragma unroll
+    for (int nt = 0; nt < kN; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (!own_slot<kSplit>(nt, e, warp_id)) {
+                const int at = (nt * 8 + (lane % 4) * 2 + e % 2) * kLd + key + 8 * (e / 2);
+                pt[nt][e] = sP[at];
+                dst[nt][e] = sdS[at];
+            }
 }
 
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel
@@ -304,9 +343,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
     A* sLse2 = reinterpret_cast<A*>(sdO + kQT * kStride);  // (kQT) LSE of the query tile, log2 units (kMods: natural)
     A* sDsum = sLse2 + kQT;                                // (kQT) D of the query tile
     A* sdS = sDsum + kQT;                                  // (kAtomicDq) (kQT queries, kLdS) dS, keys of this block
-    // (kSplitS) the warps' partial S^T and dP^T, kWarps x 2 x (16 x kQT): sum_over_slab_warps
+    // (kSplitS) the warps' partial S^T and dP^T, kWarps x 2 x (16 x kQT): sum_over_slab_warps; and
+    // P^T transposed as sdS, (kQT, kLdS): share_over_slab
     constexpr bool kSplitS = kAtomicDq && kColSplit > 1 && CUFLASH_SPLIT_S;
+    constexpr bool kShare = kSplitS && CUFLASH_SLAB_SHARE;
     A* sPart = sdS + kQT * kLdS;
+    A* sP = sPart + kWarps * 2 * 16 * kQT;
 
     const int tid = threadIdx.x, warp = tid / 32 / kColSplit, lane = tid % 32;
     const int col0 = (tid / 32 % kColSplit) * kDW;
@@ -374,7 +416,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 if constexpr (kSplitS) {  // this warp's columns of the contractions, summed over the slab
                     gemm_abt<T, kTf32Terms, kDW, kQT, kStride, kSwz>(st, sK + warp * 16 * kStride + col0, sQ + col0, lane);
                     gemm_abt<T, kTf32Terms, kDW, kQT, kStride, kSwz>(dpt, sV + warp * 16 * kStride + col0, sdO + col0, lane);
-                    sum_over_slab_warps<kColSplit>(st, dpt, sPart, tid / 32, lane);
+                    sum_over_slab_warps<kColSplit, kShare>(st, dpt, sPart, tid / 32, lane);
                 } else {
                     gemm_abt<T, kTf32Terms, kD, kQT, kStride, kSwz>(st, sK + warp * 16 * kStride, sQ, lane);    // Sᵀ = K Qᵀ
                     gemm_abt<T, kTf32Terms, kD, kQT, kStride, kSwz>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
@@ -388,6 +430,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     if (drop && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, keep);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
+                        if (kShare && !own_slot<kColSplit>(nt, e, tid / 32)) continue;  // (another warp of the slab forms it)
                         const int j = n0 + warp * 16 + lane / 4 + 8 * (e / 2), c = nt * 8 + (lane % 4) * 2 + e % 2;
                         const int i = m0 + c;
                         A dcap, pr;
@@ -398,11 +441,13 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                         st[nt][e] = pr * z;  // (dropout: the P the forward multiplied V by)
                         const A ds = pr * (dpt[nt][e] * z - sDsum[c]);  // d(loss)/d(final score)
                         if constexpr (kMods && kAtomicDq)  // (the ordered kernels: _dq adds it)
-                            if (col0 == 0) mods.add_dbias(i, j, ds);  // (a column split: the slab's first warp)
+                            if (kShare || col0 == 0) mods.add_dbias(i, j, ds);  // (a column split: once a slab)
                         dpt[nt][e] = ds * dcap;  // dSᵀ, without the softmax scale
                     }
                 }
-                if constexpr (kAtomicDq) {  // dS for the block's dQ, transposed: one warp of each slab writes its keys
+                if constexpr (kShare) {  // each warp's slots to the slab's others, dS^T through sdS (dQ's)
+                    share_over_slab<kColSplit, kQT / 8, kLdS>(st, dpt, sP, sdS, tid / 32, lane);
+                } else if constexpr (kAtomicDq) {  // dS for the block's dQ, transposed: one warp of each slab writes its keys
                     if (tid / 32 % kColSplit == 0) {
 #pragma unroll
                         for (int nt = 0; nt < kQT / 8; ++nt)
@@ -422,7 +467,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     warp_gemm_rb<T, kQT, kD, kStride>(dk, dsa, sQ, lane);  // dK += dSᵀ Q
                 }
                 if constexpr (kAtomicDq) {  // dQ += dS K for query slab dq_slab, columns dq_col0.. (Shape::kDQW), kCW at a time
-                    __syncthreads();  // every slab's dS is in sdS
+                    if constexpr (!kShare) __syncthreads();  // every slab's dS is in sdS (kShare: since share_over_slab's barrier)
                     const int dq_slab = tid / 32 / kDqParts, dq_col0 = (tid / 32 % kDqParts) * kDQW;
                     // dS of keys k0.. (C-fragment layout: rows = the slab's queries, columns = keys): all
                     // kT keys at once when the query tile is the key block's, else 8 at a time

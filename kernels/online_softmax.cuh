@@ -3,6 +3,8 @@
 // After each key tile:   m' = max(m, rowmax(S)),   alpha = 2^(m - m'),
 //                        P = 2^(S - m'),           l' = alpha * l + rowsum(P),   O' = alpha * O + P V
 // and at the end         O = O / l,                lse = (m + log2 l) * ln 2.
+// (float64: m' stays m unless rowmax(S) passes it by CUFLASH_F64_MAX_SLACK, below; any common m
+// gives the same O and LSE up to rounding, with P <= 2^slack.)
 // A row that has seen only hidden keys keeps m = -inf; using 0 in its place makes every 2^(...)
 // exactly 0 instead of 2^(-inf - -inf) = NaN.  This is the only place that guard lives.
 // kNatural (kernels with an additive bias, softmax_tile.cuh): scores and m in natural units
@@ -14,10 +16,14 @@
 
 constexpr float kLog2eF = 1.4426950408889634f;
 
+#ifndef CUFLASH_F64_MAX_SLACK
+#define CUFLASH_F64_MAX_SLACK 8  // float64: how far (log2 units) the row max may pass the max subtracted before it moves
+#endif
+
 // A: float, or double in the float64 kernels (mma.cuh, Elem).
 template <class A>
 struct RowStateT {
-    A m = -static_cast<A>(__int_as_float(0x7f800000));  // running max of the scores seen (log2 units)
+    A m = -static_cast<A>(__int_as_float(0x7f800000));  // the max subtracted: the running max of the scores seen (log2 units; float64: within the slack below it)
     A l = 0;                                            // running sum of 2^(s - m) over this thread's columns
 
     // Take a new tile maximum (already reduced over the row); return (alpha, the max to subtract).
@@ -25,8 +31,24 @@ struct RowStateT {
     __device__ __forceinline__ A update_max(A tile_max, A& m_use) {
         constexpr A kLog2e = static_cast<A>(1.4426950408889634);
         A m_new = acc::max(m, tile_max);
-        m_use = safe_max(m_new);
-        A alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);  // m = -inf (first tile): 0, O and l are still 0
+        A alpha;
+        if constexpr (sizeof(A) == 8) {
+            // float64 (perf-notes f15): the max subtracted moves only when the row's max passes it by
+            // more than CUFLASH_F64_MAX_SLACK (log2 units; FlashAttention-4's conditional rescale), so
+            // P may reach 2^slack, far from overflowing a double, and the result is the same up to
+            // rounding (the LSE is m + log2 l whichever m); and alpha = 1 without the exp2 where m
+            // stayed (a double exp2 is ~16 FP64 instructions, on sm_90 the DMMAs' pipe, formed by
+            // each lane for two rows a tile: 2-4 instructions a score).  An empty row (m = -inf)
+            // takes its first visible tile's max; while it has none, alpha = 1 (l and O are 0).
+            constexpr A kSlack = static_cast<A>(CUFLASH_F64_MAX_SLACK) * (kNatural ? static_cast<A>(0.6931471805599453) : static_cast<A>(1));
+            if (!(m_new > m + kSlack)) m_new = m;
+            m_use = safe_max(m_new);
+            alpha = 1;
+            if (m_new != m) alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
+        } else {
+            m_use = safe_max(m_new);
+            alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);  // m = -inf (first tile): 0, O and l are still 0
+        }
         m = m_new;
         l *= alpha;
         return alpha;
