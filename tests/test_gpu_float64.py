@@ -454,13 +454,13 @@ def test_128k_tokens_without_score_matrix(rng):
     _assert_f64_rule(lse.get()[:, :, rows], ref_lse, naive_lse, "lse rows")
 
 
-def _central_difference_check(xp, rng, q, k, v, w, samples=10, eps=1e-5, **opts):
-    """attention_backward's dq, dk, dv against central differences of attention itself: the loss
-    sum(out * w), each of ``samples`` random entries of q, k and v moved by +-eps (float64 throughout,
-    so the differences keep about 10 digits).  ``xp``: cupy (the GPU kernels) or numpy (the CPU
-    path, which checks the check)."""
-    arrays = [xp.asarray(x) for x in (q, k, v)]
-    wd = xp.asarray(w)
+def _central_difference_check(rng, q, k, v, w, samples=10, eps=1e-5, **opts):
+    """attention_backward's dq, dk, dv on the GPU against central differences of the GPU's attention
+    itself: the loss sum(out * w), each of ``samples`` random entries of q, k and v moved by +-eps
+    (float64 throughout, so the differences keep about 10 digits)."""
+    cp = _cp()
+    arrays = [cp.asarray(x) for x in (q, k, v)]
+    wd = cp.asarray(w)
 
     def loss(qkv):
         return float((cuflash.attention(*qkv, **opts) * wd).sum())
@@ -491,4 +491,4 @@ def test_gradients_against_central_differences(rng, case):
                    "d160-window-alibi": (160, dict(window_size=(5, 2), alibi_slopes=SLOPES[:2]), 2)}[case]
     q = _rand(rng, (1, 19, 2, d))
     k, v = _rand(rng, (1, 23, hk, d)), _rand(rng, (1, 23, hk, d))
-    _central_difference_check(_cp(), rng, q, k, v, _rand(rng, (1, 19, 2, d)), **opts)
+    _central_difference_check(rng, q, k, v, _rand(rng, (1, 19, 2, d)), **opts)
