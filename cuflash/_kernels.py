@@ -146,15 +146,16 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks
         item = WIDE_ITEMSIZE[dtype]
         # Column splits: float64 past d128 (its O: D/2 doubles a thread without one), float32 at d256
-        # (O's 128 registers left one 4-warp block an SM: 23 TF/s against 27 with 8 warps, session 28).
-        split = 2 if (item == 8 and headdim > 128) or headdim > 224 else 1
+        # (O's 128 registers left one 4-warp block an SM: 23 TF/s against 27 with 8 warps, session 28)
+        # and d192 (S shared, (2, 2) chains: 40 / 38 TF/s non-causal / causal against 39 / 35, session 31).
+        split = 2 if (item == 8 and headdim > 128) or headdim > 224 or (item == 4 and 160 < headdim <= 192) else 1
         if split == 2:  # (32 keys where they fit: float64 d160/d192 31/33 TF/s against 16 keys' 24/26, float32 d256 43 against 38, session 29)
             shapes = ((64, 32, 8), (64, 16, 8), (32, 16, 4), (16, 16, 2))
         elif item == 8:  # (past d64 the 32-key tiles spill 224 bytes: 14 TF/s against 16 keys' 21-23, session 24)
             shapes = ((64, 32, 4), (32, 16, 2)) if headdim <= 64 else ((128, 16, 8), (64, 16, 4), (32, 16, 2))
         else:  # (d64: 32 keys 47-50 TF/s against 64 keys' 42-45, which spilled 88 bytes; session 28)
             shapes = ((64, 32, 4), (32, 32, 2))
-        chains = {128: (2, 2), 160: (2, 3), 256: (2, 2)}.get(headdim, (3, 3)) if item == 4 else (3, 3)
+        chains = {128: (2, 2), 160: (2, 3), 192: (2, 2), 256: (2, 2)}.get(headdim, (3, 3)) if item == 4 else (3, 3)
         # A column split's warps share S (f13) where its bytes fit beside the shape; else (float64 d256
         # with 99 KB) each forms all of it.  (A larger shape without it before a smaller one with it.)
         tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split, tf32_chains=chains,

@@ -180,15 +180,16 @@ def test_wide_backward_variants_fit_their_gpus():
 
 
 def test_float32_forward_tiles():
-    """float32 (3xTF32) takes 64 x 32 tiles to d192 (64 keys spilled: at d128 32 -> 39 TF/s with 32,
-    session 23; at d64 45 -> 50, session 28) and at d256 64 x 32 with 8 warps, O's columns over two
-    and S shared (27 -> 43 TF/s, H200, sessions 28-29); its 3xTF32 steps in two chains of products
-    for S and P V at d128 and d256, for S at d160 (session 29), and the variant's name and defines say so."""
+    """float32 (3xTF32) takes 64 x 32 tiles to d160 (64 keys spilled: at d128 32 -> 39 TF/s with 32,
+    session 23; at d64 45 -> 50, session 28) and at d192/d256 64 x 32 with 8 warps, O's columns over two
+    and S shared (d256 27 -> 43 TF/s, H200, sessions 28-29; d192 39 -> 40, causal 35 -> 38, session 31);
+    its 3xTF32 steps in two chains of products for S and P V at d128, d192 and d256, for S at d160
+    (session 29), and the variant's name and defines say so."""
     for d in _kernels.HEADDIM_BUCKETS:
         t = _kernels.fwd_tile(d, dtype="float32")
-        expected = (64, 32, 8, 2) if d == 256 else (64, 32, 4, 1)
+        expected = (64, 32, 8, 2) if d in (192, 256) else (64, 32, 4, 1)
         assert (t.block_m, t.block_n, t.warps, t.col_split) == expected, (d, t)
-        chains = {128: (2, 2), 160: (2, 3), 256: (2, 2)}.get(d, (3, 3))
+        chains = {128: (2, 2), 160: (2, 3), 192: (2, 2), 256: (2, 2)}.get(d, (3, 3))
         assert t.tf32_chains == chains, (d, t)
         for tf32 in (False, True):
             v = _kernels.fwd_variant("float32", d, softcap=False, alibi=False, tf32=tf32)
