@@ -148,15 +148,6 @@ __device__ __forceinline__ void mma_16x8x8_f64(double (&d)[4], const double (&a)
         : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
         : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b0), "d"(b1));
 }
-// The same with k = 16: a_i (g + 8 (i % 2), t + 4 (i / 2)); b_i (k t + 4 i, n g) (PTX ISA, "Matrix
-// Fragments for mma.m16n8k16 with floating point type", .f64); one DMMA.16x8x16.
-__device__ __forceinline__ void mma_16x8x16_f64(double (&d)[4], const double (&a)[8], const double (&b)[4]) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7,%8,%9,%10,%11}, {%12,%13,%14,%15}, "
-        "{%0,%1,%2,%3};"
-        : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
-        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]),
-          "d"(b[0]), "d"(b[1]), "d"(b[2]), "d"(b[3]));
-}
 // The same with k = 4: a0 (g, t), a1 (g + 8, t); b0 (k t, n g).
 __device__ __forceinline__ void mma_16x8x4_f64(double (&d)[4], double a0, double a1, double b) {
     asm("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"

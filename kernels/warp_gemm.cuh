@@ -40,18 +40,17 @@ __device__ __forceinline__ void warp_gemm_rb(float (&acc)[kD / 8][4], const u32 
 // float64 products: the shape of one tensor-core step.  sm_90 has 16-row shapes (m16n8k4, m16n8k8,
 // PTX ISA 7.8); its m8n8k4 peaks near half the float64 matmul's rate (perf-notes f10: the H200's
 // float64 forward ran 1.4-1.6x faster on m16n8k8).  sm_80 has m8n8k4 only: two of them stacked make
-// the 16-row C fragment.  CUFLASH_F64_MMA: 16 (m16n8k16, its last step m16n8k8 where the contraction
-// is 8 more than a multiple of 16), 8 (m16n8k8), 4 (m16n8k4; flash_bwd.cu's choice) or 0 (m8n8k4
-// pairs, sm_80).
+// the 16-row C fragment.  CUFLASH_F64_MMA: 8 (m16n8k8), 4 (m16n8k4; flash_bwd.cu's choice) or 0
+// (m8n8k4 pairs, sm_80).
 #ifndef CUFLASH_F64_MMA
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define CUFLASH_F64_MMA 16
+#define CUFLASH_F64_MMA 8
 #else
 #define CUFLASH_F64_MMA 0
 #endif
 #endif
-#if CUFLASH_F64_MMA != 0 && CUFLASH_F64_MMA != 4 && CUFLASH_F64_MMA != 8 && CUFLASH_F64_MMA != 16
-#error "CUFLASH_F64_MMA: 0 (m8n8k4 pairs), 4 (m16n8k4), 8 (m16n8k8) or 16 (m16n8k16)"
+#if CUFLASH_F64_MMA != 0 && CUFLASH_F64_MMA != 4 && CUFLASH_F64_MMA != 8
+#error "CUFLASH_F64_MMA: 0 (m8n8k4 pairs), 4 (m16n8k4) or 8 (m16n8k8)"
 #endif
 
 // float64 (mma.cuh's f64 shapes): the same 16-row slabs and C-fragment layout as the 16-bit
@@ -64,24 +63,10 @@ __device__ __forceinline__ void warp_gemm_rb(float (&acc)[kD / 8][4], const u32 
 template <int kD, int kN, int kStride, bool kSwz = false>
 __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], const double* sA, const double* sB, int lane) {
     const int g = lane / 4, t = lane % 4;
-#if CUFLASH_F64_MMA >= 8
-    static_assert(kD % 8 == 0 && !kSwz, "k steps of 8 or 16 (swizzled tiles: steps of 4)");
-    constexpr int kSteps16 = CUFLASH_F64_MMA == 16 ? kD / 16 : 0;  // (then one step of 8 where kD % 16 == 8)
+#if CUFLASH_F64_MMA == 8
+    static_assert(kD % 8 == 0 && !kSwz, "k steps of 8 (swizzled tiles: steps of 4)");
 #pragma unroll
-    for (int ks = 0; ks < kSteps16; ++ks) {
-        const double* a = sA + g * kStride + ks * 16 + t;
-        double av[8];  // (g + 8 (i % 2), t + 4 (i / 2))
-#pragma unroll
-        for (int i = 0; i < 8; ++i) av[i] = a[(i % 2) * 8 * kStride + (i / 2) * 4];
-#pragma unroll
-        for (int nt = 0; nt < kN / 8; ++nt) {
-            const double* b = sB + (nt * 8 + g) * kStride + ks * 16 + t;
-            const double bv[4] = {b[0], b[4], b[8], b[12]};
-            mma_16x8x16_f64(acc[nt], av, bv);
-        }
-    }
-#pragma unroll
-    for (int ks = kSteps16 * 2; ks < kD / 8; ++ks) {
+    for (int ks = 0; ks < kD / 8; ++ks) {
         const double* a = sA + g * kStride + ks * 8 + t;
         const double av[4] = {a[0], a[8 * kStride], a[4], a[8 * kStride + 4]};  // (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4)
 #pragma unroll
@@ -124,25 +109,10 @@ __device__ __forceinline__ void warp_gemm_abt_f64(double (&acc)[kN / 8][4], cons
 template <int kK, int kD, int kStride, bool kSwz = false>
 __device__ __forceinline__ void warp_gemm_cb_f64(double (&acc)[kD / 8][4], const double (&p)[kK / 8][4], const double* sB, int lane) {
     const int g = lane / 4, t = lane % 4;
-#if CUFLASH_F64_MMA >= 8
+#if CUFLASH_F64_MMA == 8
     static_assert(!kSwz, "swizzled tiles: steps of 4");
-    // k steps of 16 take two of S's 8-key tiles, nt = 2 j and 2 j + 1: k = t, t + 4 the keys 8 nt + 2t
-    // and + 1 of the first, k = t + 8, t + 12 those of the second.
-    constexpr int kSteps16 = CUFLASH_F64_MMA == 16 ? kK / 16 : 0;
 #pragma unroll
-    for (int j = 0; j < kSteps16; ++j) {
-        const double (&p0)[4] = p[2 * j];
-        const double (&p1)[4] = p[2 * j + 1];
-        const double pv[8] = {p0[0], p0[2], p0[1], p0[3], p1[0], p1[2], p1[1], p1[3]};
-        const double* row = sB + (16 * j + 2 * t) * kStride + g;  // keys 16 j + 2t (+1), and + 8 (+1)
-#pragma unroll
-        for (int ot = 0; ot < kD / 8; ++ot) {
-            const double bv[4] = {row[ot * 8], row[kStride + ot * 8], row[8 * kStride + ot * 8], row[9 * kStride + ot * 8]};
-            mma_16x8x16_f64(acc[ot], pv, bv);
-        }
-    }
-#pragma unroll
-    for (int nt = kSteps16 * 2; nt < kK / 8; ++nt) {
+    for (int nt = 0; nt < kK / 8; ++nt) {
         const double pv[4] = {p[nt][0], p[nt][2], p[nt][1], p[nt][3]};  // (g, 2t), (g + 8, 2t), (g, 2t + 1), (g + 8, 2t + 1)
         const double* row = sB + (nt * 8 + 2 * t) * kStride + g;
 #pragma unroll

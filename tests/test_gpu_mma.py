@@ -49,18 +49,6 @@ extern "C" __global__ void mma_f64_check(const double* A, const double* B, doubl
 #endif
     for (int e = 0; e < 4; ++e) D[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
 }
-
-extern "C" __global__ void mma_f64_k16_check(const double* A, const double* B, double* D) {
-    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;  // A (16 x 16) and B (16 x 8) row-major
-    double d[4] = {0.0, 0.0, 0.0, 0.0};
-#if __CUDA_ARCH__ >= 900  // m16n8k16 (sm_90+): a_i (g + 8 (i % 2), t + 4 (i / 2)), b_i (t + 4 i, g)
-    double a[8], b[4];
-    for (int i = 0; i < 8; ++i) a[i] = A[(g + 8 * (i % 2)) * 16 + t + 4 * (i / 2)];
-    for (int i = 0; i < 4; ++i) b[i] = B[(t + 4 * i) * 8 + g];
-    mma_16x8x16_f64(d, a, b);
-#endif
-    for (int e = 0; e < 4; ++e) D[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
-}
 '''
 
 
@@ -150,22 +138,3 @@ def test_float64_products(module, seed, shape):
     exact = a @ b
     scale = np.abs(a) @ np.abs(b)
     assert (np.abs(out.get() - exact) <= 8 * 2.0**-53 * scale).all()
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_float64_products_k16(module, seed):
-    """sm_90's m16n8k16 (the float64 forward's products, warp_gemm.cuh's CUFLASH_F64_MMA 16): a 16 x 16
-    by 16 x 8 product through the fragment layout mma.cuh documents."""
-    import cupy as cp
-
-    if int(cp.cuda.Device().compute_capability) < 90:
-        pytest.skip("m16n8k16 .f64 needs sm_90")
-    (a0, b0), (a1, b1) = _operands(seed), _operands(seed + 10)
-    a, b = np.concatenate([a0, a1], axis=1), np.concatenate([b0, b1], axis=0)
-    out = cp.full((16, 8), np.nan, dtype=cp.float64)
-    module.get_function("mma_f64_k16_check")((1,), (32,), (cp.asarray(a), cp.asarray(b), out))
-    exact = a @ b
-    scale = np.abs(a) @ np.abs(b)
-    assert (np.abs(out.get() - exact) <= 16 * 2.0**-53 * scale).all()
