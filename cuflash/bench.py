@@ -340,17 +340,23 @@ def to_markdown(rows, env):
         f"NVRTC {env['nvrtc']}" + "".join(f", {m} {env[m]}" for m in ("torch", "jax", "flash_attn3_jax") if m in env),
         *([f"cupy.matmul 8192³: " + ", ".join(f"{d} {t:.1f} TF/s" for d, t in env["matmul"].items())] if env.get("matmul") else []),
     ]
-    # Ratio columns: cuflash against each fused peer present, and its fraction of the fp16 GEMM rate.
+    # Ratio columns: cuflash against each fused peer present, and its fraction of the GEMM rate of
+    # the row's dtype (fp16's for the 16-bit rows; issue 24 reads float64 against float64's).
     against = [n for n in ("torch-flash", "torch-cudnn", "fa3-jax") if n in names]
-    gemm = (env.get("matmul") or {}).get("fp16")
-    heads = [f"cuflash / {n}" for n in against] + (["of fp16 GEMM"] if gemm else [])
+    rates = env.get("matmul") or {}
+    gemm = {d: rates.get(d if d in ("fp32", "fp64") else "fp16") for d in {r["dtype"] for r in rows}}
+    gemm = gemm if any(gemm.values()) else None
+    heads = [f"cuflash / {n}" for n in against] + (["of GEMM"] if gemm else [])
+    if gemm:
+        lines.append("of GEMM: cuflash's rate over cupy.matmul 8192³ in the row's dtype (fp16's for fp16/bf16)")
     lines += ["", "| dtype | hdim | causal | seqlen | " + " | ".join(names + heads) + " |",
               "|---|---|---|---|" + "---|" * (len(names) + len(heads))]
     for r in rows:
         vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
         vals += [f"{r['cuflash'] / r[n]:.2f}" if r.get(n) and r.get("cuflash") else "–" for n in against]
         if gemm:
-            vals.append(f"{r['cuflash'] / gemm:.2f}" if r.get("cuflash") else "–")
+            rate = gemm.get(r["dtype"])
+            vals.append(f"{r['cuflash'] / rate:.2f}" if r.get("cuflash") and rate else "–")
         lines.append(f"| {r['dtype']} | {r['headdim']} | {r['causal']} | {r['seqlen']} | " + " | ".join(vals) + " |")
     return "\n".join(lines)
 

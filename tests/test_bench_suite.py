@@ -72,7 +72,7 @@ def test_sweep_driver_with_and_without_progress_bar(monkeypatch, capsys):
     bench.main(argv)
     out = capsys.readouterr().out
     assert out.count('"cuflash": 100.0') == 2 and "| bf16 | 128 | True | 512 | 100 | 0.20 |" in out
-    assert "cupy.matmul 8192³: fp16 500.0 TF/s" in out and "| of fp16 GEMM |" in out
+    assert "cupy.matmul 8192³: fp16 500.0 TF/s" in out and "| of GEMM |" in out
     bench.main(argv, progress=lambda items, label: click.progressbar(items, label=label))
     out = capsys.readouterr().out
     assert '"cuflash": 100.0' not in out and "| bf16 | 64 | True | 512 | 100 |" in out
@@ -107,3 +107,19 @@ def test_modifiers_table_gives_the_cost_of_each_modifier_and_the_best_peer():
     assert md[4] == "| bf16 | 128 | bias | 4096 | False | 300 | 500 | 400 | 200 | 0.60 | 0.75 |"
     assert md[5] == "| fp16 | 64 | dropout | 16384 | True | 450 | 500 | – | – | 0.90 | – |"
     assert md[6] == "| bf16 | 64 | bias | 16384 | False | – | – | – | – | – | – |"  # inputs that did not fit
+
+
+@pytest.mark.skipif(_arrays.cupy_module() is None, reason="cuflash.bench imports CuPy")
+def test_table_reads_each_row_against_its_dtypes_gemm():
+    """The "of GEMM" column divides by cupy.matmul's rate in the row's dtype: float64 rows by
+    float64's (issue 24's 60 % target), float32 by float32's, 16-bit rows by fp16's."""
+    from cuflash import bench
+
+    env = {"gpu": "X", "cc": "90", "date": "d", "cuflash": "0", "cupy": "0", "nvrtc": "0",
+           "matmul": {"fp16": 800.0, "fp32": 50.0, "fp64": 64.0}}
+    rows = [dict(dtype=d, headdim=64, seqlen=16384, causal=False, cuflash=c)
+            for d, c in (("fp64", 38.4), ("fp32", 40.0), ("bf16", 400.0))]
+    table = bench.to_markdown(rows, env)
+    assert "| fp64 | 64 | False | 16384 | 38 | 0.60 |" in table
+    assert "| fp32 | 64 | False | 16384 | 40 | 0.80 |" in table
+    assert "| bf16 | 64 | False | 16384 | 400 | 0.50 |" in table
