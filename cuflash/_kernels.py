@@ -133,14 +133,14 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
     99 KB (sm_86/89); past d128 two warps share each 16-row slab (col_split, each with half of O's
     columns, and since session 29 each forming half of S, share_s): 64 x 32 with 8 warps where it
     fits (d160/d192: 31/33 TF/s against 64 x 16's 24/26), else 64 x 16.  float32 likewise: 64 x 32
-    to d192 (3xTF32, seqlen 4k, session 23: d128 39 TF/s non-causal, 36 causal, 64 x 64 32 and 25
-    spilling 32 bytes; session 28, d64: 50 against 64 x 64's 45), at d256 64 x 32 with 8 warps, O's
-    columns over two and S shared (43 against 64 x 16's 38 with it, 27 before it), smaller where
-    shared memory is short.  float64's V rows are padded by 16 bytes (TileConfig.smem_bytes).
+    to d160 and at d224 (3xTF32, seqlen 4k, session 23: d128 39 TF/s non-causal, 36 causal, 64 x 64 32 and 25
+    spilling 32 bytes; session 28, d64: 50 against 64 x 64's 45), at d192 and d256 64 x 32 with 8 warps, O's
+    columns over two and S shared (d256 43 against 64 x 16's 38 with it, 27 before it; d192 40/38
+    non-causal/causal against 4 warps' 39/35, session 31), smaller where shared memory is short.  float64's V rows are padded by 16 bytes (TileConfig.smem_bytes).
     float32's 3xTF32 steps run as two chains of products (tf32_chains, S's and P V's) where that
     measured faster (session 29, seqlen 4k, one A/B of every form): S and P V at d128 (+10 %) and
-    d256 (64 x 32: (2, 3) spilled 72 bytes), S alone at d160 (+9 %); at d64, d96 and d192 either was
-    0-9 % slower, and three chains stay.
+    d256 (64 x 32: (2, 3) spilled 72 bytes), S alone at d160 (+9 %); at d64 and d96 either was
+    0-9 % slower, and three chains stay; d192's column split takes (2, 2) (session 31: (2, 3) spilled).
     """
     limit = smem_limit - STATIC_SMEM_RESERVE  # the dynamic bytes must leave room for the static ones
     if dtype in WIDE_ITEMSIZE:  # 4-element row pad: the operands' loads spread over the banks

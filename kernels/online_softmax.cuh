@@ -3,8 +3,9 @@
 // After each key tile:   m' = max(m, rowmax(S)),   alpha = 2^(m - m'),
 //                        P = 2^(S - m'),           l' = alpha * l + rowsum(P),   O' = alpha * O + P V
 // and at the end         O = O / l,                lse = (m + log2 l) * ln 2.
-// (float64: m' stays m unless rowmax(S) passes it by CUFLASH_F64_MAX_SLACK, below; any common m
-// gives the same O and LSE up to rounding, with P <= 2^slack.)
+// (float64: m' stays m unless rowmax(S) passes it by CUFLASH_F64_MAX_SLACK, below, and rowmax(S)
+// is an upper bound within 2^-20 (f64_key_upper); any common m gives the same O and LSE up to
+// rounding, with P <= 2^slack.)
 // A row that has seen only hidden keys keeps m = -inf; using 0 in its place makes every 2^(...)
 // exactly 0 instead of 2^(-inf - -inf) = NaN.  This is the only place that guard lives.
 // kNatural (kernels with an additive bias, softmax_tile.cuh): scores and m in natural units
