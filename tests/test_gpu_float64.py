@@ -119,6 +119,29 @@ def test_long_rows(rng, causal):
     _check(q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("headdim", [64, 128, 192])
+@pytest.mark.parametrize("magnitude", [1e2, 1e3, 1e5])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True), dict(bias=True)], ids=["plain", "causal", "bias"])
+def test_scores_of_any_magnitude(rng, headdim, magnitude, opts):
+    """Scores far from 1: q and k scaled so that q.k reaches ~1e5, ~1e7 and ~1e11 (past 2^30 in log2 units, where
+    the row's P all underflow unless the max subtracted is within a unit of the row's max: the float64
+    softmax may take the max from the scores' high words only where that is so, perf-notes f17)."""
+    cp = _cp()
+    q = _rand(rng, (1, 65, 2, headdim), magnitude)
+    k, v = _rand(rng, (1, 129, 2, headdim), magnitude), _rand(rng, (1, 129, 2, headdim))
+    if not opts.get("bias"):
+        _check(q, k, v, **opts)
+        return
+    # the modifier kernels (scores and the max in natural units), a float64 bias of the same size
+    ref_opts, run = modifier_arguments(q, k, 0.0, (21, 4), dict(bias=_rand(rng, (1, 2, 65, 129), magnitude**2)))
+    out, lse = cuflash.attention(cp.asarray(q), cp.asarray(k), cp.asarray(v), out=cp.full(q.shape, np.nan),
+                                 return_lse=True, **run)
+    naive_out, naive_lse = R.naive_attention(q, k, v, return_lse=True, **ref_opts)
+    ref_out, ref_lse = _ref_extended(q, k, v, **ref_opts)
+    _assert_f64_rule(out.get(), ref_out, naive_out, "out")
+    _assert_f64_rule(lse.get(), ref_lse, naive_lse, "lse")
+
+
 # ALiBi slopes that float32 cannot hold: the float64 kernels read them in double (seqinfo.cuh's alibi_slope)
 SLOPES = np.array([0.3, 0.7, 1.1, 0.05])
 SLOPES_2D = np.array([[0.3, 0.7, 1.1, 0.05], [0.01, 0.9, 0.45, 2.3]])
