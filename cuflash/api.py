@@ -46,7 +46,10 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         Additive score bias (float16, bfloat16, float32 or float64), added after ALiBi and before
         the masks; e.g. (1, 1, Sq, Sk), (batch, 1, 1, Sk) key padding, (1, nheads, Sq, Sk).  Read
         through its strides, never materialised (a float64 bias on the GPU is read as a float32
-        copy of its own size, except by the float64 kernels, which read it as it is).  The backward needs the forward's bias (and mask, and dropout
+        copy of its own size, except by the float64 kernels, which read it as it is).  Scores are
+        float32 for every input dtype but float64: there a float64 bias above float32's range is a
+        ValueError, and one below it (< -3.4e38) becomes -inf, i.e. masks the key, where exact
+        arithmetic would only shift the row.  The backward needs the forward's bias (and mask, and dropout
         arguments) again: nothing checks that they are the same.
     mask : bool array broadcastable likewise, optional
         True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
