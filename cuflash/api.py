@@ -48,8 +48,8 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         through its strides, never materialised (a float64 bias on the GPU is read as a float32
         copy of its own size, except by the float64 kernels, which read it as it is).  Scores are
         float32 for every input dtype but float64: there a float64 bias above float32's range is a
-        ValueError, and one below it (< -3.4e38) becomes -inf, i.e. masks the key, where exact
-        arithmetic would only shift the row.  The backward needs the forward's bias (and mask, and dropout
+        ValueError, and one below it (< -3.4e38) becomes -inf and masks the key (a row whose every
+        key has such a bias gives 0 and LSE -inf, where exact arithmetic would only shift the row).  The backward needs the forward's bias (and mask, and dropout
         arguments) again: nothing checks that they are the same.
     mask : bool array broadcastable likewise, optional
         True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
