@@ -86,13 +86,12 @@ for stage in $stages; do
         timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 192 --seqlen 1024,4096,16384 --sm90 96x2,80x2,64x2; } >"$OUT/tune.log" 2>&1
       rc=$?; summary+=("tune rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune.log" ;;
-    tune_wide)  # float32 / float64 forward tiles (issue 24, docs/perf-notes.md f12, f13): a column split with S
-      # shared (the 6th field 2) and 32 keys below d256, the 7th field float32's 3xTF32 chains of S and P V
-      # (NVRTC 13.0, sm_90, 64x32x8 with S shared and (2, 2) chains: d128 174 registers, d160 196, d192 204, no spill)
-      { timeout ${TUNE_TIMEOUT:-200} $PY scripts/tune_fwd.py --dtype fp32 --headdims 192,160,128 --seqlen 4096 \
-          --configs 64x32x4x1x0,64x32x4x1x0x1x22,64x32x8x1x0x2x22,64x32x8x1x0x2x23
-        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 224,256 --seqlen 4096 \
-          --configs 64x16x8x1x0x2,32x32x4x1x0x2
+    tune_wide)  # float32 / float64 forward tiles (issue 24, docs/perf-notes.md f12, f13, f18): a column split
+      # with S shared (the 6th field 2), the 7th field float32's 3xTF32 chains of S and P V.  Session 31 settled
+      # float32 d128-d192 and float64 d224/d256 (BENCHMARKS.md session 31, item 2); float32 d224 is unmeasured
+      # (its 4-warp tile: 255 registers, 8 bytes of spill; the split with (3, 3) chains 28)
+      { timeout ${TUNE_TIMEOUT:-200} $PY scripts/tune_fwd.py --dtype fp32 --headdims 224 --seqlen 4096 \
+          --configs 64x32x4x1x0,64x32x8x1x0x2x22,64x32x8x1x0x2x33
         # float64 d64 (f17's profile: latency-bound with 2 warps a scheduler; session 31 measured 3 blocks an
         # SM and 32-row warp tiles slower): 64-key tiles, more independent exp2 chains a warp (NVRTC 13.0:
         # 255 registers, 32 bytes of spill on main, 40 with f17 + f19), against the kept 64 x 32
