@@ -309,8 +309,10 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
             if x.ndim > 4 or np.broadcast_shapes(tuple(x.shape), full) != full:
                 raise ValueError
         except ValueError:
+            hint = (f"; a (batch, seqlen_k) key-padding {name} goes in as {name}[:, None, None, :]"
+                    if tuple(x.shape) == (p.batch, p.seqlen_k) else "")
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to (batch, nheads, seqlen_q, "
-                             f"seqlen_k) = {full}") from None
+                             f"seqlen_k) = {full}{hint}") from None
         if name == "bias":
             _check_bias_range(x, p.dtype)
     dropout = None

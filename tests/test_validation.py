@@ -827,3 +827,20 @@ def test_bad_index_lists(cu, pattern):
     q, k, v = make_packed()
     with pytest.raises(TypeError, match=pattern):
         cuflash.attention_varlen(q, k, v, cu, CU_K)
+
+
+def test_first_contact_messages_say_what_to_do():
+    """Session 31's new-user walk-through: a (batch, Sk) key-padding mask, a missing lse, and the
+    GPU-only error class importable from the package."""
+    q, k, v = make()
+    valid = np.ones((q.shape[0], k.shape[1]), bool)
+    with pytest.raises(ValueError, match=re.escape("a (batch, seqlen_k) key-padding mask goes in as mask[:, None, None, :]")):
+        cuflash.attention(q, k, v, mask=valid)
+    out = cuflash.attention(q, k, v, mask=valid[:, None, None, :])
+    np.testing.assert_array_equal(out, cuflash.attention(q, k, v))
+    with pytest.raises(TypeError, match=r"^lse is None: .* return_lse=True"):
+        cuflash.attention_backward(out, q, k, v, out, None)
+    from cuflash import _gpu
+
+    assert cuflash.NotAvailableOnGPU is _gpu.NotAvailableOnGPU and issubclass(cuflash.NotAvailableOnGPU, TypeError)
+    assert "NotAvailableOnGPU" in cuflash.__all__
