@@ -28,8 +28,6 @@ RESERVED_SMEM_PER_BLOCK = 1024  # bytes of shared memory CUDA keeps per resident
 _ALIGN = 16  # bytes: cp.async moves 16-byte chunks
 
 
-
-
 def _cp():
     return cupy_module()
 
