@@ -33,8 +33,9 @@ FWD = [(d, s, c) for d in (64, 128, 256) for s, c in ((1024, False), (4096, Fals
 BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True), (256, 4096, False)]
 DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
-WIDE_ROWS = [(dt, d) for dt in ("float32", "float64") for d in (64, 96, 128, 160, 192, 256)]  # (widefwd, widebwd) seqlen 4096, non-causal
-WIDE_MODS = [(dt, d) for dt in ("float32", "float64") for d in (64, 128)]  # seqlen 4096, non-causal
+WIDE_DTYPES = os.environ.get("AB_WIDE_DTYPES", "float32,float64").split(",")  # the wide parts' dtypes (AB_WIDE_DTYPES narrows them)
+WIDE_ROWS = [(dt, d) for dt in WIDE_DTYPES for d in (64, 96, 128, 160, 192, 256)]  # (widefwd, widebwd) seqlen 4096, non-causal
+WIDE_MODS = [(dt, d) for dt in WIDE_DTYPES for d in (64, 128)]  # seqlen 4096, non-causal
 
 
 def _side(checkout: str, parts: str) -> list:

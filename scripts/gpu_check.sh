@@ -11,7 +11,7 @@
 # compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only), AB_BASE (the
 # checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous
 # commit carried in an ignored folder; AB_SIDES "BASE NEW NEW2 ..." compares several checkouts with
-# the first in one rotation, each DIR[,VAR=VALUE...]; AB_PARTS narrows it, AB_ROUNDS sets its rounds).
+# the first in one rotation, each DIR[,VAR=VALUE...]; AB_PARTS narrows it, AB_ROUNDS sets its rounds, AB_WIDE_DTYPES the wide parts' dtypes).
 # The MiniLM GPU test needs the model on the machine: run `python scripts/minilm_embed.py
 # --write-fp16-copy` here first (writes the ignored .data/minilm, 45 MB) and name ".data" in the
 # device call's carry list.
