@@ -26,7 +26,8 @@ constexpr float kLog2eF = 1.4426950408889634f;
 // to the largest double with that high word (its low word all ones if positive, zero if negative).
 // The max of the keys so gives an upper bound of the scores' max within 2^-20 of it, which the
 // slack allows (RowStateT::update_max: any m at or above the max keeps P <= 2^slack); -inf (hidden
-// keys) comes back exactly, a positive NaN stays NaN.  It spares the FP64 pipe, which the DMMAs
+// keys) comes back exactly, a positive NaN and +inf come back as NaN (softmax_tile.cuh's guard then
+// takes the exact max).  It spares the FP64 pipe, which the DMMAs
 // share, one DSETP a score and the max's dependent chain of them.
 __device__ __forceinline__ int f64_order_key(double x) {
     const int hi = __double2hiint(x);

@@ -123,7 +123,7 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
             if constexpr (kPlain) tile_max *= a.scale_log2;
             if constexpr (kRawScores) tile_max *= a.scale;
             // The bound is off by up to 2^-20 |max|: from |max| >= 2^19 (log2 or natural units) that is
-            // half a unit or more, which would leave the row's largest P below 2^-1/2 and, past ~2^30,
+            // half a unit or more, which would leave the row's largest P below 2^-1/2 (e^-1/2) and, past ~2^30,
             // every P of the row below double's normal range (l = 0: an "empty" row).  There the
             // exact max instead (a warp-uniform branch; scores that large are rare).
             if (__any_sync(0xffffffffu, !(::fabs(tile_max) < static_cast<A>(0x1p19)) && tile_max != kNegInf))
