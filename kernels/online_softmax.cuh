@@ -38,6 +38,12 @@ __device__ __forceinline__ double f64_key_upper(int key) {
     return __hiloint2double(hi, hi >= 0 ? -1 : 0);
 }
 
+// The max of raw scores times the (positive) scale: float as it rounds; double rounded down, so that
+// the row's largest score gives 2^(s scale - m) >= 1 even where m's ulp is large (scaled scores past
+// ~2^60, whose half-ulp rounding would otherwise put that P near or under double's normal range).
+__device__ __forceinline__ float scale_max(float m, float scale) { return m * scale; }
+__device__ __forceinline__ double scale_max(double m, double scale) { return __dmul_rd(m, scale); }
+
 // A: float, or double in the float64 kernels (mma.cuh, Elem).
 template <class A>
 struct RowStateT {

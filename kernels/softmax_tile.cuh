@@ -106,8 +106,8 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) part_max[e] = acc::max(part_max[e], s[nt][half * 2 + e]);  // two chains
             A m = quad_max(acc::max(part_max[0], part_max[1]));
-            if constexpr (kPlain) m *= a.scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
-            if constexpr (kRawScores) m *= a.scale;   // raw q.k -> natural units
+            if constexpr (kPlain) m = scale_max(m, a.scale_log2);  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
+            if constexpr (kRawScores) m = scale_max(m, a.scale);   // raw q.k -> natural units
             return m;
         };
         A tile_max;
@@ -120,8 +120,8 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
             int k = max(key[0], key[1]);
             k = max(k, __shfl_xor_sync(0xffffffffu, k, 1));
             tile_max = f64_key_upper(max(k, __shfl_xor_sync(0xffffffffu, k, 2)));
-            if constexpr (kPlain) tile_max *= a.scale_log2;
-            if constexpr (kRawScores) tile_max *= a.scale;
+            if constexpr (kPlain) tile_max = scale_max(tile_max, a.scale_log2);
+            if constexpr (kRawScores) tile_max = scale_max(tile_max, a.scale);
             // The bound is off by up to 2^-20 |max|: from |max| >= 2^19 (log2 or natural units) that is
             // half a unit or more, which would leave the row's largest P below 2^-1/2 (e^-1/2) and, past ~2^30,
             // every P of the row below double's normal range (l = 0: an "empty" row).  There the
