@@ -44,7 +44,7 @@ struct RowStateT {
             if (!(m_new > m + kSlack)) m_new = m;
             m_use = safe_max(m_new);
             alpha = 1;
-            if (m_new != m) alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
+            if (m_new != m) alpha = acc::exp2_prob(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
         } else {
             m_use = safe_max(m_new);
             alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);  // m = -inf (first tile): 0, O and l are still 0
