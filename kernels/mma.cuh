@@ -67,12 +67,13 @@ __device__ __forceinline__ double exp2_prob(double x) {
     const double p = ::fma(q, f, 1.0);  // 2^f in [0.707, 1.415]: with n in [-1020, 1020] the exponent stays normal
     int hi = __double2hiint(p) + static_cast<int>(static_cast<unsigned>(__double2loint(t)) << 20);
     int lo = __double2loint(p);
-    const int xhi = __double2hiint(x);
+    const int xhi = __double2hiint(x), xlo = __double2loint(x);
     if (!(fabsf(__int_as_float(xhi)) < 4.49609375f)) {  // |x| >= 1020 (1020's high word as a float), inf, NaN
+        // (no short-circuit test here: ptxas then makes the whole case selects, no branch between calls)
         const unsigned ahi = static_cast<unsigned>(xhi) & 0x7fffffffu;
-        const bool nan = ahi > 0x7ff00000u || (ahi == 0x7ff00000u && __double2loint(x) != 0);
+        const bool nan = (ahi | static_cast<unsigned>(xlo != 0)) > 0x7ff00000u;  // exponent all ones, mantissa not 0
         hi = nan ? xhi : xhi < 0 ? 0 : 0x7ff00000;
-        lo = nan ? __double2loint(x) : 0;
+        lo = nan ? xlo : 0;
     }
     return __hiloint2double(hi, lo);
 }

@@ -149,15 +149,17 @@ def test_float64_products(module, seed, shape):
 @requires_gpu
 def test_exp2_prob_in_double(module):
     """acc::exp2_prob (the float64 softmax's 2^x, perf-notes f19): within 3 ulps of NumPy's exp2 from
-    -1019 to the slack's 8 and past it, exactly 1 at 0, 0 from -1020 down and at -inf, NaN for NaN,
-    +inf past 1020."""
+    -1020 (exclusive) to 1020, exactly 1 at 0, 0 from -1020 down and at -inf, NaN for NaN (a payload
+    in the low word only too), +inf past 1020."""
     import cupy as cp
 
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.uniform(-1019.0, 10.0, 200000), rng.uniform(-1.0, 1.0, 100000),
+                        rng.uniform(-1019.9999, -1019.5, 1000), rng.uniform(10.0, 1019.9999, 1000),  # (n = -1020; large x)
                         np.arange(-1019, 11, dtype=np.float64), np.arange(-40, 41) / 8 + 2.0**-40,
                         [0.0, -0.0, 0.5, -0.5, 1e-300, -1e-300]])
-    special = np.array([-1020.0, -1020.5, -1021.0, -1e6, -np.inf, np.nan, -np.nan, 1021.0, np.inf])
+    nan_low = np.array([0x7FF0000000000001], dtype=np.uint64).view(np.float64)[0]  # a NaN whose payload is in the low word only
+    special = np.array([-1020.0, -1020.5, -1021.0, -1e6, -np.inf, np.nan, nan_low, 1021.0, np.inf])
     y = cp.full(x.size + special.size, 7.0)
     module.get_function("exp2_prob_check")((-(-y.size // 256),), (256,), (cp.asarray(np.concatenate([x, special])), y, np.int32(y.size)))
     y = y.get()
