@@ -14,7 +14,7 @@ from .api import (
     softmax,
 )
 from .kvcache import attention_with_kvcache
-from ._guard import InvalidIndexError, release_graph_memory, synchronize
+from ._guard import InvalidIndexError, NotAvailableOnGPU, release_graph_memory, synchronize
 from .dropout import dropout_mask
 from . import reference  # noqa: E402  (the float64 oracle, documented as cuflash.reference)
 
@@ -42,5 +42,6 @@ __all__ = [
     "synchronize",
     "release_graph_memory",
     "InvalidIndexError",
+    "NotAvailableOnGPU",
     "__version__",
 ]

@@ -60,6 +60,13 @@ def _dlpack_on_cpu(x) -> bool:
         return False
 
 
+def refuse_masked(x, name: str) -> None:
+    """A NumPy masked array is refused wherever an array is taken: its mask would be silently ignored."""
+    if isinstance(x, np.ma.MaskedArray):
+        raise TypeError(f"{name} is a masked array, whose mask cuflash would ignore; pass {name}.filled(value) "
+                        f"or {name}.data")
+
+
 def as_array(x, name: str, *, written: str | None = None):
     """Return x as a NumPy or CuPy array; foreign arrays are wrapped zero-copy, lists, tuples and
     scalars become NumPy arrays (the CPU path), as NumPy functions take them.  ``written``: why x
@@ -70,9 +77,7 @@ def as_array(x, name: str, *, written: str | None = None):
     since their overridden methods (np.matrix's reductions) do not follow ndarray's signatures;
     a masked array is refused, as its mask would be silently ignored."""
     if isinstance(x, np.ndarray) and type(x) is not np.ndarray:
-        if isinstance(x, np.ma.MaskedArray):
-            raise TypeError(f"{name} is a masked array, whose mask cuflash would ignore; pass {name}.filled(value) "
-                            f"or {name}.data")
+        refuse_masked(x, name)
         return x.view(np.ndarray)
     if is_array(x):
         return x
@@ -124,6 +129,7 @@ def _from_array_like(x, name: str):
 
 
 def check_array(x, name: str) -> None:
+    refuse_masked(x, name)
     if not is_array(x):
         raise TypeError(f"{name} must be a NumPy or CuPy array; got {type(x).__name__}")
 

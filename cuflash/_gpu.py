@@ -16,6 +16,7 @@ import numpy as np
 
 from . import _guard, _kernels
 from ._arrays import cupy_module, is_gpu
+from ._guard import NotAvailableOnGPU  # (defined there, so that cuflash exports it without importing this module)
 from ._params import FlashParams
 
 _GRID_YZ_MAX = 65535
@@ -25,13 +26,6 @@ COMBINE_BYTES = 64 << 10  # partial results one merging block reads in two round
 REGISTERS_PER_SM = 65536  # 32-bit registers of one SM on every GPU since sm_50
 RESERVED_SMEM_PER_BLOCK = 1024  # bytes of shared memory CUDA keeps per resident block (sm_80 and later)
 _ALIGN = 16  # bytes: cp.async moves 16-byte chunks
-
-
-class NotAvailableOnGPU(NotImplementedError, TypeError):
-    """A feature the CUDA path does not offer yet (the NumPy path does).
-
-    A TypeError too, so that code catching the documented dtype error keeps working.
-    """
 
 
 def _cp():

@@ -34,6 +34,14 @@ _NONE = (1 << 64) - 1  # an error word holding no record
 _CU_Q, _CU_K, _SEQLENS, _TABLE, _BATCH_IDX, _MAX_Q, _MAX_K, _APPEND = range(8)
 
 
+class NotAvailableOnGPU(NotImplementedError, TypeError):
+    """A feature the CUDA path does not offer yet (the NumPy path does), raised before anything is
+    written; the message names it.
+
+    A TypeError too, so that code catching the documented dtype error keeps working.
+    """
+
+
 class InvalidIndexError(ValueError):
     """GPU index values (``cu_seqlens_*``, ``seqlens_k``, ``cache_seqlens``, ``block_table``,
     ``cache_batch_idx``) that a kernel found invalid.

@@ -176,6 +176,7 @@ def check_index_array(x, name: str, *, like, length: int | None = None, ndim: in
     device-to-host copy (a NumPy input, read before it is moved to the GPU) or when
     ``CUFLASH_DEBUG=1``; otherwise None, and value checks are skipped.
     """
+    _arrays.refuse_masked(x, name)
     if isinstance(x, (list, tuple)):  # Python integers, as NumPy index arrays
         try:
             x = np.asarray(x) if len(x) else np.zeros((0,) * ndim, dtype=np.int64)
@@ -291,6 +292,7 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
     for name, x in (("bias", bias), ("mask", mask)):
         if x is None:
             continue
+        _arrays.refuse_masked(x, name)
         if not _arrays.is_array(x):
             raise TypeError(f"{name} must be an array (NumPy, or CuPy with GPU inputs); got {type(x).__name__}")
         if not _arrays.same_kind(x, q):
@@ -307,8 +309,10 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
             if x.ndim > 4 or np.broadcast_shapes(tuple(x.shape), full) != full:
                 raise ValueError
         except ValueError:
+            hint = (f"; a (batch, seqlen_k) key-padding {name} goes in as {name}[:, None, None, :]"
+                    if tuple(x.shape) == (p.batch, p.seqlen_k) else "")
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to (batch, nheads, seqlen_q, "
-                             f"seqlen_k) = {full}") from None
+                             f"seqlen_k) = {full}{hint}") from None
         if name == "bias":
             _check_bias_range(x, p.dtype)
     dropout = None
@@ -359,7 +363,8 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance:
     16-bit and float32 GPU kernels, float64 for the float64 ones and the NumPy path (which casts them to its accumulation dtype, so
     float32 and float64 inputs keep the slopes' precision over long distances).  NumPy slopes
     times ``max_distance`` (max(Sq, Sk) - 1, a bound on |i + offset - j| under either causal
-    alignment) must stay within float32's range."""
+    alignment) must stay within float32's range, float64's for float64 inputs."""
+    _arrays.refuse_masked(alibi_slopes, "alibi_slopes")
     if not _arrays.is_array(alibi_slopes):
         raise TypeError(f"alibi_slopes must be an array; got {type(alibi_slopes).__name__}")
     if not is_float_dtype(alibi_slopes.dtype):
@@ -367,15 +372,19 @@ def check_alibi_slopes(alibi_slopes, q, batch: int, nheads_q: int, max_distance:
     shape = tuple(alibi_slopes.shape)
     if shape not in ((nheads_q,), (batch, nheads_q)):
         raise ValueError(f"alibi_slopes must have shape ({nheads_q},) or ({batch}, {nheads_q}); got {shape}")
+    # float64 inputs use the slopes as float64 on both paths; the others as float32 on the GPU (and
+    # the NumPy path checks the same, so that both paths take the same calls)
+    used = np.float64 if dtype_name(q) == "float64" else np.float32
     if isinstance(alibi_slopes, np.ndarray):  # device slopes are not read back (that would synchronise)
         with np.errstate(over="ignore", invalid="ignore"):
-            finite = np.isfinite(alibi_slopes.astype(np.float32)).all()
+            finite = np.isfinite(alibi_slopes.astype(used)).all()
         if not finite:
-            raise ValueError("alibi_slopes must be finite within float32's range (they are used as float32)")
+            raise ValueError(f"alibi_slopes must be finite within {np.dtype(used).name}'s range (they are used as "
+                             f"{np.dtype(used).name})")
         largest = float(np.abs(alibi_slopes).max()) if alibi_slopes.size else 0.0
-        if largest * max_distance > FLOAT32_MAX:  # the bias slope * distance is formed in float32
+        if largest * max_distance > float(np.finfo(used).max):  # the bias slope * distance is formed in that dtype
             raise ValueError(f"alibi_slopes times the largest query-key distance ({max_distance}) must stay within "
-                             f"float32's range; got max |slope| = {largest:.4g}")
+                             f"{np.dtype(used).name}'s range; got max |slope| = {largest:.4g}")
     # float32 for the 16-bit and float32 kernels; float64 on the NumPy path and for the float64 kernels
     wide = isinstance(q, np.ndarray) or np.dtype(q.dtype) == np.float64
     slopes = _arrays.to_device_like(alibi_slopes, q).astype(np.float64 if wide else np.float32)

@@ -46,10 +46,15 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         Additive score bias (float16, bfloat16, float32 or float64), added after ALiBi and before
         the masks; e.g. (1, 1, Sq, Sk), (batch, 1, 1, Sk) key padding, (1, nheads, Sq, Sk).  Read
         through its strides, never materialised (a float64 bias on the GPU is read as a float32
-        copy of its own size, except by the float64 kernels, which read it as it is).  The backward needs the forward's bias (and mask, and dropout
+        copy of its own size, except by the float64 kernels, which read it as it is).  Scores are
+        float32 for every input dtype but float64: there a float64 bias above float32's range is a
+        ValueError, and one below it (< -3.4e38) becomes -inf and masks the key (a row whose every
+        key has such a bias gives 0 and LSE -inf, where exact arithmetic would only shift the row).  The backward needs the forward's bias (and mask, and dropout
         arguments) again: nothing checks that they are the same.
     mask : bool array broadcastable likewise, optional
-        True = attend (the torch/JAX meaning); masked scores are -inf.  Rows with no True entry
+        True = attend (the torch/JAX meaning); masked scores are -inf.  Key padding: shape
+        (batch, 1, 1, Sk), e.g. ``valid[:, None, None, :]`` from a (batch, Sk) array (unlike
+        ``seqlens_k`` it does not move a causal or window diagonal).  Rows with no True entry
         give output 0, LSE -inf and zero gradients.  On the GPU a small kernel first maps the
         mask per tile of the attention kernel: tiles where it is all False are skipped, tiles
         where it is all True read no mask (a key-padding mask then runs near the speed of
@@ -278,6 +283,13 @@ def attention(
     return (out, lse) if return_lse else out
 
 
+def _require_lse(lse) -> None:
+    """The backward's lse, missing: say where it comes from."""
+    if lse is None:
+        raise TypeError("lse is None: the backward needs the forward's log-sum-exp; call the forward with "
+                        "return_lse=True and pass its (out, lse)")
+
+
 @_guard.entry
 @_doc
 def attention_backward(
@@ -392,6 +404,7 @@ def attention_backward(
     Dao et al. 2022, Algorithm 4); dbias = dS before the softcap derivative; dlse enters as
     D - dlse.
     """
+    _require_lse(lse)
     dout, q, k, v, out, lse = (
         _arrays.as_array(x, n)
         for x, n in zip((dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse"))
@@ -697,6 +710,7 @@ def attention_varlen_backward(
     -----
 {method}
     """
+    _require_lse(lse)
     dout, q, k, v, out, lse = (
         _arrays.as_array(x, n)
         for x, n in zip((dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse"))

@@ -192,25 +192,18 @@ __device__ __forceinline__ void sum_over_slab_warps(A (&st)[kN][4], A (&dpt)[kN]
 template <int kSplit, int kN, int kLd, class A>
 __device__ __forceinline__ void share_over_slab(A (&pt)[kN][4], A (&dst)[kN][4], A* sP, A* sdS, int warp_id, int lane) {
     const int key = warp_id / kSplit * 16 + lane / 4;  // the slab's keys, this lane's rows g and g + 8
+    auto at = [&](int nt, int e) { return (nt * 8 + (lane % 4) * 2 + e % 2) * kLd + key + 8 * (e / 2); };
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            if (own_slot<kSplit>(nt, e, warp_id)) {
-                const int at = (nt * 8 + (lane % 4) * 2 + e % 2) * kLd + key + 8 * (e / 2);
-                sP[at] = pt[nt][e];
-                sdS[at] = dst[nt][e];
-            }
+            if (own_slot<kSplit>(nt, e, warp_id)) sP[at(nt, e)] = pt[nt][e], sdS[at(nt, e)] = dst[nt][e];
     __syncthreads();
 #pragma unroll
     for (int nt = 0; nt < kN; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-            if (!own_slot<kSplit>(nt, e, warp_id)) {
-                const int at = (nt * 8 + (lane % 4) * 2 + e % 2) * kLd + key + 8 * (e / 2);
-                pt[nt][e] = sP[at];
-                dst[nt][e] = sdS[at];
-            }
+            if (!own_slot<kSplit>(nt, e, warp_id)) pt[nt][e] = sP[at(nt, e)], dst[nt][e] = sdS[at(nt, e)];
 }
 
 // The LSE and D arrays (float; float64 for the float64 kernels), read through the kernel

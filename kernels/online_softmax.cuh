@@ -31,8 +31,8 @@ struct RowStateT {
     __device__ __forceinline__ A update_max(A tile_max, A& m_use) {
         constexpr A kLog2e = static_cast<A>(1.4426950408889634);
         A m_new = acc::max(m, tile_max);
-        A alpha;
-        if constexpr (sizeof(A) == 8) {
+        constexpr bool kF64 = sizeof(A) == 8;
+        if constexpr (kF64) {
             // float64 (perf-notes f15): the max subtracted moves only when the row's max passes it by
             // more than CUFLASH_F64_MAX_SLACK (log2 units; FlashAttention-4's conditional rescale), so
             // P may reach 2^slack, far from overflowing a double, and the result is the same up to
@@ -42,13 +42,11 @@ struct RowStateT {
             // takes its first visible tile's max; while it has none, alpha = 1 (l and O are 0).
             constexpr A kSlack = static_cast<A>(CUFLASH_F64_MAX_SLACK) * (kNatural ? static_cast<A>(0.6931471805599453) : static_cast<A>(1));
             if (!(m_new > m + kSlack)) m_new = m;
-            m_use = safe_max(m_new);
-            alpha = 1;
-            if (m_new != m) alpha = acc::exp2_prob(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
-        } else {
-            m_use = safe_max(m_new);
-            alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);  // m = -inf (first tile): 0, O and l are still 0
         }
+        m_use = safe_max(m_new);
+        A alpha = 1;
+        if (!kF64 || m_new != m)  // m = -inf (first tile): alpha 0, O and l are still 0
+            alpha = acc::exp2_prob(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
         m = m_new;
         l *= alpha;
         return alpha;

@@ -86,18 +86,17 @@ for stage in $stages; do
         timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --headdims 192 --seqlen 1024,4096,16384 --sm90 96x2,80x2,64x2; } >"$OUT/tune.log" 2>&1
       rc=$?; summary+=("tune rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune.log" ;;
-    tune_wide)  # float32 / float64 forward tiles (issue 24, docs/perf-notes.md f12, f13): a column split with S
-      # shared (the 6th field 2) and 32 keys below d256, the 7th field float32's 3xTF32 chains of S and P V
-      # (NVRTC 13.0, sm_90, 64x32x8 with S shared and (2, 2) chains: d128 174 registers, d160 196, d192 204, no spill)
-      { timeout ${TUNE_TIMEOUT:-200} $PY scripts/tune_fwd.py --dtype fp32 --headdims 192,160,128 --seqlen 4096 \
-          --configs 64x32x4x1x0,64x32x4x1x0x1x22,64x32x8x1x0x2x22,64x32x8x1x0x2x23
-        timeout ${TUNE_TIMEOUT:-150} $PY scripts/tune_fwd.py --dtype fp64 --headdims 224,256 --seqlen 4096 \
-          --configs 64x16x8x1x0x2,32x32x4x1x0x2
-        # float64 d64 (f14's profile: the shared DMMA/FP64 pipe 68 % busy with 2 warps a scheduler, shared
-        # loads ~3 a DMMA): 3 blocks an SM (12 warps; NVRTC: 168 registers, 56 / 40 bytes of spill), and
-        # 32-row warp tiles, whose K/V fragments serve two 16-row products (250 registers, no spill)
+    tune_wide)  # float32 / float64 forward tiles (issue 24, docs/perf-notes.md f12, f13, f18): a column split
+      # with S shared (the 6th field 2), the 7th field float32's 3xTF32 chains of S and P V.  Session 31 settled
+      # float32 d128-d192 and float64 d224/d256 (BENCHMARKS.md session 31, item 2); float32 d224 is unmeasured
+      # (its 4-warp tile: 255 registers, 8 bytes of spill; the split with (3, 3) chains 28)
+      { timeout ${TUNE_TIMEOUT:-200} $PY scripts/tune_fwd.py --dtype fp32 --headdims 224 --seqlen 4096 \
+          --configs 64x32x4x1x0,64x32x8x1x0x2x22,64x32x8x1x0x2x33
+        # float64 d64 (f17's profile: latency-bound with 2 warps a scheduler; session 31 measured 3 blocks an
+        # SM and 32-row warp tiles slower): 64-key tiles, more independent exp2 chains a warp (NVRTC 13.0:
+        # 255 registers, 32 bytes of spill on main, 40 with f17 + f19), against the kept 64 x 32
         timeout ${TUNE_TIMEOUT:-200} $PY scripts/tune_fwd.py --dtype fp64 --headdims 64 --seqlen 16384 \
-          --configs 64x32x4x1x0,64x32x4x3x0,64x16x4x3x0,128x16x4x2x0,64x16x2x2x0; } >"$OUT/tune_wide.log" 2>&1
+          --configs 64x32x4x1x0,64x64x4x2x0; } >"$OUT/tune_wide.log" 2>&1
       rc=$?; summary+=("tune_wide rc=$rc ($(elapsed))")
       tail -n 30 "$OUT/tune_wide.log" ;;
     smoke)  # the Hopper kernels' exactness rows and their ablation columns (docs/perf-notes.md h7-h9)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import cuflash
+from cuflash.reference import attention_ref
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -162,9 +163,19 @@ def test_numpy_subclasses_are_taken_as_plain_arrays():
 
 
 def test_masked_arrays_are_type_errors():
+    """Every array argument, not only q, k and v (session 31's hostile inputs: bias, mask and
+    seqlens_k took a masked array and dropped its mask)."""
     q, k, v = make()
     with pytest.raises(TypeError, match=r"^k is a masked array"):
         cuflash.attention(q, np.ma.masked_array(k, mask=k > 1), v)
+    hidden = np.triu(np.ones((4, 5), bool), 1)
+    for name, x in (("bias", np.ma.masked_array(np.zeros((4, 5)), mask=hidden)),
+                    ("mask", np.ma.masked_array(np.ones((4, 5), bool), mask=hidden)),
+                    ("seqlens_k", np.ma.masked_array(np.array([5, 3], np.int32), mask=[False, True])),
+                    ("alibi_slopes", np.ma.masked_array(np.full(4, 0.5), mask=[True, False, False, False])),
+                    ("out", np.ma.masked_array(np.zeros(q.shape, q.dtype)))):
+        with pytest.raises(TypeError, match=rf"^{name} is a masked array, whose mask cuflash would ignore"):
+            cuflash.attention(q, k, v, **{name: x})
 
 
 @pytest.mark.parametrize(
@@ -349,6 +360,23 @@ def test_bad_alibi_slopes(slopes, exc, pattern):
     q, k, v = make(b=2, hq=4, hk=2)
     with pytest.raises(exc, match=pattern):
         cuflash.attention(q, k, v, alibi_slopes=slopes)
+
+
+def test_alibi_slopes_range_follows_the_dtype_they_are_used_in():
+    """float64 inputs use the slopes as float64 (both paths): slopes past float32's range are
+    theirs to use; the other dtypes keep float32's range (session 31's hostile inputs)."""
+    q, k, v = make(b=2, hq=4, hk=2, dtype=np.float64)
+    big = np.full(4, 1e39)
+    out = cuflash.attention(q, k, v, alibi_slopes=big)
+    ref, _ = attention_ref(q, k, v, alibi_slopes=big)
+    np.testing.assert_allclose(out, ref, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match=r"alibi_slopes must be finite within float64's range"):
+        cuflash.attention(q, k, v, alibi_slopes=np.array([np.inf, 1, 1, 1]))
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    with pytest.raises(ValueError, match=r"alibi_slopes must be finite within float32's range \(they are used as float32\)"):
+        cuflash.attention(q32, k32, v32, alibi_slopes=big)
+    with pytest.raises(ValueError, match=r"must stay within float32's range"):
+        cuflash.attention(q32, k32, v32, alibi_slopes=np.full(4, 1e38))  # (times the distance 4)
 
 
 @pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32, np.float64])
@@ -799,3 +827,20 @@ def test_bad_index_lists(cu, pattern):
     q, k, v = make_packed()
     with pytest.raises(TypeError, match=pattern):
         cuflash.attention_varlen(q, k, v, cu, CU_K)
+
+
+def test_first_contact_messages_say_what_to_do():
+    """Session 31's new-user walk-through: a (batch, Sk) key-padding mask, a missing lse, and the
+    GPU-only error class importable from the package."""
+    q, k, v = make()
+    valid = np.ones((q.shape[0], k.shape[1]), bool)
+    with pytest.raises(ValueError, match=re.escape("a (batch, seqlen_k) key-padding mask goes in as mask[:, None, None, :]")):
+        cuflash.attention(q, k, v, mask=valid)
+    out = cuflash.attention(q, k, v, mask=valid[:, None, None, :])
+    np.testing.assert_array_equal(out, cuflash.attention(q, k, v))
+    with pytest.raises(TypeError, match=r"^lse is None: .* return_lse=True"):
+        cuflash.attention_backward(out, q, k, v, out, None)
+    from cuflash import _gpu
+
+    assert cuflash.NotAvailableOnGPU is _gpu.NotAvailableOnGPU and issubclass(cuflash.NotAvailableOnGPU, TypeError)
+    assert "NotAvailableOnGPU" in cuflash.__all__
