@@ -70,7 +70,7 @@ struct RowStateT {
         m_use = safe_max(m_new);
         A alpha = 1;
         if (!kF64 || m_new != m)  // m = -inf (first tile): alpha 0, O and l are still 0
-            alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
+            alpha = acc::exp2_prob(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
         m = m_new;
         l *= alpha;
         return alpha;

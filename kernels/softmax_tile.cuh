@@ -139,15 +139,15 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
             A p0, p1;
             if constexpr (kPlain || kRawScores) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
                 const A m_sub = kPlain ? m_use : m_use * static_cast<A>(kLog2eF);
-                p0 = acc::exp2(acc::fma(s[nt][half * 2], a.scale_log2, -m_sub));
-                p1 = acc::exp2(acc::fma(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
+                p0 = acc::exp2_prob(acc::fma(s[nt][half * 2], a.scale_log2, -m_sub));
+                p1 = acc::exp2_prob(acc::fma(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
             } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
                 constexpr A kL2e = static_cast<A>(1.4426950408889634);
-                p0 = acc::exp2((s[nt][half * 2] - m_use) * kL2e);
-                p1 = acc::exp2((s[nt][half * 2 + 1] - m_use) * kL2e);
+                p0 = acc::exp2_prob((s[nt][half * 2] - m_use) * kL2e);
+                p1 = acc::exp2_prob((s[nt][half * 2 + 1] - m_use) * kL2e);
             } else {
-                p0 = acc::exp2(s[nt][half * 2] - m_use);
-                p1 = acc::exp2(s[nt][half * 2 + 1] - m_use);
+                p0 = acc::exp2_prob(s[nt][half * 2] - m_use);
+                p1 = acc::exp2_prob(s[nt][half * 2 + 1] - m_use);
             }
             part_sum[nt % 2] += p0 + p1;
             if constexpr (kKeepFp32 || kDropout) {  // (dropout: packed below, once it has run)
