@@ -147,12 +147,14 @@ def test_float64_products(module, seed, shape):
 
 @pytest.mark.gpu
 @requires_gpu
-def test_exp2_prob_in_double(module):
-    """acc::exp2_prob (the float64 softmax's 2^x, perf-notes f19): within 3 ulps of NumPy's exp2 from
-    -1020 (exclusive) to 1020, exactly 1 at 0, 0 from -1020 down and at -inf, NaN for NaN (a payload
-    in the low word only too), +inf past 1020."""
+@pytest.mark.parametrize("form", [1, 2], ids=["horner", "estrin"])
+def test_exp2_prob_in_double(form):
+    """acc::exp2_prob (the float64 softmax's 2^x, perf-notes f19) in both polynomial forms
+    (CUFLASH_F64_EXP2): within 3 ulps of NumPy's exp2 from -1020 (exclusive) to 1020, exactly 1 at 0,
+    0 from -1020 down and at -inf, NaN for NaN (a payload in the low word only too), +inf past 1020."""
     import cupy as cp
 
+    module = cp.RawModule(code=_source(), options=("--std=c++17", f"-DCUFLASH_F64_EXP2={form}"))
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.uniform(-1019.0, 10.0, 200000), rng.uniform(-1.0, 1.0, 100000),
                         rng.uniform(-1019.9999, -1019.5, 1000), rng.uniform(10.0, 1019.9999, 1000),  # (n = -1020; large x)
