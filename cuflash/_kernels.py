@@ -159,7 +159,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
         chains = {128: (2, 2), 160: (2, 3), 192: (2, 2), 256: (2, 2)}.get(headdim, (3, 3)) if item == 4 else (3, 3)
         # A column split's warps share S (f13) where its bytes fit beside the shape; else (float64 d256
         # with 99 KB) each forms all of it.  (A larger shape without it before a smaller one with it.)
-        # float64's P by CUDA's exp2 at d64, where the polynomial (f19) measured 0.91x; past it 1.02-1.06x.
+        # float64's P and alpha by CUDA's exp2 at d64, where the polynomial (f19) measured 0.92x by Horner
+        # and 0.95x by Estrin; past it by Horner, 1.03-1.06x (d256 1.00; Estrin's 1.01-1.03, session 32).
         exp2 = 0 if item == 8 and headdim <= 64 else 1
         tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split, tf32_chains=chains,
                             share_s=share, f64_exp2=exp2) for bm, bn, w in shapes for share in ((True, False) if split == 2 else (False,))]
@@ -498,7 +499,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         *score_defines, ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
-    )
+    ) + ((("CUFLASH_F64_EXP2", 2),) if dtype == "float64" else ())  # (P by Estrin's form: 1.01-1.11x Horner's, session 32)
     slabs = warps // col_split
     smem = bwd_smem_bytes(d, slabs, itemsize, query_rows=query_tile)
     if not deterministic:

@@ -36,6 +36,7 @@ template <> struct Elem<f64_t> {
 
 #ifndef CUFLASH_F64_EXP2
 #define CUFLASH_F64_EXP2 1  // float64's probabilities (acc::exp2_prob): 0 CUDA's exp2, 1 the polynomial by Horner, 2 by Estrin
+// (each variant sets it: cuflash/_kernels.py, fwd_tile and bwd_variant; perf-notes f20)
 #endif
 
 // Accumulator arithmetic for float and double alike (the score pipeline and the online softmax
