@@ -34,6 +34,11 @@ template <> struct Elem<f64_t> {
     static constexpr bool kF32 = false, kF64 = true, kWide = true;
 };
 
+#ifndef CUFLASH_F64_EXP2
+#define CUFLASH_F64_EXP2 1  // float64's probabilities (acc::exp2_prob): 0 CUDA's exp2, 1 the polynomial by Horner, 2 by Estrin
+// (each variant sets it: cuflash/_kernels.py, fwd_tile and bwd_variant; perf-notes f20)
+#endif
+
 // Accumulator arithmetic for float and double alike (the score pipeline and the online softmax
 // are written once for both); the float forms are the single-precision intrinsics.
 namespace acc {
@@ -41,6 +46,55 @@ __device__ __forceinline__ float max(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ double max(double a, double b) { return ::fmax(a, b); }
 __device__ __forceinline__ float exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ double exp2(double x) { return ::exp2(x); }
+// 2^x as an attention probability (x <= 0 up to the float64 softmax's slack): float as exp2;
+// double by a polynomial of its own (perf-notes f19).  x = n + f with n = rint(x) (the 1.5 * 2^52
+// shift) and |f| <= 1/2; 2^f = 1 + f q(f), q of degree 9 (minimax, 3.2e-16 relative in double, f14);
+// 2^n through the exponent bits.  13 FP64 operations against CUDA's exp2's 16, and its rare cases
+// (|x| >= 1020 by the high word read as a float, on the FP32 pipe; -inf from hidden keys; NaN) take
+// integer selects only, no FP64 instruction: 0 below -1020 (a probability under 2^-1020 of a row whose
+// largest is near 1 is nothing to the row's sum), +inf above 1020, NaN for NaN.  (f14's second form
+// spent a DSETP and DMULs on those cases, probably predicated into every call: 0.835x at d64.)
+__device__ __forceinline__ float exp2_prob(float x) { return exp2f(x); }
+__device__ __forceinline__ double exp2_prob(double x) {
+    if constexpr (CUFLASH_F64_EXP2 == 0) return ::exp2(x);
+    constexpr double kShift = 6755399441055744.0;  // 1.5 * 2^52: x + kShift holds rint(x) in its low word
+    const double t = x + kShift;
+    const double f = x - (t - kShift);
+    constexpr double c1 = 0x1.62e42fefa3a12p-1, c2 = 0x1.ebfbdff82c431p-3, c3 = 0x1.c6b08d703e17ap-5, c4 = 0x1.3b2ab6fbd6cf1p-7,
+                     c5 = 0x1.5d87fe9b8f111p-10, c6 = 0x1.4309126c0457ep-13, c7 = 0x1.ffcb58c9fcb53p-17, c8 = 0x1.62c1479c8a1dap-20,
+                     c9 = 0x1.b671b31e47dc1p-24, c10 = 0x1.e3a9112f93612p-28;
+    double p;
+    if constexpr (CUFLASH_F64_EXP2 == 2) {  // Estrin: 12 operations, 5 deep (f2 and f4 alongside the pairs)
+        const double f2 = f * f, f4 = f2 * f2;
+        const double b0 = ::fma(::fma(c3, f, c2), f2, ::fma(c1, f, 1.0));
+        const double b1 = ::fma(::fma(c7, f, c6), f2, ::fma(c5, f, c4));
+        const double b2 = ::fma(c10, f2, ::fma(c9, f, c8));
+        p = ::fma(::fma(b2, f4, b1), f4, b0);
+    } else {  // Horner: 10 operations, 10 deep
+        double q = c10;
+        q = ::fma(q, f, c9);
+        q = ::fma(q, f, c8);
+        q = ::fma(q, f, c7);
+        q = ::fma(q, f, c6);
+        q = ::fma(q, f, c5);
+        q = ::fma(q, f, c4);
+        q = ::fma(q, f, c3);
+        q = ::fma(q, f, c2);
+        q = ::fma(q, f, c1);
+        p = ::fma(q, f, 1.0);  // 2^f in [0.707, 1.415]: with n in [-1020, 1020] the exponent stays normal
+    }
+    int hi = __double2hiint(p) + static_cast<int>(static_cast<unsigned>(__double2loint(t)) << 20);
+    int lo = __double2loint(p);
+    const int xhi = __double2hiint(x), xlo = __double2loint(x);
+    if (!(fabsf(__int_as_float(xhi)) < 4.49609375f)) {  // |x| >= 1020 (1020's high word as a float), inf, NaN
+        // (no short-circuit test here: ptxas then makes the whole case selects, no branch between calls)
+        const unsigned ahi = static_cast<unsigned>(xhi) & 0x7fffffffu;
+        const bool nan = (ahi | static_cast<unsigned>(xlo != 0)) > 0x7ff00000u;  // exponent all ones, mantissa not 0
+        hi = nan ? xhi : xhi < 0 ? 0 : 0x7ff00000;
+        lo = nan ? xlo : 0;
+    }
+    return __hiloint2double(hi, lo);
+}
 __device__ __forceinline__ float log2(float x) { return log2f(x); }
 __device__ __forceinline__ double log2(double x) { return ::log2(x); }
 __device__ __forceinline__ float fma(float a, float b, float c) { return fmaf(a, b, c); }

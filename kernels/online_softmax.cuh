@@ -3,8 +3,9 @@
 // After each key tile:   m' = max(m, rowmax(S)),   alpha = 2^(m - m'),
 //                        P = 2^(S - m'),           l' = alpha * l + rowsum(P),   O' = alpha * O + P V
 // and at the end         O = O / l,                lse = (m + log2 l) * ln 2.
-// (float64: m' stays m unless rowmax(S) passes it by CUFLASH_F64_MAX_SLACK, below; any common m
-// gives the same O and LSE up to rounding, with P <= 2^slack.)
+// (float64: m' stays m unless rowmax(S) passes it by CUFLASH_F64_MAX_SLACK, below, and rowmax(S)
+// is an upper bound within 2^-20 (f64_key_upper); any common m gives the same O and LSE up to
+// rounding, with P <= 2^slack.)
 // A row that has seen only hidden keys keeps m = -inf; using 0 in its place makes every 2^(...)
 // exactly 0 instead of 2^(-inf - -inf) = NaN.  This is the only place that guard lives.
 // kNatural (kernels with an additive bias, softmax_tile.cuh): scores and m in natural units
@@ -19,6 +20,29 @@ constexpr float kLog2eF = 1.4426950408889634f;
 #ifndef CUFLASH_F64_MAX_SLACK
 #define CUFLASH_F64_MAX_SLACK 8  // float64: how far (log2 units) the row max may pass the max subtracted before it moves
 #endif
+
+// float64's tile max, on the integer pipe (perf-notes f17): a double's high word, its sign folded so
+// that signed integer order is the doubles' order (negative ones: magnitude bits flipped), and back
+// to the largest double with that high word (its low word all ones if positive, zero if negative).
+// The max of the keys so gives an upper bound of the scores' max within 2^-20 of it, which the
+// slack allows (RowStateT::update_max: any m at or above the max keeps P <= 2^slack); -inf (hidden
+// keys) comes back exactly, a positive NaN and +inf come back as NaN (softmax_tile.cuh's guard then
+// takes the exact max).  It spares the FP64 pipe, which the DMMAs
+// share, one DSETP a score and the max's dependent chain of them.
+__device__ __forceinline__ int f64_order_key(double x) {
+    const int hi = __double2hiint(x);
+    return hi ^ ((hi >> 31) & 0x7fffffff);
+}
+__device__ __forceinline__ double f64_key_upper(int key) {
+    const int hi = key ^ ((key >> 31) & 0x7fffffff);
+    return __hiloint2double(hi, hi >= 0 ? -1 : 0);
+}
+
+// The max of raw scores times the (positive) scale: float as it rounds; double rounded down, so that
+// the row's largest score gives 2^(s scale - m) >= 1 even where m's ulp is large (scaled scores past
+// ~2^60, whose half-ulp rounding would otherwise put that P near or under double's normal range).
+__device__ __forceinline__ float scale_max(float m, float scale) { return m * scale; }
+__device__ __forceinline__ double scale_max(double m, double scale) { return __dmul_rd(m, scale); }
 
 // A: float, or double in the float64 kernels (mma.cuh, Elem).
 template <class A>
@@ -46,7 +70,7 @@ struct RowStateT {
         m_use = safe_max(m_new);
         A alpha = 1;
         if (!kF64 || m_new != m)  // m = -inf (first tile): alpha 0, O and l are still 0
-            alpha = acc::exp2(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
+            alpha = acc::exp2_prob(kNatural ? (m - m_use) * static_cast<A>(kLog2e) : m - m_use);
         m = m_new;
         l *= alpha;
         return alpha;

@@ -22,9 +22,9 @@ __device__ __forceinline__ A prob(A qk, A scale, A softcap, A slope, int i, int 
     constexpr A kL2e = static_cast<A>(1.4426950408889634);
     if constexpr (!kSoftcap && !kAlibi) {
         dcap = 1;
-        return acc::exp2(acc::fma(qk, scale * kL2e, -lse2));  // one FFMA per score
+        return acc::exp2_prob(acc::fma(qk, scale * kL2e, -lse2));  // one FFMA per score
     }
-    return acc::exp2(final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) * kL2e - lse2);
+    return acc::exp2_prob(final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) * kL2e - lse2);
 }
 
 // The row's LSE as prob_mods reads it: natural units (the forward's kNatural rows: a bias near
@@ -50,7 +50,7 @@ __device__ __forceinline__ A lse_for_prob(A lse) {
 template <bool kSoftcap, bool kAlibi, class A>
 __device__ __forceinline__ A prob_mods(A qk, A scale, A softcap, A slope, int i, int j, int offset, A lse, A bm, A& dcap) {
     constexpr A kL2e = static_cast<A>(1.4426950408889634);
-    return acc::exp2((final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + bm - lse) * kL2e);
+    return acc::exp2_prob((final_score_dcap<kSoftcap, kAlibi>(qk, scale, softcap, slope, i, j, offset, dcap) + bm - lse) * kL2e);
 }
 
 // The bias and mask of a tile of scores in the C-fragment layout (ScoreMods, every load issued

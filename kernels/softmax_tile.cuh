@@ -99,14 +99,38 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
                 for (int e = 0; e < 2; ++e)
                     if (!seq.visible(i, n0 + nt * 8 + (lane % 4) * 2 + e)) s[nt][half * 2 + e] = kNegInf;
         }
-        A part_max[2] = {kNegInf, kNegInf};
+        auto exact_max = [&]() {  // the row's max over this thread's columns, then over its quad
+            A part_max[2] = {kNegInf, kNegInf};
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt)
+            for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) part_max[e] = acc::max(part_max[e], s[nt][half * 2 + e]);  // two chains
-        A tile_max = quad_max(acc::max(part_max[0], part_max[1]));
-        if constexpr (kPlain) tile_max *= a.scale_log2;  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
-        if constexpr (kRawScores) tile_max *= a.scale;   // raw q.k -> natural units
+                for (int e = 0; e < 2; ++e) part_max[e] = acc::max(part_max[e], s[nt][half * 2 + e]);  // two chains
+            A m = quad_max(acc::max(part_max[0], part_max[1]));
+            if constexpr (kPlain) m = scale_max(m, a.scale_log2);  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
+            if constexpr (kRawScores) m = scale_max(m, a.scale);   // raw q.k -> natural units
+            return m;
+        };
+        A tile_max;
+        if constexpr (sizeof(A) == 8) {  // float64: an upper bound within 2^-20, from integer keys (online_softmax.cuh)
+            int key[2] = {f64_order_key(s[0][half * 2]), f64_order_key(s[0][half * 2 + 1])};
+#pragma unroll
+            for (int nt = 1; nt < kNT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) key[e] = max(key[e], f64_order_key(s[nt][half * 2 + e]));
+            int k = max(key[0], key[1]);
+            k = max(k, __shfl_xor_sync(0xffffffffu, k, 1));
+            tile_max = f64_key_upper(max(k, __shfl_xor_sync(0xffffffffu, k, 2)));
+            if constexpr (kPlain) tile_max = scale_max(tile_max, a.scale_log2);
+            if constexpr (kRawScores) tile_max = scale_max(tile_max, a.scale);
+            // The bound is off by up to 2^-20 |max|: from |max| >= 2^19 (log2 or natural units) that is
+            // half a unit or more, which would leave the row's largest P below 2^-1/2 (e^-1/2) and, past ~2^30,
+            // every P of the row below double's normal range (l = 0: an "empty" row).  There the
+            // exact max instead (a warp-uniform branch; scores that large are rare).
+            if (__any_sync(0xffffffffu, !(::fabs(tile_max) < static_cast<A>(0x1p19)) && tile_max != kNegInf))
+                tile_max = exact_max();
+        } else {
+            tile_max = exact_max();
+        }
         A m_use;
         alpha[half] = row[half].template update_max<kMods>(tile_max, m_use);
         A part_sum[2] = {0, 0};
@@ -115,15 +139,15 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
             A p0, p1;
             if constexpr (kPlain || kRawScores) {  // 2^(s * scale log2 e - m): one FFMA and one EX2 per score
                 const A m_sub = kPlain ? m_use : m_use * static_cast<A>(kLog2eF);
-                p0 = acc::exp2(acc::fma(s[nt][half * 2], a.scale_log2, -m_sub));
-                p1 = acc::exp2(acc::fma(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
+                p0 = acc::exp2_prob(acc::fma(s[nt][half * 2], a.scale_log2, -m_sub));
+                p1 = acc::exp2_prob(acc::fma(s[nt][half * 2 + 1], a.scale_log2, -m_sub));
             } else if constexpr (kMods) {  // natural units: the difference first (both may be near float32's lowest)
                 constexpr A kL2e = static_cast<A>(1.4426950408889634);
-                p0 = acc::exp2((s[nt][half * 2] - m_use) * kL2e);
-                p1 = acc::exp2((s[nt][half * 2 + 1] - m_use) * kL2e);
+                p0 = acc::exp2_prob((s[nt][half * 2] - m_use) * kL2e);
+                p1 = acc::exp2_prob((s[nt][half * 2 + 1] - m_use) * kL2e);
             } else {
-                p0 = acc::exp2(s[nt][half * 2] - m_use);
-                p1 = acc::exp2(s[nt][half * 2 + 1] - m_use);
+                p0 = acc::exp2_prob(s[nt][half * 2] - m_use);
+                p1 = acc::exp2_prob(s[nt][half * 2 + 1] - m_use);
             }
             part_sum[nt % 2] += p0 + p1;
             if constexpr (kKeepFp32 || kDropout) {  // (dropout: packed below, once it has run)

@@ -49,6 +49,11 @@ extern "C" __global__ void mma_f64_check(const double* A, const double* B, doubl
 #endif
     for (int e = 0; e < 4; ++e) D[(g + 8 * (e / 2)) * 8 + 2 * t + e % 2] = d[e];
 }
+
+extern "C" __global__ void exp2_prob_check(const double* x, double* y, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = acc::exp2_prob(x[i]);
+}
 '''
 
 
@@ -138,3 +143,31 @@ def test_float64_products(module, seed, shape):
     exact = a @ b
     scale = np.abs(a) @ np.abs(b)
     assert (np.abs(out.get() - exact) <= 8 * 2.0**-53 * scale).all()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("form", [1, 2], ids=["horner", "estrin"])
+def test_exp2_prob_in_double(form):
+    """acc::exp2_prob (the float64 softmax's 2^x, perf-notes f19) in both polynomial forms
+    (CUFLASH_F64_EXP2): within 3 ulps of NumPy's exp2 from -1020 (exclusive) to 1020, exactly 1 at 0,
+    0 from -1020 down and at -inf, NaN for NaN (a payload in the low word only too), +inf past 1020."""
+    import cupy as cp
+
+    module = cp.RawModule(code=_source(), options=("--std=c++17", f"-DCUFLASH_F64_EXP2={form}"))
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-1019.0, 10.0, 200000), rng.uniform(-1.0, 1.0, 100000),
+                        rng.uniform(-1019.9999, -1019.5, 1000), rng.uniform(10.0, 1019.9999, 1000),  # (n = -1020; large x)
+                        np.arange(-1019, 11, dtype=np.float64), np.arange(-40, 41) / 8 + 2.0**-40,
+                        [0.0, -0.0, 0.5, -0.5, 1e-300, -1e-300]])
+    nan_low = np.array([0x7FF0000000000001], dtype=np.uint64).view(np.float64)[0]  # a NaN whose payload is in the low word only
+    special = np.array([-1020.0, -1020.5, -1021.0, -1e6, -np.inf, np.nan, nan_low, 1021.0, np.inf])
+    y = cp.full(x.size + special.size, 7.0)
+    module.get_function("exp2_prob_check")((-(-y.size // 256),), (256,), (cp.asarray(np.concatenate([x, special])), y, np.int32(y.size)))
+    y = y.get()
+    want = np.exp2(x)
+    ulps = np.abs(y[: x.size] - want) / np.spacing(want)
+    assert ulps.max() <= 3, (float(ulps.max()), x[np.argmax(ulps)])  # (3.2e-16 relative: up to ~2.9 ulps below a power of 2)
+    assert y[x.size - 6] == 1.0 and y[x.size - 5] == 1.0
+    tail = y[x.size:]
+    assert (tail[:5] == 0).all() and np.isnan(tail[5:7]).all() and (tail[7:] == np.inf).all(), tail
