@@ -38,6 +38,7 @@ template <> struct Elem<f64_t> {
 #define CUFLASH_F64_EXP2 1  // float64's probabilities (acc::exp2_prob): 0 CUDA's exp2, 1 the polynomial by Horner, 2 by Estrin
 // (each variant sets it: cuflash/_kernels.py, fwd_tile and bwd_variant; perf-notes f20)
 #endif
+static_assert(CUFLASH_F64_EXP2 >= 0 && CUFLASH_F64_EXP2 <= 2, "CUFLASH_F64_EXP2: 0, 1 or 2");
 
 // Accumulator arithmetic for float and double alike (the score pipeline and the online softmax
 // are written once for both); the float forms are the single-precision intrinsics.
@@ -54,6 +55,8 @@ __device__ __forceinline__ double exp2(double x) { return ::exp2(x); }
 // integer selects only, no FP64 instruction: 0 below -1020 (a probability under 2^-1020 of a row whose
 // largest is near 1 is nothing to the row's sum), +inf above 1020, NaN for NaN.  (f14's second form
 // spent a DSETP and DMULs on those cases, probably predicated into every call: 0.835x at d64.)
+// For probabilities only: past them it is wrong at the edges (+inf for x in [1020, 1024), where 2^x is
+// finite; 0 from -1020 down, where 2^x is at most 2^-1020).
 __device__ __forceinline__ float exp2_prob(float x) { return exp2f(x); }
 __device__ __forceinline__ double exp2_prob(double x) {
     if constexpr (CUFLASH_F64_EXP2 == 0) return ::exp2(x);

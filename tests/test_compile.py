@@ -39,14 +39,15 @@ VARIANTS = _kernels.all_variants()
 
 
 def _one_per_source(variants):
-    """Per kernel file, element type, split-KV or not, dQ scheme, column split (float64 past d128) and
-    with or without modifiers, the variant with the most switches on and the largest head dim: the
+    """Per kernel file, element type, split-KV or not, dQ scheme, column split (float64 past d128),
+    with or without modifiers and float64's exp2 form, the variant with the most switches on and the largest head dim: the
     one that exercises the most code."""
     best = {}
     for v in variants:
         d = dict(v.defines)
         key = (v.filename, d.get("CUFLASH_DTYPE"), d.get("CUFLASH_SPLITKV", 0), d.get("CUFLASH_DETERMINISTIC", 0),
-               d.get("CUFLASH_SLAB_WARPS", 1), d.get("CUFLASH_MODS", 0) > 0)  # (the kernels without modifiers too, not only the fullest form)
+               d.get("CUFLASH_SLAB_WARPS", 1), d.get("CUFLASH_MODS", 0) > 0,  # (the kernels without modifiers too, not only the fullest form)
+               d.get("CUFLASH_F64_EXP2"))  # (float64's exp2 forms each: mma.cuh)
         rank = (d.get("CUFLASH_SOFTCAP", 0) + d.get("CUFLASH_ALIBI", 0) + d.get("CUFLASH_MODS", 0), d.get("CUFLASH_HEADDIM", 0))
         if key not in best or rank > best[key][0]:
             best[key] = (rank, v)
@@ -390,3 +391,18 @@ def test_backward_grids_match_the_kernels_tiles():
         v = _kernels.bwd_variant(dtype, d, softcap=False, alibi=False, smem_limit=smem_kb * 1024, deterministic=False)
         assert _gpu.bwd_tiles(v) == tiles, (v.name, _gpu.bwd_tiles(v))
         assert (f"_q{tiles[0]}_" in v.name) == (tiles[0] < tiles[1]), v.name
+
+
+@pytest.mark.parametrize("smem_kb", [227, 163, 99])
+def test_float64_exp2_form_per_variant(smem_kb):
+    """float64's exp2 form (CUFLASH_F64_EXP2, mma.cuh; perf-notes f20): the forward CUDA's exp2 (0) to
+    head dim 64 and the Horner polynomial (1) past it, the backward Estrin's (2); no other kernel
+    carries the define (every form passes the accuracy tests: only this pins which one runs)."""
+    for v in _kernels.all_variants(smem_kb * 1024):
+        d = dict(v.defines)
+        if d.get("CUFLASH_DTYPE") != _kernels.attention_tag("float64") or v.filename not in ("flash_fwd.cu", "flash_bwd.cu"):
+            assert "CUFLASH_F64_EXP2" not in d, v.name
+        elif v.filename == "flash_bwd.cu":
+            assert d["CUFLASH_F64_EXP2"] == 2, v.name
+        else:
+            assert d["CUFLASH_F64_EXP2"] == (0 if d["CUFLASH_HEADDIM"] <= 64 else 1), v.name
