@@ -104,7 +104,6 @@ class TileConfig:
     col_split: int = 1  # warps sharing each 16-row slab, each with its share of O's columns (float64 past d128)
     tf32_chains: tuple = (3, 3)  # float32 3xTF32 steps of S and of P V: 3 products in one accumulator chain, or 2 chains (warp_gemm.cuh)
     share_s: bool = False  # col_split 2: each warp of a slab forms half of S's keys, swapped through shared memory (flash_fwd.cu)
-    f64_exp2: int = 1  # float64's P and alpha: CUFLASH_F64_EXP2 (mma.cuh: 0 CUDA's exp2, 1 the polynomial, 2 by Estrin)
 
     def smem_bytes(self, headdim: int) -> int:
         # Q (block_m rows) + K and V (block_n rows each), rows padded by row_pad elements (float64's
@@ -159,11 +158,8 @@ def fwd_tile(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT, dtype: str = "f
         chains = {128: (2, 2), 160: (2, 3), 192: (2, 2), 256: (2, 2)}.get(headdim, (3, 3)) if item == 4 else (3, 3)
         # A column split's warps share S (f13) where its bytes fit beside the shape; else (float64 d256
         # with 99 KB) each forms all of it.  (A larger shape without it before a smaller one with it.)
-        # float64's P and alpha by CUDA's exp2 at d64, where the polynomial (f19) measured 0.92x by Horner
-        # and 0.95x by Estrin; past it by Horner, 1.03-1.06x (d256 1.00; Estrin's 1.01-1.03, session 32).
-        exp2 = 0 if item == 8 and headdim <= 64 else 1
         tiles = [TileConfig(bm, bn, w, q_in_regs=False, row_pad=4, itemsize=item, col_split=split, tf32_chains=chains,
-                            share_s=share, f64_exp2=exp2) for bm, bn, w in shapes for share in ((True, False) if split == 2 else (False,))]
+                            share_s=share) for bm, bn, w in shapes for share in ((True, False) if split == 2 else (False,))]
         # (their static shared memory: seqinfo.cuh's 256 bytes and the paged caches' page slots, 16 a key)
         return next((t for t in tiles if t.smem_bytes(headdim) + 256 + 16 * t.block_n <= smem_limit), tiles[-1])
     if headdim <= 64:
@@ -221,6 +217,16 @@ def _raw_applies(raw: bool, mods: int, softcap: bool, alibi: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _f64_exp2(dtype: str, headdim: int, *, backward: bool) -> tuple:
+    """The define of float64's exp2 form (CUFLASH_F64_EXP2, kernels/mma.cuh), none for other dtypes.
+    Measured (perf-notes f20, session 32): the forward by CUDA's exp2 (0) at d64, where the polynomial
+    measured 0.92x by Horner and 0.95x by Estrin, and by Horner (1) past it, 1.03-1.06x (d256 1.00);
+    the backward's P by Estrin (2), 1.01-1.11x Horner's."""
+    if dtype != "float64":
+        return ()
+    return (("CUFLASH_F64_EXP2", 2 if backward else 0 if headdim <= 64 else 1),)
+
+
 def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv: bool = False, mods: int = 0,
                 smem_limit: int = DEFAULT_SMEM_LIMIT, tf32: bool = False) -> Variant:
     """The forward kernel for q/k/v of ``dtype`` whose head dims fit bucket ``headdim``.
@@ -249,7 +255,7 @@ def fwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, splitkv
         ("CUFLASH_SPLITKV", int(splitkv)), ("CUFLASH_ROW_PAD", t.row_pad), ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", t.col_split),
         ("CUFLASH_TF32_CHAINS_ABT", chains[0]), ("CUFLASH_TF32_CHAINS_CB", chains[1]), ("CUFLASH_SHARE_S", int(t.share_s)),
-    ) + ((("CUFLASH_F64_EXP2", t.f64_exp2),) if dtype == "float64" else ())
+    ) + _f64_exp2(dtype, d, backward=False)
     return Variant("flash_fwd.cu", name, defines, 32 * t.warps, t.smem_bytes(d))
 
 
@@ -499,7 +505,7 @@ def bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool, mods: i
         ("CUFLASH_DTYPE", attention_tag(dtype)), ("CUFLASH_HEADDIM", d), ("CUFLASH_WARPS", warps),
         *score_defines, ("CUFLASH_MODS", mods),
         ("CUFLASH_TF32_TERMS", 1 if tf32 else 3), ("CUFLASH_SLAB_WARPS", col_split),
-    ) + ((("CUFLASH_F64_EXP2", 2),) if dtype == "float64" else ())  # (P by Estrin's form: 1.01-1.11x Horner's, session 32)
+    ) + _f64_exp2(dtype, d, backward=True)
     slabs = warps // col_split
     smem = bwd_smem_bytes(d, slabs, itemsize, query_rows=query_tile)
     if not deterministic:

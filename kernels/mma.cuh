@@ -36,7 +36,7 @@ template <> struct Elem<f64_t> {
 
 #ifndef CUFLASH_F64_EXP2
 #define CUFLASH_F64_EXP2 1  // float64's probabilities (acc::exp2_prob): 0 CUDA's exp2, 1 the polynomial by Horner, 2 by Estrin
-// (each variant sets it: cuflash/_kernels.py, fwd_tile and bwd_variant; perf-notes f20)
+// (each variant sets it: cuflash/_kernels.py, _f64_exp2; perf-notes f20)
 #endif
 static_assert(CUFLASH_F64_EXP2 >= 0 && CUFLASH_F64_EXP2 <= 2, "CUFLASH_F64_EXP2: 0, 1 or 2");
 
@@ -49,7 +49,7 @@ __device__ __forceinline__ float exp2(float x) { return exp2f(x); }
 __device__ __forceinline__ double exp2(double x) { return ::exp2(x); }
 // 2^x as an attention probability (x <= 0 up to the float64 softmax's slack): float as exp2;
 // double by a polynomial of its own (perf-notes f19).  x = n + f with n = rint(x) (the 1.5 * 2^52
-// shift) and |f| <= 1/2; 2^f = 1 + f q(f), q of degree 9 (minimax, 3.2e-16 relative in double, f14);
+// shift) and |f| <= 1/2; 2^f = 1 + f q(f), q of degree 9 (minimax, 2.23e-16 relative, f14 and session 32's review);
 // 2^n through the exponent bits.  13 FP64 operations against CUDA's exp2's 16, and its rare cases
 // (|x| >= 1020 by the high word read as a float, on the FP32 pipe; -inf from hidden keys; NaN) take
 // integer selects only, no FP64 instruction: 0 below -1020 (a probability under 2^-1020 of a row whose

@@ -128,8 +128,7 @@ def main():
                 for cfg in args.configs.split(","):
                     fields = list(map(int, cfg.split("x")))
                     bm, bn, w, mb, qr, cs, ch = fields + [1, 33][len(fields) - 5:]
-                    wide = dict(row_pad=4, itemsize=itemsize, col_split=cs, tf32_chains=divmod(ch, 10), share_s=cs == 2,
-                                f64_exp2=_kernels.fwd_tile(d, dtype=dtype_name).f64_exp2) if itemsize > 2 else {}
+                    wide = dict(row_pad=4, itemsize=itemsize, col_split=cs, tf32_chains=divmod(ch, 10), share_s=cs == 2) if itemsize > 2 else {}
                     tile = _kernels.TileConfig(bm, bn, w, mb, bool(qr), **wide)
                     if w % cs or bm % (16 * w // cs) or tile.smem_bytes(d) > 227 * 1024 - _kernels.STATIC_SMEM_RESERVE:
                         continue
