@@ -99,16 +99,18 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
                 for (int e = 0; e < 2; ++e)
                     if (!seq.visible(i, n0 + nt * 8 + (lane % 4) * 2 + e)) s[nt][half * 2 + e] = kNegInf;
         }
+        auto scaled = [&](A m) {  // a max of raw q.k in log2 (kPlain) or natural (kRawScores) units (scale > 0, so -inf stays -inf)
+            if constexpr (kPlain) m = scale_max(m, a.scale_log2);
+            if constexpr (kRawScores) m = scale_max(m, a.scale);
+            return m;
+        };
         auto exact_max = [&]() {  // the row's max over this thread's columns, then over its quad
             A part_max[2] = {kNegInf, kNegInf};
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int e = 0; e < 2; ++e) part_max[e] = acc::max(part_max[e], s[nt][half * 2 + e]);  // two chains
-            A m = quad_max(acc::max(part_max[0], part_max[1]));
-            if constexpr (kPlain) m = scale_max(m, a.scale_log2);  // raw q.k -> log2 units (scale > 0, so -inf stays -inf)
-            if constexpr (kRawScores) m = scale_max(m, a.scale);   // raw q.k -> natural units
-            return m;
+            return scaled(quad_max(acc::max(part_max[0], part_max[1])));
         };
         A tile_max;
         if constexpr (sizeof(A) == 8) {  // float64: an upper bound within 2^-20, from integer keys (online_softmax.cuh)
@@ -119,9 +121,7 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
                 for (int e = 0; e < 2; ++e) key[e] = max(key[e], f64_order_key(s[nt][half * 2 + e]));
             int k = max(key[0], key[1]);
             k = max(k, __shfl_xor_sync(0xffffffffu, k, 1));
-            tile_max = f64_key_upper(max(k, __shfl_xor_sync(0xffffffffu, k, 2)));
-            if constexpr (kPlain) tile_max = scale_max(tile_max, a.scale_log2);
-            if constexpr (kRawScores) tile_max = scale_max(tile_max, a.scale);
+            tile_max = scaled(f64_key_upper(max(k, __shfl_xor_sync(0xffffffffu, k, 2))));
             // The bound is off by up to 2^-20 |max|: from |max| >= 2^19 (log2 or natural units) that is
             // half a unit or more, which would leave the row's largest P below 2^-1/2 (e^-1/2) and, past ~2^30,
             // every P of the row below double's normal range (l = 0: an "empty" row).  There the
