@@ -150,7 +150,7 @@ def test_float64_products(module, seed, shape):
 @pytest.mark.parametrize("form", [1, 2], ids=["horner", "estrin"])
 def test_exp2_prob_in_double(form):
     """acc::exp2_prob (the float64 softmax's 2^x, perf-notes f19) in both polynomial forms
-    (CUFLASH_F64_EXP2): within 3 (Horner) or 4 (Estrin) ulps of NumPy's exp2 from -1020 (exclusive) to 1020, exactly 1 at 0,
+    (CUFLASH_F64_EXP2): within 3 ulps of NumPy's exp2 from -1020 (exclusive) to 1020, exactly 1 at 0,
     0 from -1020 down and at -inf, NaN for NaN (a payload in the low word only too), +inf past 1020."""
     import cupy as cp
 
@@ -167,10 +167,10 @@ def test_exp2_prob_in_double(form):
     y = y.get()
     want = np.exp2(x)
     ulps = np.abs(y[: x.size] - want) / np.spacing(want)
-    # The polynomial is within 2.23e-16 of 2^f (1.9 ulps); Horner's rounding keeps the result within 2.4 ulps
-    # of 2^x, Estrin's three roundings near 1 within 3.4 (an exact-FMA emulation, review of session 32).
-    bound = {1: 3, 2: 4}[form]
-    assert ulps.max() <= bound, (float(ulps.max()), x[np.argmax(ulps)])
+    # (The polynomial is within 2.23e-16 of 2^f; against the exact 2^x Horner's rounding stays within 2.4
+    # ulps and Estrin's three roundings near 1 within ~3.4, and on these samples against NumPy's exp2 they
+    # reach 2.0 and 3.0: an exact-FMA emulation, review of session 32.)
+    assert ulps.max() <= 3, (float(ulps.max()), x[np.argmax(ulps)])
     assert y[x.size - 6] == 1.0 and y[x.size - 5] == 1.0
     tail = y[x.size:]
     assert (tail[:5] == 0).all() and np.isnan(tail[5:7]).all() and (tail[7:] == np.inf).all(), tail
