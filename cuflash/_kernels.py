@@ -366,8 +366,9 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     if mods:  # (bias/mask/dropout at d64: three blocks' 168 registers spilled 64-152 bytes, two blocks' 255 none)
         min_blocks = min(min_blocks, 2)
     col_split = d > 128
-    # dQ through shared memory and the copy engine (CUFLASH_DQ_BULK) where its tile fits beside the rest
-    dq_bulk = not deterministic and not col_split
+    # dQ through shared memory and the copy engine (CUFLASH_DQ_BULK): a tile of its own, or with the
+    # column split in the step's Q and dO tiles (no room for its own)
+    dq_bulk = not deterministic
     name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
             + "_alibi" * alibi + "_det" * deterministic + _MODS_SUFFIX[mods])
     defines = (
@@ -378,9 +379,9 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
     # column split), two stages of two inner tiles, LSE and D of the _dkdv stages, the dS tile of
-    # _dkdv_dq, its fp32 dQ tile with CUFLASH_DQ_BULK, 1 KB for the 1024-byte alignment.
+    # _dkdv_dq, its fp32 dQ tile with CUFLASH_DQ_BULK (not with the column split), 1 KB for the 1024-byte alignment.
     outer = 64 if col_split else 64 * wgs
-    smem = (2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + outer * inner * 2 + 1024 + dq_bulk * inner * d * 4
+    smem = (2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + outer * inner * 2 + 1024 + (dq_bulk and not col_split) * inner * d * 4
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 

@@ -280,13 +280,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
     constexpr int kDqSlice = kColSplit ? 64 : kDqCols;  // ... in slices of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
-    // kDqBulk: dQ through sdQ and the copy engine; warp 0 of each warpgroup issues its reductions
-    // and copies no Q/dO tiles (bulk groups and cp.async groups share one scoreboard: a thread
-    // waiting for its copies would wait for its reduction too, and hold the block's barrier).
-    // Warps 2 and 3 of each warpgroup copy them (8 rows a pass: the loads' unrolled form).
+    // kDqBulk: dQ staged in shared memory and added by the copy engine, thread 0 of each warpgroup
+    // issuing the reductions: in sdQ of its own, where it fits, and there warp 0 of each warpgroup
+    // copies no Q/dO tiles (bulk groups and cp.async groups share one scoreboard: a thread waiting
+    // for its copies would wait for its reduction too, and hold the block's barrier), warps 2 and 3
+    // do (8 rows a pass: the loads' unrolled form); with the column split (kDqInStage) in the step's
+    // own dO and Q tiles, free once dV and dK are done, read by the copy engine before the next
+    // step's barrier lets that stage be loaded again.
     constexpr bool kDqBulk = kDqAtomic && CUFLASH_DQ_BULK;
-    constexpr int kLoaders = kDqBulk ? kThreads / 2 : kThreads;  // the threads that copy Q and dO tiles
-    // dK's product issued after dQ's and waited for after dQ's store (FA3's order): it overlaps that store
+    constexpr bool kDqInStage = kDqBulk && kColSplit;
+    constexpr int kLoaders = kDqBulk && !kDqInStage ? kThreads / 2 : kThreads;  // the threads that copy Q and dO tiles
     constexpr bool kDkAfterDq = kDqAtomic && !kColSplit;
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
     extern __shared__ unsigned char smem_raw[];
@@ -297,12 +300,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units (kMods: natural)
     float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
     unsigned char* sdS = sdO + 2 * kTileQ + 1024;               // kDqAtomic: dSᵀ (kBN keys, kBM queries), swizzled
-    float* sdQ = reinterpret_cast<float*>(sdS + kBN * kBM * 2);  // kDqBulk: the step's dQ tile (kBM x kD floats, fragment order)
+    float* sdQ = reinterpret_cast<float*>(sdS + kBN * kBM * 2);  // kDqBulk without kDqInStage: the step's dQ tile (kBM x kD floats)
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-    const bool dq_writer = kDqBulk && tid % 128 < 32;           // (kDqBulk) warp 0 of the warpgroup
-    const bool q_loader = !kDqBulk || tid % 128 >= 64;           // (kDqBulk) warps 2 and 3
-    const int loader = kDqBulk ? wg * 64 + tid % 128 - 64 : tid;  // the thread's place among the kLoaders
+    const bool no_copies = kLoaders < kThreads && tid % 128 < 32;          // warp 0 of the warpgroup: copies no Q/dO
+    const bool q_loader = kLoaders == kThreads || tid % 128 >= 64;         // (else warps 2 and 3)
+    const int loader = kLoaders == kThreads ? tid : wg * 64 + tid % 128 - 64;  // the thread's place among the kLoaders
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_k) return;
     const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
@@ -372,7 +375,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     if (tiles > 0) {
         load_tile_swizzled<kBN, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
         load_tile_swizzled<kBN, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
-        cp_async_commit();  // (a group of its own: kDqBulk's warps 0 and 1 commit no Q/dO copies)
+        cp_async_commit();  // (a group of its own: warps 0 and 1 may commit no Q/dO copies)
         load_q(cur, 0);
     }
     const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
@@ -381,7 +384,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         const int h = step_head(cur), m0 = step_m0(cur);
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
         const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
-        if (!dq_writer || t == 0) cp_async_wait<0>();  // (the writers copied only K and V, before step 0)
+        if (kDqInStage && tid % 128 == 0) bulk_wait_read<0>();  // the stage the next copies overwrite was read
+        if (!no_copies || t == 0) cp_async_wait<0>();  // (warp 0 copied only K and V, before step 0)
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
         if (t + 1 < steps) load_q(next, stage ^ 1);
@@ -510,7 +514,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         if constexpr (kDqAtomic) {
             // kDqBulk: the copy engine has read the previous step's dQ tile (its reduction was
             // issued by thread 0 of each warpgroup a step ago) before the barrier lets sdQ be rewritten
-            if (kDqBulk && tid % 128 == 0) bulk_wait_read<0>();
+            if (kDqBulk && !kDqInStage && tid % 128 == 0) bulk_wait_read<0>();
             __syncthreads();  // every warpgroup's dSᵀ rows are staged
             // Lane pairs swap halves so that each lane holds 4 adjacent columns of one row: the even
             // lane row wg_row, the odd lane row wg_row + 8, columns 8 nt + 4 (lane % 4 / 2) + 0..3.
@@ -538,11 +542,20 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                     wgmma_wait<0>();
                 }
                 wgmma_pin(dq_flat);
-                if constexpr (kDqBulk) {  // into the slice's panel of sdQ (dq_tile_offset's order)
-                    float* panel = sdQ + (c0 / kDqSlice) * kBM * kDqSlice;
+                if constexpr (kDqBulk) {  // the slice's panel (dq_tile_offset's order), added in one piece
+                    float* panel = kDqInStage ? reinterpret_cast<float*>((slice == 0 ? sdO : sQ) + stage * kTileQ) + wg * kBM * kDqSlice
+                                              : sdQ + (c0 / kDqSlice) * kBM * kDqSlice;
 #pragma unroll
                     for (int nt = 0; nt < kDqSlice / 8; ++nt)
                         *reinterpret_cast<float4*>(panel + (nt * 128 + tid % 128) * 4) = make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);
+                    fence_async_smem();
+                    if (wg == 0) named_barrier_sync<1>(128);
+                    else named_barrier_sync<2>(128);
+                    if (tid % 128 == 0) {
+                        bulk_reduce_add(p.dq_accum + dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice, panel,
+                                        kBM * kDqSlice * 4);
+                        bulk_commit();
+                    }
                 } else {
                     float* row = p.dq_accum + (stat + i) * kD + c0 + (lane % 4 / 2) * 4;
 #pragma unroll
@@ -552,16 +565,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                         const float4 v = odd ? make_float4(got0, got1, dq[nt][2], dq[nt][3]) : make_float4(dq[nt][0], dq[nt][1], got0, got1);
                         if (m0 + i < seq.sq) red_add_v4(row + nt * 8, v);
                     }
-                }
-            }
-            if constexpr (kDqBulk) {  // this warpgroup's columns of the tile, added in one piece
-                fence_async_smem();
-                if (wg == 0) named_barrier_sync<1>(128);
-                else named_barrier_sync<2>(128);
-                if (tid % 128 == 0) {
-                    const int first = wg * kDqCols * kBM;  // floats: the warpgroup's panels
-                    bulk_reduce_add(p.dq_accum + dq_tile_offset(p, seq, b, h, m0, kD) + first, sdQ + first, kDqCols * kBM * 4);
-                    bulk_commit();
                 }
             }
             if constexpr (kDkAfterDq) wgmma_wait<0>();
