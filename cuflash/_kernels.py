@@ -352,7 +352,7 @@ SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
 def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
                      deterministic: bool = False, mods: int = 0) -> Variant | None:
     """The wgmma backward kernels for ``headdim``'s bucket: ``<name>_dkdv_dq`` +
-    ``<name>_dq_convert`` (atomic fp32 dQ), or with ``deterministic`` ``<name>_dq`` +
+    ``<name>_dq_convert`` (fp32 dQ added by the copy engine: CUFLASH_DQ_BULK), or with ``deterministic`` ``<name>_dq`` +
     ``<name>_dkdv`` (a module of their own, so a first call compiles only what it launches; the
     D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves."""
     d = headdim_bucket(headdim)

@@ -3,8 +3,11 @@
 //
 // Dao, "FlashAttention-2", Algorithm 2, in two forms: split as in flash_bwd.cu (_dq + _dkdv, no
 // atomics, bitwise repeatable: deterministic=True), or one pass (_dkdv_dq, the default) that also
-// forms dQ += dS K per query tile and adds it to an fp32 dq_accum with vector atomics, which
-// _dq_convert scales and rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.
+// forms dQ += dS K per query tile and adds it to an fp32 dq_accum, which _dq_convert scales and
+// rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.  With CUFLASH_DQ_BULK
+// (the default form) each warpgroup stages its dQ columns in shared memory and the copy engine adds
+// them in one bulk reduction (FA3's dQ path, without its writer warp), dq_accum in dq_tile_offset's
+// tiled order; without it each thread adds its values with vector atomics.
 // Shah et al., "FlashAttention-3", 2024, §3 for the wgmma operand placement.  Warpgroup w of a
 // block owns 64 rows (query rows in _dq, key rows in _dkdv); tiles live in the swizzled layout of
 // swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered with cp.async
@@ -13,7 +16,8 @@
 //           in registers, dQ += dS K (dS from registers, K read transposed).
 //   _dkdv : per query tile of each GQA head, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q.
 //   _dkdv_dq : the same, and dSᵀ staged in shared memory; warpgroup w forms its kD / kWG columns
-//           of dQ = dS K (both operands read transposed) and adds them to dq_accum.
+//           of dQ = dS K (both operands read transposed) and adds them to dq_accum; dK's product
+//           is issued after dQ's and runs while dQ is stored.
 // Head dims 64 and 128 in the form above; 256 (and the buckets between 128 and 256, their columns
 // past the head dim zero) with the warpgroups of a _dkdv_dq block splitting the columns of dK and
 // dV (whole, they do not fit in one warpgroup's registers): CUFLASH_COL_SPLIT.  Deterministic
