@@ -708,7 +708,11 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         elif dict(main.defines).get("CUFLASH_DETERMINISTIC", 1):
             launches = (("_dq", dq_grid, smem), ("_dkdv", dkdv_grid, smem))
         else:  # dQ rows laid out like the LSE's, head-dim bucket wide: fp32 (float64 for float64)
-            dq_accum = cp.zeros(lse.size * dict(main.defines)["CUFLASH_HEADDIM"], dtype=lse.dtype)
+            rows = lse.size
+            if dict(main.defines).get("CUFLASH_DQ_BULK"):  # 64-row tiles apart (flash_bwd_sm90.cu dq_tile_offset)
+                rows = (prm.nheads_q * (prm.total_q + 64 * prm.batch) if packed
+                        else prm.batch * prm.nheads_q * -(-prm.seqlen_q // 64) * 64)
+            dq_accum = cp.zeros(rows * dict(main.defines)["CUFLASH_HEADDIM"], dtype=lse.dtype)
             prm.dq_accum = dq_accum.data.ptr
             launches = (("_dkdv_dq", dkdv_grid, smem), ("_dq_convert", dq_grid, 0))
         tail, dsum_kernel = _kernels.varlen_tail_variant(), _kernels.dsum_variant(dtype)

@@ -3,8 +3,11 @@
 //
 // Dao, "FlashAttention-2", Algorithm 2, in two forms: split as in flash_bwd.cu (_dq + _dkdv, no
 // atomics, bitwise repeatable: deterministic=True), or one pass (_dkdv_dq, the default) that also
-// forms dQ += dS K per query tile and adds it to an fp32 dq_accum with vector atomics, which
-// _dq_convert scales and rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.
+// forms dQ += dS K per query tile and adds it to an fp32 dq_accum, which _dq_convert scales and
+// rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.  With CUFLASH_DQ_BULK
+// (the default form) each warpgroup stages its dQ columns in shared memory and the copy engine adds
+// them in one bulk reduction (FA3's dQ path, without its writer warp), dq_accum in dq_tile_offset's
+// tiled order; without it each thread adds its values with vector atomics.
 // Shah et al., "FlashAttention-3", 2024, §3 for the wgmma operand placement.  Warpgroup w of a
 // block owns 64 rows (query rows in _dq, key rows in _dkdv); tiles live in the swizzled layout of
 // swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered with cp.async
@@ -13,7 +16,8 @@
 //           in registers, dQ += dS K (dS from registers, K read transposed).
 //   _dkdv : per query tile of each GQA head, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q.
 //   _dkdv_dq : the same, and dSᵀ staged in shared memory; warpgroup w forms its kD / kWG columns
-//           of dQ = dS K (both operands read transposed) and adds them to dq_accum.
+//           of dQ = dS K (both operands read transposed) and adds them to dq_accum; dK's product
+//           is issued after dQ's and runs while dQ is stored.
 // Head dims 64 and 128 in the form above; 256 (and the buckets between 128 and 256, their columns
 // past the head dim zero) with the warpgroups of a _dkdv_dq block splitting the columns of dK and
 // dV (whole, they do not fit in one warpgroup's registers): CUFLASH_COL_SPLIT.  Deterministic
@@ -23,6 +27,7 @@
 // (query, key) pair once); 2 also dropout: dV += (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D).
 #include "params.cuh"
 #include "score_grad.cuh"
+#include "sm90_pipeline.cuh"
 #include "swizzled_tile.cuh"
 #include "warp_gemm.cuh"
 
@@ -59,6 +64,12 @@
 #ifndef CUFLASH_MODS
 #define CUFLASH_MODS 0  // 1: additive bias and boolean mask (score_mods.cuh); 2: and dropout
 #endif
+// The atomic-dQ kernel's dQ tiles: 1 staged in shared memory in fragment order and added to
+// dq_accum by the copy engine, one bulk reduction per warpgroup and step (dq_tile_offset's layout);
+// 0 added by each thread with vector atomics (dq_accum laid out like the LSE's rows).
+#ifndef CUFLASH_DQ_BULK
+#define CUFLASH_DQ_BULK 0
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd_sm90
 #endif
@@ -82,6 +93,29 @@ __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + 
 // addr[0..3] += v, atomically (sm_90 vector reduction; addr 16-byte aligned).
 __device__ __forceinline__ void red_add_v4(float* addr, float4 v) {
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+}
+
+// [dst, dst + bytes) += the floats at src in shared memory, by the copy engine (a bulk reduction
+// in this thread's bulk group; 16-byte aligned, bytes a multiple of 16).  The threads that wrote
+// src ran fence_async_smem() and a barrier with this one before; this thread waits with
+// bulk_wait_read before src is written again and with bulk_wait before the block exits.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
+}
+
+// CUFLASH_DQ_BULK: the first float of query tile m0 (64 rows) of head h, batch entry b in dq_accum.
+// Each tile is 64 kD floats of its own, in panels of kSlice columns (panel c / kSlice); within a
+// panel, thread t (of the 128 of the warpgroup that formed it) holds its accumulator tile nt of
+// dQ = dS K as the 4 floats at (nt * 128 + t) * 4: rows wg_row(t) (+0, +0, +8, +8), columns
+// 8 nt + 2 (t % 4) (+0, +1, +0, +1) of the panel, so that the warpgroup stores it with one 16-byte
+// store a tile per thread, without bank conflicts, and the copy engine adds it in one piece.
+// Tiles do not overlap: padded batches round each head's rows up to 64, packed sequences keep 64
+// rows apart (dq_accum holds nheads_q * (total_q + 64 batch) rows then).
+__device__ __forceinline__ long long dq_tile_offset(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, int kD) {
+    const long long row = p.cu_seqlens_q ? h * (p.total_q + 64 * p.batch) + seq.q_start + 64ll * b + m0
+                                         : (b * p.nheads_q + h) * ((p.seqlen_q + 63) / 64 * 64) + m0;
+    return row * kD;
 }
 
 // Scale a (64 x kAccD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
@@ -250,6 +284,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
     constexpr int kDqSlice = kColSplit ? 64 : kDqCols;  // ... in slices of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
+    // kDqBulk: dQ staged in shared memory and added by the copy engine, thread 0 of each warpgroup
+    // issuing the reductions: in sdQ of its own, where it fits, and there warp 0 of each warpgroup
+    // copies no Q/dO tiles (bulk groups and cp.async groups share one scoreboard: a thread waiting
+    // for its copies would wait for its reduction too, and hold the block's barrier), warps 2 and 3
+    // do (8 rows a pass: the loads' unrolled form); with the column split (kDqInStage) in the step's
+    // own dO and Q tiles, free once dV and dK are done, read by the copy engine before the next
+    // step's barrier lets that stage be loaded again.
+    constexpr bool kDqBulk = kDqAtomic && CUFLASH_DQ_BULK;
+    constexpr bool kDqInStage = kDqBulk && kColSplit;
+    constexpr int kLoaders = kDqBulk && !kDqInStage ? kThreads / 2 : kThreads;  // the threads that copy Q and dO tiles
+    constexpr bool kDkAfterDq = kDqAtomic && !kColSplit;
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
@@ -259,8 +304,12 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units (kMods: natural)
     float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
     unsigned char* sdS = sdO + 2 * kTileQ + 1024;               // kDqAtomic: dSᵀ (kBN keys, kBM queries), swizzled
+    float* sdQ = reinterpret_cast<float*>(sdS + kBN * kBM * 2);  // kDqBulk without kDqInStage: the step's dQ tile (kBM x kD floats)
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
+    const bool no_copies = kLoaders < kThreads && tid % 128 < 32;          // warp 0 of the warpgroup: copies no Q/dO
+    const bool q_loader = kLoaders == kThreads || tid % 128 >= 64;         // (else warps 2 and 3)
+    const int loader = kLoaders == kThreads ? tid : wg * 64 + tid % 128 - 64;  // the thread's place among the kLoaders
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_k) return;
     const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
@@ -313,11 +362,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         const int h = step_head(s), m0 = step_m0(s);
         const int rows_valid = min(kBM, seq.sq - m0);
         const long long q_row = seq.q_start + m0;
-        load_tile_swizzled<kBM, kD, kThreads>(sQ + stage * kTileQ, static_cast<const u16*>(p.q) + b * p.q_batch_stride + q_row * p.q_row_stride + h * p.q_head_stride,
-                                              p.q_row_stride, rows_valid, qk_chunks, tid);
-        load_tile_swizzled<kBM, kD, kThreads>(sdO + stage * kTileQ, static_cast<const u16*>(p.dout) + b * p.do_batch_stride + q_row * p.do_row_stride + h * p.do_head_stride,
-                                              p.do_row_stride, rows_valid, v_chunks, tid);
-        cp_async_commit();
+        if (q_loader) {
+            load_tile_swizzled<kBM, kD, kLoaders>(sQ + stage * kTileQ, static_cast<const u16*>(p.q) + b * p.q_batch_stride + q_row * p.q_row_stride + h * p.q_head_stride,
+                                                  p.q_row_stride, rows_valid, qk_chunks, loader);
+            load_tile_swizzled<kBM, kD, kLoaders>(sdO + stage * kTileQ, static_cast<const u16*>(p.dout) + b * p.do_batch_stride + q_row * p.do_row_stride + h * p.do_head_stride,
+                                                  p.do_row_stride, rows_valid, v_chunks, loader);
+            cp_async_commit();
+        }
         const long long stat = seq.lse_row(p, b, h, m0);
         for (int r = tid; r < kBM; r += kThreads) {  // read after the barrier that publishes the stage
             sLse2[stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000)
@@ -328,6 +379,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     if (tiles > 0) {
         load_tile_swizzled<kBN, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
         load_tile_swizzled<kBN, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
+        cp_async_commit();  // (a group of its own: warps 0 and 1 may commit no Q/dO copies)
         load_q(cur, 0);
     }
     const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
@@ -336,7 +388,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         const int h = step_head(cur), m0 = step_m0(cur);
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
         const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
-        cp_async_wait<0>();
+        if (kDqInStage && tid % 128 == 0) bulk_wait_read<0>();  // the stage the next copies overwrite was read
+        if (!no_copies || t == 0) cp_async_wait<0>();  // (warp 0 copied only K and V, before step 0)
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
         if (t + 1 < steps) load_q(next, stage ^ 1);
@@ -451,9 +504,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
 #pragma unroll
         for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO (this warpgroup's columns)
             wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_cols, kk));
+        if constexpr (!kDkAfterDq) {
 #pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
-            wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_cols, kk));
+            for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
+                wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_cols, kk));
+        }
         wgmma_commit();
         if constexpr (kColSplit) {  // dV and dK done first: their register operands (P, dS) free for dQ's slices
             wgmma_wait<0>();
@@ -461,6 +516,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             wgmma_pin(dk_flat);
         }
         if constexpr (kDqAtomic) {
+            // kDqBulk: the copy engine has read the previous step's dQ tile (its reduction was
+            // issued by thread 0 of each warpgroup a step ago) before the barrier lets sdQ be rewritten
+            if (kDqBulk && !kDqInStage && tid % 128 == 0) bulk_wait_read<0>();
             __syncthreads();  // every warpgroup's dSᵀ rows are staged
             // Lane pairs swap halves so that each lane holds 4 adjacent columns of one row: the even
             // lane row wg_row, the odd lane row wg_row + 8, columns 8 nt + 4 (lane % 4 / 2) + 0..3.
@@ -478,17 +536,42 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                 for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
                     wgmma_ss_mn<T, kDqSlice>(dq_flat, desc_n_major<kBN>(ds_tile, kk), desc_n_major<kBN>(k_cols, kk), kk > 0);
                 wgmma_commit();
-                wgmma_wait<0>();
-                wgmma_pin(dq_flat);
-                float* row = p.dq_accum + (stat + i) * kD + c0 + (lane % 4 / 2) * 4;
+                if constexpr (kDkAfterDq) {
 #pragma unroll
-                for (int nt = 0; nt < kDqSlice / 8; ++nt) {
-                    const float give0 = odd ? dq[nt][0] : dq[nt][2], give1 = odd ? dq[nt][1] : dq[nt][3];
-                    const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-                    const float4 v = odd ? make_float4(got0, got1, dq[nt][2], dq[nt][3]) : make_float4(dq[nt][0], dq[nt][1], got0, got1);
-                    if (m0 + i < seq.sq) red_add_v4(row + nt * 8, v);
+                    for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q, in flight while dQ is stored
+                        wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_cols, kk));
+                    wgmma_commit();
+                    wgmma_wait<1>();
+                } else {
+                    wgmma_wait<0>();
+                }
+                wgmma_pin(dq_flat);
+                if constexpr (kDqBulk) {  // the slice's panel (dq_tile_offset's order), added in one piece
+                    float* panel = kDqInStage ? reinterpret_cast<float*>((slice == 0 ? sdO : sQ) + stage * kTileQ) + wg * kBM * kDqSlice
+                                              : sdQ + (c0 / kDqSlice) * kBM * kDqSlice;
+#pragma unroll
+                    for (int nt = 0; nt < kDqSlice / 8; ++nt)
+                        *reinterpret_cast<float4*>(panel + (nt * 128 + tid % 128) * 4) = make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);
+                    fence_async_smem();
+                    if (wg == 0) named_barrier_sync<1>(128);
+                    else named_barrier_sync<2>(128);
+                    if (tid % 128 == 0) {
+                        bulk_reduce_add(p.dq_accum + dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice, panel,
+                                        kBM * kDqSlice * 4);
+                        bulk_commit();
+                    }
+                } else {
+                    float* row = p.dq_accum + (stat + i) * kD + c0 + (lane % 4 / 2) * 4;
+#pragma unroll
+                    for (int nt = 0; nt < kDqSlice / 8; ++nt) {
+                        const float give0 = odd ? dq[nt][0] : dq[nt][2], give1 = odd ? dq[nt][1] : dq[nt][3];
+                        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+                        const float4 v = odd ? make_float4(got0, got1, dq[nt][2], dq[nt][3]) : make_float4(dq[nt][0], dq[nt][1], got0, got1);
+                        if (m0 + i < seq.sq) red_add_v4(row + nt * 8, v);
+                    }
                 }
             }
+            if constexpr (kDkAfterDq) wgmma_wait<0>();
         } else {
             wgmma_wait<0>();
         }
@@ -496,6 +579,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         wgmma_pin(dk_flat);
     }
     cp_async_wait<0>();
+    if (kDqBulk && tid % 128 == 0) bulk_wait<0>();  // (the reductions done before the block exits)
     __syncthreads();  // every warpgroup is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kBN, write_rows - n0);
     store_tile<T, kD, kBN, kThreads, kDc>(dk, seq.poison(scale), sK, r_lo - wg_row(tid), gdK, p.dk_row_stride, rows_valid,
@@ -523,9 +607,41 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
                         CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
 }
 
+// CUFLASH_DQ_BULK's last pass: dq = softmax_scale * dq_accum for the 64-row query tiles of one
+// (64 * warpgroups)-row block of a sequence, read in dq_tile_offset's fragment order (a float4 a
+// thread: two adjacent columns of two rows 8 apart); rows no key reached are 0, a bad sequence's NaN.
+template <class T, int kD, int kSlice, int kRows, int kThreads>
+__device__ __forceinline__ void dq_convert_tiles(const FlashParams& p) {
+    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    if (bh >= p.batch * p.nheads_q) return;
+    const int b = static_cast<int>(bh / p.nheads_q), h = static_cast<int>(bh % p.nheads_q);
+    const SeqInfo seq(p, b);
+    __syncthreads();  // seq.poison reads what every thread wrote (racecheck)
+    const float scale = seq.poison(static_cast<float>(p.softmax_scale));
+    const int cols = static_cast<int>(p.headdim_qk);
+    for (int m0 = blockIdx.x * kRows; m0 < min(seq.sq, (blockIdx.x + 1) * kRows); m0 += 64) {
+        const float4* acc = reinterpret_cast<const float4*>(p.dq_accum + dq_tile_offset(p, seq, b, h, m0, kD));
+        u16* gdQ = static_cast<u16*>(p.dq) + b * p.dq_batch_stride + (seq.q_start + m0) * p.dq_row_stride + h * p.dq_head_stride;
+        const int rows_valid = min(64, seq.sq - m0);
+        for (int f = threadIdx.x; f < 16 * kD; f += kThreads) {
+            const int panel = f / (16 * kSlice), g = f % (16 * kSlice), nt = g / 128, t = g % 128;
+            const int r = wg_row(t), c = panel * kSlice + nt * 8 + (t % 4) * 2;
+            if (c >= cols) continue;
+            const float4 v = acc[f];
+            if (r < rows_valid) *reinterpret_cast<u32*>(gdQ + r * p.dq_row_stride + c) = pack2<T>(v.x * scale, v.y * scale);
+            if (r + 8 < rows_valid) *reinterpret_cast<u32*>(gdQ + (r + 8) * p.dq_row_stride + c) = pack2<T>(v.z * scale, v.w * scale);
+        }
+    }
+}
+
 // dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a
-// sequence (score_grad.cuh's dq_convert).
+// sequence (score_grad.cuh's dq_convert, or dq_convert_tiles for CUFLASH_DQ_BULK).
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
+#if CUFLASH_DQ_BULK
+    dq_convert_tiles<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_COL_SPLIT ? 64 : CUFLASH_HEADDIM / CUFLASH_WARPGROUPS,
+                     64 * CUFLASH_WARPGROUPS, 128 * CUFLASH_WARPGROUPS>(p);
+#else
     dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, 64 * CUFLASH_WARPGROUPS, 128 * CUFLASH_WARPGROUPS>(p);
+#endif
 }
 #endif  // CUFLASH_DETERMINISTIC

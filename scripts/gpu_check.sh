@@ -8,7 +8,8 @@
 # Environment: PYTEST_ARGS (default: all of tests/; shell quoting kept, e.g. 'tests/x.py -k "a or b"'), PYTEST_WORKERS (pytest-xdist workers, 6), WARM_MATCH
 # (warm only the variants whose names contain one of its comma-separated parts, e.g. sm90),
 # BENCH_ARGS (extra options of the standard sweep), MODIFIERS_ARGS (of the modifiers suite, e.g. "--headdims 64,256 --dtypes bf16,fp16"), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
-# compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only), AB_BASE (the
+# compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only; SAN_ARGS more options,
+# e.g. "--kernel-name kns=cuflash_bwd_sm90" to check only those kernels), AB_BASE (the
 # checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous
 # commit carried in an ignored folder; AB_SIDES "BASE NEW NEW2 ..." compares several checkouts with
 # the first in one rotation, each DIR[,VAR=VALUE...]; AB_PARTS narrows it, AB_ROUNDS sets its rounds, AB_WIDE_DTYPES the wide parts' dtypes).
@@ -64,7 +65,7 @@ for stage in $stages; do
       tail -n 30 "$OUT/tests.log" ;;
     sanitize)
       for tool in ${SAN_TOOLS:-memcheck racecheck synccheck}; do
-        timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 3 $PY scripts/sanitize_run.py \
+        timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 3 ${SAN_ARGS:-} $PY scripts/sanitize_run.py \
           >"$OUT/sanitize_$tool.log" 2>&1
         rc=$?; summary+=("$tool rc=$rc ($(elapsed)): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitize_$tool.log" | tail -n 1)")
         tail -n 5 "$OUT/sanitize_$tool.log"

@@ -5,7 +5,7 @@ out-of-bounds access is reported instead of landing in a neighbouring pool block
 SANITIZE_PARTS=fwd runs the forward calls only (racecheck on the Hopper forward takes minutes
 for the whole sweep); SANITIZE_PARTS=varlen the packed calls with hostile and well-formed offsets only;
 SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32); widefwd
-their forward calls only; widekv their KV-cache calls only.  SANITIZE_WIDE_DTYPES (e.g. "float64") narrows the float32/float64 calls to those dtypes.
+their forward calls only; widekv their KV-cache calls only; half the float16/bfloat16 calls only.  SANITIZE_WIDE_DTYPES (e.g. "float64") narrows the float32/float64 calls to those dtypes.
 """
 
 import os
@@ -25,6 +25,7 @@ cp.cuda.set_allocator(None)
 rng = np.random.default_rng(0)
 FORWARD_ONLY = os.environ.get("SANITIZE_PARTS", "all") in ("fwd", "widefwd")
 VARLEN_ONLY = os.environ.get("SANITIZE_PARTS", "all") == "varlen"
+HALF_ONLY = os.environ.get("SANITIZE_PARTS") == "half"  # the float16/bfloat16 calls only
 KV_ONLY = os.environ.get("SANITIZE_PARTS") == "widekv"  # the float32/float64 KV-cache calls only  # the packed calls' hostile offsets only
 
 
@@ -42,7 +43,7 @@ wide_cases = ((1, 1, 8, 8, {}), (65, 129, 64, 64, dict(causal=True)), (129, 65, 
               (70, 90, 256, 256, dict(causal=True)), (50, 70, 64, 64, dict(alibi=True, softcap=2.0)),
               (37, 45, 192, 130, dict(window_size=(20, 3))))
 WIDE_DTYPES = os.environ.get("SANITIZE_WIDE_DTYPES", "float64,float32").split(",")
-for dtype, precision in () if VARLEN_ONLY else ((np.float64, None), (np.float32, None), (np.float32, "tf32")):
+for dtype, precision in () if VARLEN_ONLY or HALF_ONLY else ((np.float64, None), (np.float32, None), (np.float32, "tf32")):
     name = np.dtype(dtype).name
     if name not in WIDE_DTYPES:
         continue
