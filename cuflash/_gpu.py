@@ -707,10 +707,12 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             launches = ()
         elif dict(main.defines).get("CUFLASH_DETERMINISTIC", 1):
             launches = (("_dq", dq_grid, smem), ("_dkdv", dkdv_grid, smem))
-        else:  # dQ rows laid out like the LSE's, head-dim bucket wide: fp32 (float64 for float64)
+        else:  # dQ rows, head-dim bucket wide: fp32 (float64 for float64); flash_bwd.cu lays them out
+            # like the LSE's, flash_bwd_sm90.cu in 64-row tiles of their own (its dq_tile_offset: each
+            # head's rows rounded up to 64, packed sequences 64 rows apart)
             rows = lse.size
-            if dict(main.defines).get("CUFLASH_DQ_BULK"):  # 64-row tiles apart (flash_bwd_sm90.cu dq_tile_offset)
-                rows = (prm.nheads_q * (prm.total_q + 64 * prm.batch) if packed
+            if main.filename == "flash_bwd_sm90.cu":
+                rows = (prm.nheads_q * (prm.total_q + 64 * prm.batch) if prm.cu_seqlens_q
                         else prm.batch * prm.nheads_q * -(-prm.seqlen_q // 64) * 64)
             dq_accum = cp.zeros(rows * dict(main.defines)["CUFLASH_HEADDIM"], dtype=lse.dtype)
             prm.dq_accum = dq_accum.data.ptr

@@ -352,7 +352,7 @@ SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
 def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
                      deterministic: bool = False, mods: int = 0) -> Variant | None:
     """The wgmma backward kernels for ``headdim``'s bucket: ``<name>_dkdv_dq`` +
-    ``<name>_dq_convert`` (fp32 dQ added by the copy engine: CUFLASH_DQ_BULK), or with ``deterministic`` ``<name>_dq`` +
+    ``<name>_dq_convert`` (fp32 dQ added by the copy engine), or with ``deterministic`` ``<name>_dq`` +
     ``<name>_dkdv`` (a module of their own, so a first call compiles only what it launches; the
     D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves."""
     d = headdim_bucket(headdim)
@@ -366,22 +366,20 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     if mods:  # (bias/mask/dropout at d64: three blocks' 168 registers spilled 64-152 bytes, two blocks' 255 none)
         min_blocks = min(min_blocks, 2)
     col_split = d > 128
-    # dQ through shared memory and the copy engine (CUFLASH_DQ_BULK): a tile of its own, or with the
-    # column split in the step's Q and dO tiles (no room for its own)
-    dq_bulk = not deterministic
     name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
             + "_alibi" * alibi + "_det" * deterministic + _MODS_SUFFIX[mods])
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
         ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_DETERMINISTIC", int(deterministic)),
-        ("CUFLASH_COL_SPLIT", int(col_split)), ("CUFLASH_MODS", mods), ("CUFLASH_DQ_BULK", int(dq_bulk)),
+        ("CUFLASH_COL_SPLIT", int(col_split)), ("CUFLASH_MODS", mods),
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
     # column split), two stages of two inner tiles, LSE and D of the _dkdv stages, the dS tile of
-    # _dkdv_dq, its fp32 dQ tile with CUFLASH_DQ_BULK (not with the column split), 1 KB for the 1024-byte alignment.
+    # _dkdv_dq, its fp32 dQ tile (not with the column split: staged in the Q and dO tiles), 1 KB for
+    # the 1024-byte alignment.
     outer = 64 if col_split else 64 * wgs
-    smem = (2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + outer * inner * 2 + 1024 + (dq_bulk and not col_split) * inner * d * 4
+    smem = (2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + outer * inner * 2 + 1024 + (not deterministic and not col_split) * inner * d * 4
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 

@@ -4,10 +4,9 @@
 // Dao, "FlashAttention-2", Algorithm 2, in two forms: split as in flash_bwd.cu (_dq + _dkdv, no
 // atomics, bitwise repeatable: deterministic=True), or one pass (_dkdv_dq, the default) that also
 // forms dQ += dS K per query tile and adds it to an fp32 dq_accum, which _dq_convert scales and
-// rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.  With CUFLASH_DQ_BULK
-// (the default form) each warpgroup stages its dQ columns in shared memory and the copy engine adds
-// them in one bulk reduction (FA3's dQ path, without its writer warp), dq_accum in dq_tile_offset's
-// tiled order; without it each thread adds its values with vector atomics.
+// rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.  Each warpgroup stages
+// its dQ columns in shared memory and the copy engine adds them in one bulk reduction (FA3's dQ
+// path, without its writer warp), dq_accum in dq_tile_offset's tiled order.
 // Shah et al., "FlashAttention-3", 2024, §3 for the wgmma operand placement.  Warpgroup w of a
 // block owns 64 rows (query rows in _dq, key rows in _dkdv); tiles live in the swizzled layout of
 // swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered with cp.async
@@ -64,12 +63,6 @@
 #ifndef CUFLASH_MODS
 #define CUFLASH_MODS 0  // 1: additive bias and boolean mask (score_mods.cuh); 2: and dropout
 #endif
-// The atomic-dQ kernel's dQ tiles: 1 staged in shared memory in fragment order and added to
-// dq_accum by the copy engine, one bulk reduction per warpgroup and step (dq_tile_offset's layout);
-// 0 added by each thread with vector atomics (dq_accum laid out like the LSE's rows).
-#ifndef CUFLASH_DQ_BULK
-#define CUFLASH_DQ_BULK 0
-#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd_sm90
 #endif
@@ -90,11 +83,6 @@ struct StepPos {
 // Each thread's rows of a warpgroup's 64-row wgmma accumulator: r and r + 8 within the 64.
 __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + (tid % 32) / 4; }
 
-// addr[0..3] += v, atomically (sm_90 vector reduction; addr 16-byte aligned).
-__device__ __forceinline__ void red_add_v4(float* addr, float4 v) {
-    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
-}
-
 // [dst, dst + bytes) += the floats at src in shared memory, by the copy engine (a bulk reduction
 // in this thread's bulk group; 16-byte aligned, bytes a multiple of 16).  The threads that wrote
 // src ran fence_async_smem() and a barrier with this one before; this thread waits with
@@ -104,14 +92,16 @@ __device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, u3
                  :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
 }
 
-// CUFLASH_DQ_BULK: the first float of query tile m0 (64 rows) of head h, batch entry b in dq_accum.
+// The first float of query tile m0 (64 rows) of head h, batch entry b in dq_accum.
 // Each tile is 64 kD floats of its own, in panels of kSlice columns (panel c / kSlice); within a
 // panel, thread t (of the 128 of the warpgroup that formed it) holds its accumulator tile nt of
 // dQ = dS K as the 4 floats at (nt * 128 + t) * 4: rows wg_row(t) (+0, +0, +8, +8), columns
 // 8 nt + 2 (t % 4) (+0, +1, +0, +1) of the panel, so that the warpgroup stores it with one 16-byte
 // store a tile per thread, without bank conflicts, and the copy engine adds it in one piece.
+// kSlice = dq_panel_cols(kD, warpgroups, column split).
 // Tiles do not overlap: padded batches round each head's rows up to 64, packed sequences keep 64
 // rows apart (dq_accum holds nheads_q * (total_q + 64 batch) rows then).
+constexpr int dq_panel_cols(int d, int warpgroups, bool col_split) { return col_split ? 64 : d / warpgroups; }
 __device__ __forceinline__ long long dq_tile_offset(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, int kD) {
     const long long row = p.cu_seqlens_q ? h * (p.total_q + 64 * p.batch) + seq.q_start + 64ll * b + m0
                                          : (b * p.nheads_q + h) * ((p.seqlen_q + 63) / 64 * 64) + m0;
@@ -282,18 +272,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     // forms and the column split at d256 spilled 8-248 bytes with the range form; d128 went from 4-8 to 0.)
     constexpr bool kRangeMask = kD == 128 && !kSoftcap && !kColSplit && !kMods;
     constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
-    constexpr int kDqSlice = kColSplit ? 64 : kDqCols;  // ... in slices of this many columns
+    constexpr int kDqSlice = dq_panel_cols(kD, kWG, kColSplit);  // ... in slices (dq_tile_offset's panels) of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
-    // kDqBulk: dQ staged in shared memory and added by the copy engine, thread 0 of each warpgroup
+    // kDqAtomic: dQ staged in shared memory and added by the copy engine, thread 0 of each warpgroup
     // issuing the reductions: in sdQ of its own, where it fits, and there warp 0 of each warpgroup
     // copies no Q/dO tiles (bulk groups and cp.async groups share one scoreboard: a thread waiting
     // for its copies would wait for its reduction too, and hold the block's barrier), warps 2 and 3
     // do (8 rows a pass: the loads' unrolled form); with the column split (kDqInStage) in the step's
     // own dO and Q tiles, free once dV and dK are done, read by the copy engine before the next
     // step's barrier lets that stage be loaded again.
-    constexpr bool kDqBulk = kDqAtomic && CUFLASH_DQ_BULK;
-    constexpr bool kDqInStage = kDqBulk && kColSplit;
-    constexpr int kLoaders = kDqBulk && !kDqInStage ? kThreads / 2 : kThreads;  // the threads that copy Q and dO tiles
+    constexpr bool kDqInStage = kDqAtomic && kColSplit;
+    constexpr int kLoaders = kDqAtomic && !kDqInStage ? kThreads / 2 : kThreads;  // the threads that copy Q and dO tiles
+    // dK's product issued after dQ's and waited for after dQ's store (FA3's order): it overlaps that store
     constexpr bool kDkAfterDq = kDqAtomic && !kColSplit;
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
     extern __shared__ unsigned char smem_raw[];
@@ -304,7 +294,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units (kMods: natural)
     float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
     unsigned char* sdS = sdO + 2 * kTileQ + 1024;               // kDqAtomic: dSᵀ (kBN keys, kBM queries), swizzled
-    float* sdQ = reinterpret_cast<float*>(sdS + kBN * kBM * 2);  // kDqBulk without kDqInStage: the step's dQ tile (kBM x kD floats)
+    float* sdQ = reinterpret_cast<float*>(sdS + kBN * kBM * 2);  // kDqAtomic without kDqInStage: the step's dQ tile (kBM x kD floats)
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
     const bool no_copies = kLoaders < kThreads && tid % 128 < 32;          // warp 0 of the warpgroup: copies no Q/dO
@@ -516,15 +506,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             wgmma_pin(dk_flat);
         }
         if constexpr (kDqAtomic) {
-            // kDqBulk: the copy engine has read the previous step's dQ tile (its reduction was
+            // The copy engine has read the previous step's dQ tile (its reduction was
             // issued by thread 0 of each warpgroup a step ago) before the barrier lets sdQ be rewritten
-            if (kDqBulk && !kDqInStage && tid % 128 == 0) bulk_wait_read<0>();
+            if (kDqAtomic && !kDqInStage && tid % 128 == 0) bulk_wait_read<0>();
             __syncthreads();  // every warpgroup's dSᵀ rows are staged
-            // Lane pairs swap halves so that each lane holds 4 adjacent columns of one row: the even
-            // lane row wg_row, the odd lane row wg_row + 8, columns 8 nt + 4 (lane % 4 / 2) + 0..3.
-            const bool odd = lane & 1;
-            const int i = wg_row(tid) + 8 * odd;
-            const long long stat = seq.lse_row(p, b, h, m0);
 #pragma unroll 1
             for (int slice = 0; slice < kDqCols / kDqSlice; ++slice) {
                 const int c0 = wg * kDqCols + slice * kDqSlice;  // the slice's first column
@@ -546,29 +531,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                     wgmma_wait<0>();
                 }
                 wgmma_pin(dq_flat);
-                if constexpr (kDqBulk) {  // the slice's panel (dq_tile_offset's order), added in one piece
-                    float* panel = kDqInStage ? reinterpret_cast<float*>((slice == 0 ? sdO : sQ) + stage * kTileQ) + wg * kBM * kDqSlice
-                                              : sdQ + (c0 / kDqSlice) * kBM * kDqSlice;
+                // the slice's panel (dq_tile_offset's order), added in one piece
+                float* panel = kDqInStage ? reinterpret_cast<float*>((slice == 0 ? sdO : sQ) + stage * kTileQ) + wg * kBM * kDqSlice
+                                          : sdQ + (c0 / kDqSlice) * kBM * kDqSlice;
 #pragma unroll
-                    for (int nt = 0; nt < kDqSlice / 8; ++nt)
-                        *reinterpret_cast<float4*>(panel + (nt * 128 + tid % 128) * 4) = make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);
-                    fence_async_smem();
-                    if (wg == 0) named_barrier_sync<1>(128);
-                    else named_barrier_sync<2>(128);
-                    if (tid % 128 == 0) {
-                        bulk_reduce_add(p.dq_accum + dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice, panel,
-                                        kBM * kDqSlice * 4);
-                        bulk_commit();
-                    }
-                } else {
-                    float* row = p.dq_accum + (stat + i) * kD + c0 + (lane % 4 / 2) * 4;
-#pragma unroll
-                    for (int nt = 0; nt < kDqSlice / 8; ++nt) {
-                        const float give0 = odd ? dq[nt][0] : dq[nt][2], give1 = odd ? dq[nt][1] : dq[nt][3];
-                        const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1), got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
-                        const float4 v = odd ? make_float4(got0, got1, dq[nt][2], dq[nt][3]) : make_float4(dq[nt][0], dq[nt][1], got0, got1);
-                        if (m0 + i < seq.sq) red_add_v4(row + nt * 8, v);
-                    }
+                for (int nt = 0; nt < kDqSlice / 8; ++nt)
+                    *reinterpret_cast<float4*>(panel + (nt * 128 + tid % 128) * 4) = make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);
+                fence_async_smem();
+                if (wg == 0) named_barrier_sync<1>(128);
+                else named_barrier_sync<2>(128);
+                if (tid % 128 == 0) {
+                    bulk_reduce_add(p.dq_accum + dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice, panel,
+                                    kBM * kDqSlice * 4);
+                    bulk_commit();
                 }
             }
             if constexpr (kDkAfterDq) wgmma_wait<0>();
@@ -579,7 +554,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         wgmma_pin(dk_flat);
     }
     cp_async_wait<0>();
-    if (kDqBulk && tid % 128 == 0) bulk_wait<0>();  // (the reductions done before the block exits)
+    if (kDqAtomic && tid % 128 == 0) bulk_wait<0>();  // (the reductions done before the block exits)
     __syncthreads();  // every warpgroup is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kBN, write_rows - n0);
     store_tile<T, kD, kBN, kThreads, kDc>(dk, seq.poison(scale), sK, r_lo - wg_row(tid), gdK, p.dk_row_stride, rows_valid,
@@ -590,7 +565,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
 
 // One module per dQ scheme, so that a first call compiles only the kernels it launches (a module
 // of all four took 2.6 s to build on the H200 host, perf-notes c2): CUFLASH_DETERMINISTIC=1 builds
-// _dq + _dkdv (dQ summed in order, no atomics), 0 builds _dkdv_dq + _dq_convert (fp32 dQ atomics).
+// _dq + _dkdv (dQ summed in order, no atomics), 0 builds _dkdv_dq + _dq_convert (fp32 dQ added by
+// the copy engine's bulk reductions, in no fixed order).
 #if CUFLASH_DETERMINISTIC
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq)(const __grid_constant__ FlashParams p) {
     flash_bwd_dq_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0,
@@ -607,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
                         CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
 }
 
-// CUFLASH_DQ_BULK's last pass: dq = softmax_scale * dq_accum for the 64-row query tiles of one
+// The atomic-dQ form's last pass: dq = softmax_scale * dq_accum for the 64-row query tiles of one
 // (64 * warpgroups)-row block of a sequence, read in dq_tile_offset's fragment order (a float4 a
 // thread: two adjacent columns of two rows 8 apart); rows no key reached are 0, a bad sequence's NaN.
 template <class T, int kD, int kSlice, int kRows, int kThreads>
@@ -635,13 +611,9 @@ __device__ __forceinline__ void dq_convert_tiles(const FlashParams& p) {
 }
 
 // dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a
-// sequence (score_grad.cuh's dq_convert, or dq_convert_tiles for CUFLASH_DQ_BULK).
+// sequence (dq_convert_tiles).
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
-#if CUFLASH_DQ_BULK
-    dq_convert_tiles<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_COL_SPLIT ? 64 : CUFLASH_HEADDIM / CUFLASH_WARPGROUPS,
+    dq_convert_tiles<CUFLASH_DTYPE, CUFLASH_HEADDIM, dq_panel_cols(CUFLASH_HEADDIM, CUFLASH_WARPGROUPS, CUFLASH_COL_SPLIT != 0),
                      64 * CUFLASH_WARPGROUPS, 128 * CUFLASH_WARPGROUPS>(p);
-#else
-    dq_convert<CUFLASH_DTYPE, CUFLASH_HEADDIM, 64 * CUFLASH_WARPGROUPS, 128 * CUFLASH_WARPGROUPS>(p);
-#endif
 }
 #endif  // CUFLASH_DETERMINISTIC

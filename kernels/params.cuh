@@ -27,7 +27,8 @@ struct FlashParams {
     void* dk;                      // (batch, seqlen_k, nheads_k, headdim_qk), written
     void* dv;                      // (batch, seqlen_k, nheads_k, headdim_v), written
     float* dsum;                   // D = rowsum(dout * out), fp32, laid out like lse
-    float* dq_accum;               // Hopper dkdv with atomic dQ: fp32 (rows of lse, head-dim bucket), zeroed, or null
+    float* dq_accum;               // dkdv with atomic dQ: fp32 (float64 for float64), head-dim bucket wide, zeroed, or null;
+                                   // flash_bwd.cu: the rows of lse; flash_bwd_sm90.cu: dq_tile_offset's 64-row tiles
     // Split-KV decode kernel only (null / 0 elsewhere):
     const void* block_table;       // (batch, max_pages) page of each page_size keys; k/v batch stride = page stride
     float* out_accum;              // (num_splits, batch, nheads_q, seqlen_q, headdim_v) fp32 partial outputs

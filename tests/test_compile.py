@@ -406,3 +406,25 @@ def test_float64_exp2_form_per_variant(smem_kb):
             assert d["CUFLASH_F64_EXP2"] == 2, v.name
         else:
             assert d["CUFLASH_F64_EXP2"] == (0 if d["CUFLASH_HEADDIM"] <= 64 else 1), v.name
+
+
+def test_sm90_backward_blocks_per_sm_fit_in_shared_memory():
+    """Every Hopper backward variant's dynamic shared memory (with the fp32 dQ tile the atomic form
+    stages, flash_bwd_sm90.cu's sdQ), its static bytes and the driver's 1 KB a block leave room for the
+    CUFLASH_MIN_BLOCKS blocks per SM its registers were capped for, on a 228 KB SM (H100/H200): d64's
+    three blocks had 2.6 KB to spare when the dQ tile came (session 33)."""
+    from cuflash import _gpu
+
+    smem_per_sm = 233472
+    for dtype in ("bfloat16", "float16"):
+        for d in (64, 128, 256):
+            for softcap, alibi, mods in ((False, False, 0), (True, True, 0), (False, False, 1), (False, False, 2)):
+                for deterministic in (False, True):
+                    v = _kernels.sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods,
+                                                  deterministic=deterministic)
+                    if v is None:
+                        continue
+                    blocks = dict(v.defines)["CUFLASH_MIN_BLOCKS"]
+                    per_block = v.smem_bytes + _kernels.STATIC_SMEM_RESERVE + _gpu.RESERVED_SMEM_PER_BLOCK
+                    assert blocks * per_block <= smem_per_sm, (v.name, blocks, per_block)
+                    assert v.smem_bytes + _kernels.STATIC_SMEM_RESERVE <= _kernels.DEFAULT_SMEM_LIMIT, v.name
