@@ -376,10 +376,11 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
     # column split), two stages of two inner tiles, LSE and D of the _dkdv stages, the dS tile of
-    # _dkdv_dq, its fp32 dQ tile (not with the column split: staged in the Q and dO tiles), 1 KB for
-    # the 1024-byte alignment.
+    # _dkdv_dq, its fp32 dQ tile (not with the column split: staged in the Q and dO tiles; there the
+    # Pᵀ tile instead), 1 KB for the 1024-byte alignment.
     outer = 64 if col_split else 64 * wgs
-    smem = (2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + outer * inner * 2 + 1024 + (not deterministic and not col_split) * inner * d * 4
+    smem = ((2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + (1 + col_split) * outer * inner * 2 + 1024
+            + (not deterministic and not col_split) * inner * d * 4)
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 

@@ -260,12 +260,15 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 
 // kColSplit (head dims above 128): the warpgroups share the block's 64 key rows and split the
 // head-dim columns of dK and dV (kD / kWG each), which do not fit in one warpgroup's registers
-// whole; each forms Sᵀ and dPᵀ of the 64 rows itself (the same values: 2 of the 5 products done
-// twice), and dQ = dS K in 64-column slices.  Otherwise warpgroup w owns key rows [64 w, 64 w + 64).
+// whole.  Warpgroup w forms Sᵀ, dPᵀ, P and dS of its own kBM / kWG queries and stages Pᵀ and dSᵀ in
+// shared memory, from where dV += Pᵀ dO and dK += dSᵀ Q (all queries, its own columns) read them as
+// their A operand; dQ = dS K in 64-column slices (FA3's d256 split).  Otherwise warpgroup w owns key
+// rows [64 w, 64 w + 64) and keeps P and dS in registers for dV and dK.
 template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic, bool kColSplit, bool kMods,
           bool kDropout>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
-    constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG, kNT = kBM / 8;  // kBN key rows, kBM-query tiles
+    constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG;  // kBN key rows, kBM-query tiles
+    constexpr int kQW = kColSplit ? kBM / kWG : kBM, kNT = kQW / 8;  // the queries of Sᵀ and dPᵀ each warpgroup forms
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
     constexpr int kDc = kColSplit ? kD / kWG : kD;  // the head-dim columns of dK and dV each warpgroup holds
     // (Where it spilled, visible() stays: d64's 168-register cap of three blocks per SM, the softcap
@@ -286,6 +289,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     // dK's product issued after dQ's and waited for after dQ's store (FA3's order): it overlaps that store
     constexpr bool kDkAfterDq = kDqAtomic && !kColSplit;
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
+    static_assert(!kColSplit || (kDqAtomic && kQW % 16 == 0), "the column split: _dkdv_dq, whole 16-query steps per warpgroup");
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
     unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
@@ -295,6 +299,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
     unsigned char* sdS = sdO + 2 * kTileQ + 1024;               // kDqAtomic: dSᵀ (kBN keys, kBM queries), swizzled
     float* sdQ = reinterpret_cast<float*>(sdS + kBN * kBM * 2);  // kDqAtomic without kDqInStage: the step's dQ tile (kBM x kD floats)
+    unsigned char* sP = sdS + kBN * kBM * 2;                    // kColSplit: Pᵀ (kBN keys, kBM queries), swizzled
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
     const bool no_copies = kLoaders < kThreads && tid % 128 < 32;          // warp 0 of the warpgroup: copies no Q/dO
@@ -319,6 +324,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     u16* gdV = static_cast<u16*>(p.dv) + b * p.dv_batch_stride + k_row * p.dv_row_stride + hk * p.dv_head_stride;
     const float scale = static_cast<float>(p.softmax_scale), softcap = static_cast<float>(p.softcap);
     const int r_lo = (kColSplit ? 0 : wg * 64) + wg_row(tid);  // key rows r_lo and r_lo + 8 of the block
+    const int q_off = kColSplit ? wg * kQW : 0;  // this warpgroup's first query column of Sᵀ and dPᵀ in the tile
     const int c_panel = kColSplit ? wg * kDc / 64 : 0;  // the first 64-column panel of this warpgroup's dK, dV
 
     float dk[kDc / 8][4], dv[kDc / 8][4];
@@ -386,34 +392,34 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         const int mask_state = kMods ? mods.tile_state<kBM, kBN>(m0 / kBM, blockIdx.x) : 2;
         if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile: it adds nothing
 
-        float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x kBM queries
-        float (&st_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(st);
-        float (&dpt_flat)[kBM / 2] = reinterpret_cast<float (&)[kBM / 2]>(dpt);
+        float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x queries [q_off, q_off + kQW) of the tile
+        float (&st_flat)[kQW / 2] = reinterpret_cast<float (&)[kQW / 2]>(st);
+        float (&dpt_flat)[kQW / 2] = reinterpret_cast<float (&)[kQW / 2]>(dpt);
         // (the tiles' addresses through uniform(): descriptors on the uniform datapath, swizzled_tile.cuh)
         const u32 k_rows = uniform(k_base + (r_lo - wg_row(tid)) * 128), v_rows = uniform(v_base + (r_lo - wg_row(tid)) * 128);
         const u32 q_tile = uniform(q_base + stage * kTileQ), do_tile = uniform(do_base + stage * kTileQ);
         wgmma_fence();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // Sᵀ = K Qᵀ
-            wgmma_ss<T, kBM>(st_flat, desc_k_major<kBN>(k_rows, 0, ks), desc_k_major<kBM>(q_tile, 0, ks), ks > 0);
+            wgmma_ss<T, kQW>(st_flat, desc_k_major<kBN>(k_rows, 0, ks), desc_k_major<kBM>(q_tile, q_off, ks), ks > 0);
         // Without softcap (whose derivative needs S) P is formed while dPᵀ's product runs.
         constexpr bool kPDuringDp = !kSoftcap;
         if constexpr (kPDuringDp) wgmma_commit();
 #pragma unroll
         for (int ks = 0; ks < kD / 16; ++ks)  // dPᵀ = V dOᵀ
-            wgmma_ss<T, kBM>(dpt_flat, desc_k_major<kBN>(v_rows, 0, ks), desc_k_major<kBM>(do_tile, 0, ks), ks > 0);
+            wgmma_ss<T, kQW>(dpt_flat, desc_k_major<kBN>(v_rows, 0, ks), desc_k_major<kBM>(do_tile, q_off, ks), ks > 0);
         wgmma_commit();
         float bm[kNT][4];  // (kMods) the bias of Sᵀ, -inf where the mask hides the key: loads in flight during the products
         if constexpr (kMods)
             tile_bias_mask<false>(mods, bm, [&](int nt, int e, int& i, int& j) {
-                j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                j = n0 + r_lo + 8 * (e / 2), i = m0 + q_off + nt * 8 + (lane % 4) * 2 + e % 2;
             }, mask_state != 1);
         wgmma_wait<kPDuringDp ? 1 : 0>();
         wgmma_pin(st_flat);
 
         const float* lse2 = sLse2 + stage * kBM;
         const float* dsum = sDsum + stage * kBM;
-        auto dsum_at = [&](int nt, int e) { return dsum[nt * 8 + (lane % 4) * 2 + e % 2]; };
+        auto dsum_at = [&](int nt, int e) { return dsum[q_off + nt * 8 + (lane % 4) * 2 + e % 2]; };
         // P of element e of column tile nt (query m0 + c, key j), and the softcap derivative.
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
             // kRangeMask: each key row's visible queries [lo, hi), relative to this thread's first
@@ -427,7 +433,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                 }
             }
             auto prob_at = [&](int nt, int e, float& dcap) {
-                const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                const int j = n0 + r_lo + 8 * (e / 2), i = m0 + q_off + nt * 8 + (lane % 4) * 2 + e % 2;
                 float pr;
                 if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], bm[nt][e], dcap);
                 else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[i - m0], dcap);
@@ -455,16 +461,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
             const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-                if (kDropout && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, keep);
+                if (kDropout && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + q_off + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, keep);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dcap = 1.f;
                     if constexpr (!kPDuringDp) st[nt][e] = prob_at(nt, e, dcap);
                     if constexpr (kMods) {
-                        const int j = n0 + r_lo + 8 * (e / 2), i = m0 + nt * 8 + (lane % 4) * 2 + e % 2;
+                        const int j = n0 + r_lo + 8 * (e / 2), i = m0 + q_off + nt * 8 + (lane % 4) * 2 + e % 2;
                         const float z = kDropout ? mods.keep_scale(keep[e % 2], i, j) : 1.f;
                         const float ds = st[nt][e] * (dpt[nt][e] * z - dsum_at(nt, e));  // d(loss)/d(final score)
-                        if (!kColSplit || wg == 0) mods.add_dbias(i, j, ds);  // (column split: both warpgroups hold it)
+                        mods.add_dbias(i, j, ds);
                         dpt[nt][e] = ds * dcap;  // dSᵀ, without the softmax scale
                         st[nt][e] *= z;  // (dropout: the P the forward multiplied V by)
                     } else {
@@ -473,17 +479,26 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
                 }
             }
         });
-        u32 pa[kBM / 16][4], dsa[kBM / 16][4];
-        c_to_a<T, kBM>(pa, st);
-        c_to_a<T, kBM>(dsa, dpt);
+        u32 pa[kQW / 16][4], dsa[kQW / 16][4];
+        c_to_a<T, kQW>(pa, st);
+        c_to_a<T, kQW>(dsa, dpt);
         float (&dv_flat)[kDc / 2] = reinterpret_cast<float (&)[kDc / 2]>(dv);
         float (&dk_flat)[kDc / 2] = reinterpret_cast<float (&)[kDc / 2]>(dk);
-        if (kDqAtomic && (!kColSplit || wg == 0)) {  // this thread's dSᵀ rows r_lo, r_lo + 8, as rounded for dK
+        // this thread's rows r_lo, r_lo + 8 of dSᵀ (for dQ; with the column split for dK too) and of
+        // Pᵀ (column split: for dV), as rounded for the products, at query chunks q_off / 8 + nt
+        auto stage_rows = [&](unsigned char* tile, const u32 (&a)[kQW / 16][4]) {
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
                 for (int half = 0; half < 2; ++half)
-                    *reinterpret_cast<u32*>(sdS + swizzled_chunk<kBN>(r_lo + 8 * half, nt) + (lane % 4) * 4) = dsa[nt / 2][2 * (nt % 2) + half];
+                    *reinterpret_cast<u32*>(tile + swizzled_chunk<kBN>(r_lo + 8 * half, q_off / 8 + nt) + (lane % 4) * 4) = a[nt / 2][2 * (nt % 2) + half];
+        };
+        if constexpr (kDqAtomic) stage_rows(sdS, dsa);
+        if constexpr (kColSplit) {
+            stage_rows(sP, pa);
+            fence_async_smem();
+            __syncthreads();  // every warpgroup's queries of Pᵀ and dSᵀ are staged (and its Sᵀ, dPᵀ products read Q and dO)
+        } else if constexpr (kDqAtomic) {
             fence_async_smem();
         }
         // this warpgroup's columns of dO and Q (the column split's panels: through uniform() again,
@@ -492,12 +507,20 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         const u32 q_cols = kColSplit ? uniform(q_tile + c_panel * kBM * 128) : q_tile;
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kBM / 16; ++kk)  // dV += Pᵀ dO (this warpgroup's columns)
-            wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_cols, kk));
+        for (int kk = 0; kk < kBM / 16; ++kk) {  // dV += Pᵀ dO (this warpgroup's columns)
+            if constexpr (kColSplit)
+                wgmma_ss_n<T, kDc>(dv_flat, desc_k_major<kBN>(uniform(smem_addr(sP)), 0, kk), desc_n_major<kBM>(do_cols, kk), 1);
+            else
+                wgmma_rs<T, kDc>(dv_flat, pa[kk], desc_n_major<kBM>(do_cols, kk));
+        }
         if constexpr (!kDkAfterDq) {
 #pragma unroll
-            for (int kk = 0; kk < kBM / 16; ++kk)  // dK += dSᵀ Q
-                wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_cols, kk));
+            for (int kk = 0; kk < kBM / 16; ++kk) {  // dK += dSᵀ Q
+                if constexpr (kColSplit)
+                    wgmma_ss_n<T, kDc>(dk_flat, desc_k_major<kBN>(uniform(smem_addr(sdS)), 0, kk), desc_n_major<kBM>(q_cols, kk), 1);
+                else
+                    wgmma_rs<T, kDc>(dk_flat, dsa[kk], desc_n_major<kBM>(q_cols, kk));
+            }
         }
         wgmma_commit();
         if constexpr (kColSplit) {  // dV and dK done first: their register operands (P, dS) free for dQ's slices
@@ -508,8 +531,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         if constexpr (kDqAtomic) {
             // The copy engine has read the previous step's dQ tile (its reduction was
             // issued by thread 0 of each warpgroup a step ago) before the barrier lets sdQ be rewritten
-            if (kDqAtomic && !kDqInStage && tid % 128 == 0) bulk_wait_read<0>();
-            __syncthreads();  // every warpgroup's dSᵀ rows are staged
+            if (!kDqInStage && tid % 128 == 0) bulk_wait_read<0>();
+            if constexpr (!kColSplit) __syncthreads();  // every warpgroup's dSᵀ rows are staged (column split: above)
 #pragma unroll 1
             for (int slice = 0; slice < kDqCols / kDqSlice; ++slice) {
                 const int c0 = wg * kDqCols + slice * kDqSlice;  // the slice's first column

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 
 HEADER = Path(__file__).resolve().parent.parent / "kernels" / "wgmma.cuh"
-S_WIDTHS = (64, 80, 96, 128, 176)  # N of S = Q K^T: the key tile (80, 176: FA3's d256, d128 tiles; 96: d192)
+S_WIDTHS = (32, 64, 80, 96, 128, 176)  # N of S = Q K^T: the key tile (80, 176: FA3's d256, d128 tiles; 96: d192;
+#                                       32: a column-split backward warpgroup's half of the queries)
 O_WIDTHS = (64, 128, 192, 256)  # N of O += P V: the head dim
 DQ_WIDTHS = (64, 128)         # N of dQ = dS K: one warpgroup's slice of the head dim
+DKV_WIDTHS = (128,)           # N of dV += Pᵀ dO, dK += dSᵀ Q with Pᵀ, dSᵀ in shared memory: a column split's half of d256
 TYPES = (("half_t", "f16"), ("bf16_t", "bf16"))
 
 PREAMBLE = """\
@@ -28,7 +30,7 @@ PREAMBLE = """\
 // 8-column tile c (mma.cuh); the register A operand has mma.sync's A-fragment layout.  So the
 // score, softmax and P-packing code of the mma.sync kernel applies to these registers unchanged.
 // Shared-memory operands are described by 64-bit descriptors (make_desc below); both forms here
-// read B from shared memory, A from shared memory (_ss, _ss_mn) or registers (_rs).
+// read B from shared memory, A from shared memory (_ss, _ss_n, _ss_mn) or registers (_rs).
 // PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions".
 #pragma once
 #include "mma.cuh"
@@ -68,6 +70,9 @@ template <int N> __device__ __forceinline__ void wgmma_pin(u32 (&a)[N][4]) {
 template <class T, int N> __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], u64 desc_a, u64 desc_b, int accumulate);
 // d (64 x N) += A B; A (64 x 16) in registers, B (16 x N) N-major (transposed) at desc_b.
 template <class T, int N> __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const u32 (&a)[4], u64 desc_b);
+// d (64 x N) = A B + (accumulate ? d : 0); A (64 x 16) K-major and B (16 x N) N-major at their
+// descriptors (dV += Pᵀ dO with Pᵀ staged in shared memory).
+template <class T, int N> __device__ __forceinline__ void wgmma_ss_n(float (&d)[N / 2], u64 desc_a, u64 desc_b, int accumulate);
 // d (64 x N) = A B + (accumulate ? d : 0); A (64 x 16) M-major and B (16 x N) N-major at their
 // descriptors (both transposed: dQ = dS K with dSᵀ staged in shared memory).
 template <class T, int N> __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 2], u64 desc_a, u64 desc_b, int accumulate);
@@ -82,15 +87,16 @@ def _outs(n: int) -> str:
     return ", ".join(f'"+f"(d[{i}])' for i in range(n))
 
 
-def ss(tag: str, ptx: str, n: int, transposed: bool = False) -> str:
+def ss(tag: str, ptx: str, n: int, tnsp_a: int = 0, tnsp_b: int = 0) -> str:
+    """An m64nNk16 product with both operands in shared memory; tnsp_a / tnsp_b: A M-major, B N-major."""
     k = n // 2
-    name, tnsp = ("wgmma_ss_mn", 1) if transposed else ("wgmma_ss", 0)
+    name = {(0, 0): "wgmma_ss", (0, 1): "wgmma_ss_n", (1, 1): "wgmma_ss_mn"}[tnsp_a, tnsp_b]
     return f"""
 template <> __device__ __forceinline__ void {name}<{tag}, {n}>(float (&d)[{k}], u64 desc_a, u64 desc_b, int accumulate) {{
     asm volatile(
         "{{ .reg .pred p; setp.ne.b32 p, %{k + 2}, 0;\\n"
         "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx}.{ptx} "
-        "{{{_regs(k)}}}, %{k}, %{k + 1}, p, 1, 1, {tnsp}, {tnsp}; }}"
+        "{{{_regs(k)}}}, %{k}, %{k + 1}, p, 1, 1, {tnsp_a}, {tnsp_b}; }}"
         : {_outs(k)}
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
 }}
@@ -116,7 +122,8 @@ def generate() -> str:
     for tag, ptx in TYPES:
         parts += [ss(tag, ptx, n) for n in S_WIDTHS]
         parts += [rs(tag, ptx, n) for n in O_WIDTHS]
-        parts += [ss(tag, ptx, n, transposed=True) for n in DQ_WIDTHS]
+        parts += [ss(tag, ptx, n, tnsp_a=1, tnsp_b=1) for n in DQ_WIDTHS]
+        parts += [ss(tag, ptx, n, tnsp_b=1) for n in DKV_WIDTHS]
     return "".join(parts)
 
 
