@@ -436,20 +436,40 @@ def _l2_bytes(device_id: int) -> int:
     return _cp().cuda.Device(device_id).attributes["L2CacheSize"]
 
 
+def _tma_readable(x, packed):
+    """``x`` as the copy engine reads it: packed rows as one batch entry; reversed or broadcast axes
+    as a contiguous copy."""
+    x = x[None] if packed else x
+    return x if all(s > 0 or n == 1 for s, n in zip(x.strides, x.shape)) else _cp().ascontiguousarray(x)
+
+
 def _fwd_maps(q, k, v, out, packed, block_m, block_n):
     """Tensor maps of Q (block_m-row boxes), K and V (block_n-row boxes) and O (64-row boxes, one
     consumer warpgroup's rows; a packed call stores O without it) for the warp-specialised
     forward: its FwdMaps struct as a :class:`cuflash._tma.MapsArg`."""
     from . import _tma
 
-    def as4(x):  # packed rows: one batch entry; reversed or broadcast axes: a copy the copy engine can read
-        x = x[None] if packed else x
-        return x if all(s > 0 or n == 1 for s, n in zip(x.strides, x.shape)) else _cp().ascontiguousarray(x)
-
-    q, k, v = as4(q), as4(k), as4(v)
+    q, k, v = (_tma_readable(x, packed) for x in (q, k, v))
     out = out[None] if packed else out  # (written: never a copy; its head dim is contiguous, rows 16-byte aligned)
     maps = [_tma.tile_map(q, block_m), _tma.tile_map(k, block_n), _tma.tile_map(v, block_n), _tma.tile_map(out, 64)]
     return _tma.MapsArg(maps, ("q", "k", "v", "out"), (q, k, v, out))
+
+
+def _bwd_maps(q, dout, packed, rows):
+    """Tensor maps of Q and dO (rows-row boxes) for the Hopper dK/dV kernels (BwdMaps of
+    kernels/flash_bwd_sm90.cu), as a :class:`cuflash._tma.MapsArg`."""
+    from . import _tma
+
+    def tile_map(x):  # (a copy where the driver cannot describe the rows: not 16-byte multiples apart)
+        x = _tma_readable(x, packed)
+        try:
+            return x, _tma.tile_map(x, rows)
+        except ValueError:
+            x = _cp().ascontiguousarray(x)
+            return x, _tma.tile_map(x, rows)
+
+    (q, q_map), (dout, dout_map) = tile_map(q), tile_map(dout)
+    return _tma.MapsArg([q_map, dout_map], ("q", "dout"), (q, dout))
 
 
 def execute(prm, launches, accum):
@@ -741,9 +761,13 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             if map_launch:
                 fn, grid, block, shared_mem = map_launch
                 fn(grid, block, (_pointer(prm),), shared_mem=shared_mem)
+        # the Hopper dK/dV kernels read Q and dO through the copy engine's tensor maps
+        maps = (_bwd_maps(qx, dox, packed, dict(main.defines)["CUFLASH_INNER"])
+                if launches and main.filename == "flash_bwd_sm90.cu" else None)
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
-            fn(grid, (main.threads,), (_pointer(prm),), shared_mem=shared_mem)
+            extra = (_cpointer()(maps.address),) if suffix.startswith("_dkdv") and maps is not None else ()
+            fn(grid, (main.threads,), (_pointer(prm), *extra), shared_mem=shared_mem)
 
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:

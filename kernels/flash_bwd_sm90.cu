@@ -258,6 +258,12 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     store_tile<T, kD, kBM, kThreads>(dq, seq.poison(scale), sQ, wg * 64, gdQ, p.dq_row_stride, rows_valid, qk_chunks, tid);
 }
 
+// The tensor maps of a dkdv launch (cuflash/_gpu.py's _bwd_maps): Q and dO as (headdim, rows,
+// heads, batch) boxes of (64, kBM, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
+struct BwdMaps {
+    TensorMap q, dout;
+};
+
 // kColSplit (head dims above 128): the warpgroups share the block's 64 key rows and split the
 // head-dim columns of dK and dV (kD / kWG each), which do not fit in one warpgroup's registers
 // whole.  Warpgroup w forms Sᵀ, dPᵀ, P and dS of its own kBM / kWG queries and stages Pᵀ and dSᵀ in
@@ -266,7 +272,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 // rows [64 w, 64 w + 64) and keeps P and dS in registers for dV and dK.
 template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic, bool kColSplit, bool kMods,
           bool kDropout>
-__device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
+__device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const BwdMaps& maps) {
     constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG;  // kBN key rows, kBM-query tiles
     constexpr int kQW = kColSplit ? kBM / kWG : kBM, kNT = kQW / 8;  // the queries of Sᵀ and dPᵀ each warpgroup forms
     constexpr int kTileKV = kBN * kD * 2, kTileQ = kBM * kD * 2;        // bytes
@@ -278,14 +284,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     constexpr int kDqSlice = dq_panel_cols(kD, kWG, kColSplit);  // ... in slices (dq_tile_offset's panels) of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
     // kDqAtomic: dQ staged in shared memory and added by the copy engine, thread 0 of each warpgroup
-    // issuing the reductions: in sdQ of its own, where it fits, and there warp 0 of each warpgroup
-    // copies no Q/dO tiles (bulk groups and cp.async groups share one scoreboard: a thread waiting
-    // for its copies would wait for its reduction too, and hold the block's barrier), warps 2 and 3
-    // do (8 rows a pass: the loads' unrolled form); with the column split (kDqInStage) in the step's
-    // own dO and Q tiles, free once dV and dK are done, read by the copy engine before the next
-    // step's barrier lets that stage be loaded again.
+    // issuing the reductions: in sdQ of its own, where it fits, or with the column split (kDqInStage)
+    // in the step's own dO and Q tiles, free once dV and dK are done, read by the copy engine before
+    // the next step's barrier lets that stage be loaded again.
     constexpr bool kDqInStage = kDqAtomic && kColSplit;
-    constexpr int kLoaders = kDqAtomic && !kDqInStage ? kThreads / 2 : kThreads;  // the threads that copy Q and dO tiles
     // dK's product issued after dQ's and waited for after dQ's store (FA3's order): it overlaps that store
     constexpr bool kDkAfterDq = kDqAtomic && !kColSplit;
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
@@ -302,9 +304,16 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     unsigned char* sP = sdS + kBN * kBM * 2;                    // kColSplit: Pᵀ (kBN keys, kBM queries), swizzled
 
     const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-    const bool no_copies = kLoaders < kThreads && tid % 128 < 32;          // warp 0 of the warpgroup: copies no Q/dO
-    const bool q_loader = kLoaders == kThreads || tid % 128 >= 64;         // (else warps 2 and 3)
-    const int loader = kLoaders == kThreads ? tid : wg * 64 + tid % 128 - 64;  // the thread's place among the kLoaders
+    // Q and dO of stage s landed: thread 0 announces the bytes and issues the bulk tensor copies
+    __shared__ u64 stage_full[2];
+    if (tid == 0) {
+        mbar_init(&stage_full[0], 1);
+        mbar_init(&stage_full[1], 1);
+        mbar_init_fence();
+        tma_prefetch(maps.q);
+        tma_prefetch(maps.dout);
+    }
+    __syncthreads();
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_k) return;
     const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
@@ -357,13 +366,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     auto load_q = [&](StepPos s, int stage) {
         const int h = step_head(s), m0 = step_m0(s);
         const int rows_valid = min(kBM, seq.sq - m0);
-        const long long q_row = seq.q_start + m0;
-        if (q_loader) {
-            load_tile_swizzled<kBM, kD, kLoaders>(sQ + stage * kTileQ, static_cast<const u16*>(p.q) + b * p.q_batch_stride + q_row * p.q_row_stride + h * p.q_head_stride,
-                                                  p.q_row_stride, rows_valid, qk_chunks, loader);
-            load_tile_swizzled<kBM, kD, kLoaders>(sdO + stage * kTileQ, static_cast<const u16*>(p.dout) + b * p.do_batch_stride + q_row * p.do_row_stride + h * p.do_head_stride,
-                                                  p.do_row_stride, rows_valid, v_chunks, loader);
-            cp_async_commit();
+        if (tid == 0) {  // (rows past the tensor and columns past the head dim arrive as zeros)
+            const int q_row = static_cast<int>(seq.q_start) + m0, batch = p.cu_seqlens_q ? 0 : b;
+            mbar_arrive_expect_tx(&stage_full[stage], 2 * kTileQ);
+            tma_load_tile<kBM, kD>(sQ + stage * kTileQ, maps.q, &stage_full[stage], q_row, h, batch);
+            tma_load_tile<kBM, kD>(sdO + stage * kTileQ, maps.dout, &stage_full[stage], q_row, h, batch);
         }
         const long long stat = seq.lse_row(p, b, h, m0);
         for (int r = tid; r < kBM; r += kThreads) {  // read after the barrier that publishes the stage
@@ -375,7 +382,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
     if (tiles > 0) {
         load_tile_swizzled<kBN, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
         load_tile_swizzled<kBN, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
-        cp_async_commit();  // (a group of its own: warps 0 and 1 may commit no Q/dO copies)
+        cp_async_commit();
         load_q(cur, 0);
     }
     const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
@@ -385,7 +392,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p) {
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
         const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
         if (kDqInStage && tid % 128 == 0) bulk_wait_read<0>();  // the stage the next copies overwrite was read
-        if (!no_copies || t == 0) cp_async_wait<0>();  // (warp 0 copied only K and V, before step 0)
+        mbar_wait(&stage_full[stage], (t >> 1) & 1);  // this Q/dO tile landed
+        if (t == 0) cp_async_wait<0>();                // (and K, V)
+        if (p.cu_seqlens_q && m0 + kBM > seq.sq) {
+            // The copy engine read the rows past a packed sequence from the array (another
+            // sequence's rows, or unwritten rows that may hold NaN): zeros, as P and dS must be 0 there
+            const int first = seq.sq - m0;
+            for (int c = tid; c < (kBM - first) * (kD / 8); c += kThreads) {
+                const int off = swizzled_chunk<kBM>(first + c / (kD / 8), c % (kD / 8));
+                *reinterpret_cast<uint4*>(sQ + stage * kTileQ + off) = make_uint4(0, 0, 0, 0);
+                *reinterpret_cast<uint4*>(sdO + stage * kTileQ + off) = make_uint4(0, 0, 0, 0);
+            }
+        }
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
         if (t + 1 < steps) load_q(next, stage ^ 1);
@@ -596,14 +614,16 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
                       CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
 }
 
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(const __grid_constant__ FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(
+    const __grid_constant__ FlashParams p, const __grid_constant__ BwdMaps maps) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false, CUFLASH_COL_SPLIT != 0,
-                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p, maps);
 }
 #else
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(const __grid_constant__ FlashParams p) {
+extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(
+    const __grid_constant__ FlashParams p, const __grid_constant__ BwdMaps maps) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true, CUFLASH_COL_SPLIT != 0,
-                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p);
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p, maps);
 }
 
 // The atomic-dQ form's last pass: dq = softmax_scale * dq_accum for the 64-row query tiles of one

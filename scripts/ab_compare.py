@@ -31,6 +31,7 @@ from pathlib import Path
 
 FWD = [(d, s, c) for d in (64, 128, 256) for s, c in ((1024, False), (4096, False), (4096, True), (16384, True))]
 BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True), (256, 4096, False)]
+BWD256 = [(192, 4096, False), (256, 4096, False), (256, 16384, True)]  # part "bwd256": the column split's head dims
 DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
 WIDE_DTYPES = os.environ.get("AB_WIDE_DTYPES", "float32,float64").split(",")  # the wide parts' dtypes (AB_WIDE_DTYPES narrows them)
@@ -60,12 +61,12 @@ def _part(checkout: str, part: str) -> list:
     def rand(shape):
         return cp.random.default_rng(0).standard_normal(shape, dtype=cp.float32).astype(bf16)
 
-    if part in ("fwd", "bwd"):
-        for d, s, causal in FWD if part == "fwd" else BWD:
+    if part in ("fwd", "bwd", "bwd256"):
+        for d, s, causal in {"fwd": FWD, "bwd": BWD, "bwd256": BWD256}[part]:
             batch, heads = 16384 // s, 2048 // d
             q, k, v, dout = (rand((batch, s, heads, d)) for _ in range(4))
             out, lse = cuflash.attention(q, k, v, causal=causal, return_lse=True)
-            flops = B.attention_flops(batch, heads, s, s, d, causal, backward=part == "bwd")
+            flops = B.attention_flops(batch, heads, s, s, d, causal, backward=part != "fwd")
             if part == "fwd":
                 ms = B.time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
             else:

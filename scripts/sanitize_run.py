@@ -5,8 +5,8 @@ out-of-bounds access is reported instead of landing in a neighbouring pool block
 SANITIZE_PARTS=fwd runs the forward calls only (racecheck on the Hopper forward takes minutes
 for the whole sweep); SANITIZE_PARTS=varlen the packed calls with hostile and well-formed offsets only;
 SANITIZE_PARTS=wide the float32 and float64 calls only (named f64 in session 22, before float32); widefwd
-their forward calls only; widekv their KV-cache calls only; half the float16/bfloat16 calls only; bwd256 the
-Hopper backward's column split only.  SANITIZE_WIDE_DTYPES (e.g. "float64") narrows the float32/float64 calls to those dtypes.
+their forward calls only; widekv their KV-cache calls only; half the float16/bfloat16 calls only; bwdsm90 the
+Hopper backward's calls only.  SANITIZE_WIDE_DTYPES (e.g. "float64") narrows the float32/float64 calls to those dtypes.
 """
 
 import os
@@ -26,7 +26,7 @@ cp.cuda.set_allocator(None)
 rng = np.random.default_rng(0)
 FORWARD_ONLY = os.environ.get("SANITIZE_PARTS", "all") in ("fwd", "widefwd")
 VARLEN_ONLY = os.environ.get("SANITIZE_PARTS", "all") == "varlen"
-HALF_ONLY = os.environ.get("SANITIZE_PARTS") in ("half", "bwd256")  # the float16/bfloat16 calls only
+HALF_ONLY = os.environ.get("SANITIZE_PARTS") in ("half", "bwdsm90")  # the float16/bfloat16 calls only
 KV_ONLY = os.environ.get("SANITIZE_PARTS") == "widekv"  # the float32/float64 KV-cache calls only  # the packed calls' hostile offsets only
 
 
@@ -118,11 +118,21 @@ if os.environ.get("SANITIZE_PARTS") in ("wide", "widefwd", "widekv"):
     sys.exit(0)
 
 
-# SANITIZE_PARTS=bwd256: the Hopper backward's column split (head dims 129-256) only, for racecheck
-# with --kernel-name kns=cuflash_bwd_sm90 (the whole half sweep does not finish under racecheck).
-if os.environ.get("SANITIZE_PARTS") == "bwd256":
+# SANITIZE_PARTS=bwdsm90: the Hopper backward's calls only (padded and packed, head dims 64, 128
+# and the column split's 200, 256), for racecheck with --kernel-name kns=cuflash_bwd_sm90 (the whole
+# half sweep does not finish under racecheck).
+if os.environ.get("SANITIZE_PARTS") == "bwdsm90":
     for dtype in (np.float16, ml_dtypes.bfloat16):
-        for sq, sk, d, opts in ((130, 70, 256, dict(causal=True, softcap=5.0)), (129, 257, 200, dict(causal=True)),
+        for d in (64, 128, 256):  # packed sequences whose last query tiles end inside the next sequence
+            cu_q, cu_k = (cp.asarray(np.array(c, dtype=np.int32)) for c in ([0, 5, 70, 170], [0, 9, 100, 150]))
+            q, k, v = rand((170, 4, d), dtype), rand((150, 2, d), dtype), rand((150, 2, d), dtype)
+            out, lse = cuflash.attention_varlen(q, k, v, cu_q, cu_k, max_seqlen_q=100, max_seqlen_k=91, causal=True,
+                                                return_lse=True)
+            for deterministic in (False, True):
+                cuflash.attention_varlen_backward(rand(out.shape, dtype), q, k, v, out, lse, cu_q, cu_k, max_seqlen_q=100,
+                                                  max_seqlen_k=91, causal=True, deterministic=deterministic)
+        for sq, sk, d, opts in ((300, 700, 64, dict(causal=True)), (65, 129, 128, dict(window_size=(17, 5))),
+                                (130, 70, 256, dict(causal=True, softcap=5.0)), (129, 257, 200, dict(causal=True)),
                                 (70, 100, 256, dict(bias=rand((2, 4, 70, 100), np.float32), dropout_p=0.3, dropout_seed=(3, 1))),
                                 (70, 100, 256, dict(mask=cp.asarray(rng.random((70, 100)) < 0.8), causal=True))):
             q, k, v = rand((2, sq, 4, d), dtype), rand((2, sk, 2, d), dtype), rand((2, sk, 2, d), dtype)

@@ -156,6 +156,32 @@ def test_varlen_backward(rng, headdim):
     assert (grads[0][71:] == 0).all()  # rows past cu_seqlens_q[-1]
 
 
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_varlen_backward_reads_no_row_past_its_sequence(rng, headdim):
+    """The Hopper dK/dV kernels copy whole 64-row query tiles (the copy engine reads rows past a
+    sequence from the array): rows past the last sequence hold NaN in q and dout, and a sequence's
+    last tile reaches into the next sequence's rows; every sequence stays exact, no NaN leaks."""
+    cp = _cp()
+    cu_q = np.array([0, 70, 100, 163], dtype=np.int32)
+    cu_k = np.array([0, 90, 150, 230], dtype=np.int32)
+    q = rng.standard_normal((200, 4, headdim)).astype(np.float16)
+    k = rng.standard_normal((230, 2, headdim)).astype(np.float16)
+    v = rng.standard_normal((230, 2, headdim)).astype(np.float16)
+    dout = rng.standard_normal((200, 4, headdim)).astype(np.float16)
+    q[163:], dout[163:] = np.nan, np.nan  # rows no sequence owns
+    out, lse = cuflash.attention_varlen(cp.asarray(q), cp.asarray(k), cp.asarray(v), cp.asarray(cu_q), cp.asarray(cu_k),
+                                        return_lse=True)
+    grads = cuflash.attention_varlen_backward(cp.asarray(dout), cp.asarray(q), cp.asarray(k), cp.asarray(v), out, lse,
+                                              cp.asarray(cu_q), cp.asarray(cu_k))
+    grads = [g.get() for g in grads]
+    for b in range(len(cu_q) - 1):
+        qs, ks_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        args = [x[None] for x in (dout[qs], q[qs], k[ks_], v[ks_])]
+        refs, naives = R.attention_backward_ref(*args), R.naive_attention_backward(*args)
+        for name, g, r, n, sl in zip(("dq", "dk", "dv"), grads, refs, naives, (qs, ks_, ks_)):
+            R.assert_exact(g[sl], r[0], n[0], f"{name} of sequence {b}")
+
+
 @pytest.mark.parametrize("headdim", [128, 256])
 def test_long_causal_4097(rng, headdim):
     q, k, v = make_qkv(rng, np.float16, 1, 1100, 4097, 2, 1, headdim)
