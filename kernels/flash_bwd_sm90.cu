@@ -363,6 +363,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     next.advance(tiles, group);
     auto step_head = [&](StepPos s) { return hk * group + s.head; };
     auto step_m0 = [&](StepPos s) { return (mb_lo + s.tile) * kBM; };
+    static_assert(kBM <= kThreads, "a row of LSE and D per thread");
+    // kStatsAhead (one block an SM): a tile's LSE and D are loaded with its copies and stored in
+    // the stage at the top of its step, their loads' latency off the step that issues them (with
+    // several blocks an SM they are stored at once: two more registers across the loop made d64's
+    // 168 spill)
+    constexpr bool kStatsAhead = kWG > 1;
+    float next_lse = 0.f, next_dsum = 0.f;
+    auto store_stats = [&](int stage) {  // read after the barrier that publishes the stage
+        if (tid < kBM) {
+            sLse2[stage * kBM + tid] = lse_for_prob<kMods>(next_lse);
+            sDsum[stage * kBM + tid] = next_dsum;
+        }
+    };
     auto load_q = [&](StepPos s, int stage) {
         const int h = step_head(s), m0 = step_m0(s);
         const int rows_valid = min(kBM, seq.sq - m0);
@@ -372,11 +385,18 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             tma_load_tile<kBM, kD>(sQ + stage * kTileQ, maps.q, &stage_full[stage], q_row, h, batch);
             tma_load_tile<kBM, kD>(sdO + stage * kTileQ, maps.dout, &stage_full[stage], q_row, h, batch);
         }
+        // the tile's LSE and D: row tid (threads [0, kBM)); rows past the sequence: P = 0, D = 0
         const long long stat = seq.lse_row(p, b, h, m0);
-        for (int r = tid; r < kBM; r += kThreads) {  // read after the barrier that publishes the stage
-            sLse2[stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000)
-                                     : lse_for_prob<kMods>(p.lse[stat + r]);
-            sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+        if constexpr (kStatsAhead) {
+            if (tid < kBM) {  // (an LSE of -inf, which lse_for_prob turns into P = 0)
+                next_lse = tid < rows_valid ? p.lse[stat + tid] : -__int_as_float(0x7f800000);
+                next_dsum = tid < rows_valid ? p.dsum[stat + tid] : 0.f;
+            }
+        } else {
+            for (int r = tid; r < kBM; r += kThreads) {
+                sLse2[stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000) : lse_for_prob<kMods>(p.lse[stat + r]);
+                sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+            }
         }
     };
     if (tiles > 0) {
@@ -391,7 +411,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         const int h = step_head(cur), m0 = step_m0(cur);
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
         const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
-        if (kDqInStage && tid % 128 == 0) bulk_wait_read<0>();  // the stage the next copies overwrite was read
+        if constexpr (kStatsAhead) store_stats(stage);
         mbar_wait(&stage_full[stage], (t >> 1) & 1);  // this Q/dO tile landed
         if (t == 0) cp_async_wait<0>();                // (and K, V)
         if (p.cu_seqlens_q && m0 + kBM > seq.sq) {
@@ -406,9 +426,22 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         }
         fence_async_smem();
         __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
-        if (t + 1 < steps) load_q(next, stage ^ 1);
+        // The next step's copies: here, or (kDqInStage) once the copy engine has read the previous
+        // step's dQ panels from that stage, after the barrier in the middle of this step (the
+        // reductions then run while this step's Sᵀ and dPᵀ are formed)
+        auto load_next = [&] {
+            if (t + 1 < steps) load_q(next, stage ^ 1);
+        };
+        if constexpr (!kDqInStage) load_next();
         const int mask_state = kMods ? mods.tile_state<kBM, kBN>(m0 / kBM, blockIdx.x) : 2;
-        if (mask_state == 0) continue;  // (kMods) the mask hides the whole tile: it adds nothing
+        if (mask_state == 0) {  // (kMods) the mask hides the whole tile: it adds nothing
+            if constexpr (kDqInStage) {
+                if (tid % 128 == 0) bulk_wait_read<0>();
+                __syncthreads();
+                load_next();
+            }
+            continue;
+        }
 
         float st[kNT][4], dpt[kNT][4];  // key rows r_lo, r_lo + 8 x queries [q_off, q_off + kQW) of the tile
         float (&st_flat)[kQW / 2] = reinterpret_cast<float (&)[kQW / 2]>(st);
@@ -515,7 +548,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         if constexpr (kColSplit) {
             stage_rows(sP, pa);
             fence_async_smem();
+            if (tid % 128 == 0) bulk_wait_read<0>();  // the previous step's dQ panels were read (the next copies' stage)
             __syncthreads();  // every warpgroup's queries of Pᵀ and dSᵀ are staged (and its Sᵀ, dPᵀ products read Q and dO)
+            load_next();
         } else if constexpr (kDqAtomic) {
             fence_async_smem();
         }
