@@ -8,7 +8,8 @@ process (its own kernels, compiled from its own sources) that measures all parts
 checkouts rotates from round to round, so none always goes first.  Rows: the forward and backward
 (bf16, batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against
 contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s), (parts "widefwd" and "widebwd",
-not in the default parts) the float32/float64 forward and backward at head dims 64-256, seqlen 4k, (part "widemods", not in the
+not in the default parts) the float32/float64 forward and backward at head dims 64-256, seqlen 4k, (part "bwdmods", not in
+the default parts) the bf16 backward at head dims 64/128/256 with a key-padding mask, a bias or dropout, (part "widemods", not in the
 default parts) their forward and backward with a bias, a key-padding mask or dropout, and (part "host") warm
 calls of tiny problems per millisecond, eager (host time, unless the kernel is slower) and
 replayed from a captured CUDA graph (the GPU's rate alone).  Per row: each checkout's median over the
@@ -32,6 +33,7 @@ from pathlib import Path
 FWD = [(d, s, c) for d in (64, 128, 256) for s, c in ((1024, False), (4096, False), (4096, True), (16384, True))]
 BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True), (256, 4096, False)]
 BWD256 = [(192, 4096, False), (256, 4096, False), (256, 16384, True)]  # part "bwd256": the column split's head dims
+BWD_MODS = (64, 128, 256)  # part "bwdmods": the bf16 backward with a key-padding mask, a bias, dropout (issue 23's kernels)
 DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
 WIDE_DTYPES = os.environ.get("AB_WIDE_DTYPES", "float32,float64").split(",")  # the wide parts' dtypes (AB_WIDE_DTYPES narrows them)
@@ -89,6 +91,22 @@ def _part(checkout: str, part: str) -> list:
             grads = cuflash.attention_backward(dout, q, k, v, out, lse)
             ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2]))
             rows.append((f"bwd {np.dtype(dtype).name} d{d} s{s}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
+    elif part == "bwdmods":
+        for d in BWD_MODS:
+            s, batch, heads = 4096, 4, 2048 // d
+            q, k, v, dout = (rand((batch, s, heads, d)) for _ in range(4))
+            valid = cp.asarray(np.random.default_rng(0).integers(s // 2, s + 1, size=(batch, 1, 1, 1)))  # valid keys per entry
+            forms = {"key padding": dict(mask=cp.arange(s)[None, None, None, :] < valid),
+                     "bias 1-H-S-S": dict(bias=rand((1, heads, s, s))), "dropout 0.1": dict(dropout_p=0.1, dropout_seed=3)}
+            for form, mods in forms.items():
+                out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
+                grads = cuflash.attention_backward(dout, q, k, v, out, lse, **mods)
+                ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                                                   **mods))
+                rows.append((f"bwdmods d{d} {form}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
+                del mods, out, lse, grads
+            del forms
+            cp.get_default_memory_pool().free_all_blocks()
     elif part == "widemods":  # the float32/float64 modifier form (issue 24): none, bias, key padding, dropout
         for dtype, d in WIDE_MODS:
             s, batch, heads = 4096, 4, 2048 // d
