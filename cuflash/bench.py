@@ -234,7 +234,9 @@ def _torch_bwd_peers():
     return _torch_backends(make)
 
 
-def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048):
+def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hidden=2048, deterministic=False):
+    """One backward row; with ``deterministic`` also cuflash's ``deterministic=True`` (column
+    "cuflash-det": dQ summed in a fixed order, bitwise repeatable)."""
     batch, nheads = max(1, tokens // seqlen), hidden // headdim
     rng = np.random.default_rng(0)
     shape = (batch, seqlen, nheads, headdim)
@@ -252,6 +254,9 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
                 raise RuntimeError("non-finite gradient")
         row["cuflash"] = flops / time_gpu(lambda: cuflash.attention_backward(
             dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
+        if deterministic:
+            row["cuflash-det"] = flops / time_gpu(lambda: cuflash.attention_backward(
+                dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2], deterministic=True)) / 1e9
     for name, make in peers.items():
         try:
             row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9
@@ -346,7 +351,8 @@ def to_markdown(rows, env):
     rates = env.get("matmul") or {}
     gemm = {d: rates.get(d if d in ("fp32", "fp64") else "fp16") for d in {r["dtype"] for r in rows}}
     gemm = gemm if any(gemm.values()) else None
-    heads = [f"cuflash / {n}" for n in against] + (["of GEMM"] if gemm else [])
+    det = "cuflash-det" in names  # (the backward's deterministic=True beside the default)
+    heads = [f"cuflash / {n}" for n in against] + (["det / default"] if det else []) + (["of GEMM"] if gemm else [])
     if gemm:
         lines.append("of GEMM: cuflash's rate over cupy.matmul 8192³ in the row's dtype (fp16's for fp16/bf16)")
     lines += ["", "| dtype | hdim | causal | seqlen | " + " | ".join(names + heads) + " |",
@@ -354,6 +360,8 @@ def to_markdown(rows, env):
     for r in rows:
         vals = [f"{r[n]:.0f}" if r.get(n) else "–" for n in names]
         vals += [f"{r['cuflash'] / r[n]:.2f}" if r.get(n) and r.get("cuflash") else "–" for n in against]
+        if det:
+            vals.append(f"{r['cuflash-det'] / r['cuflash']:.2f}" if r.get("cuflash-det") and r.get("cuflash") else "–")
         if gemm:
             rate = gemm.get(r["dtype"])
             vals.append(f"{r['cuflash'] / rate:.2f}" if r.get("cuflash") and rate else "–")
@@ -797,6 +805,8 @@ def main(argv=None, progress=_plain_progress):
                                     "default every one available: cupy-plain, torch-flash, torch-cudnn, "
                                     "torch-efficient, jax-cudnn, fa3-jax)")
     ap.add_argument("--backward", action="store_true", help="time attention_backward instead of the forward")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="with --backward: also time deterministic=True (column cuflash-det, and det / default)")
     ap.add_argument("--jax-headdims", default="128", help="JAX compiles per shape; limit it to these head dims")
     ap.add_argument("--suite", choices=("standard", "paper", "decode", "varlen", "host", "modifiers"), default="standard")
     ap.add_argument("--page-size", type=int, default=256, help="decode suite: also time a paged cache (0 = no)")
@@ -869,8 +879,10 @@ def main(argv=None, progress=_plain_progress):
             if str(headdim) in args.jax_headdims.split(","):  # JAX's cuDNN in bf16; FA3 in both dtypes
                 peers.update({n: f for n, f in jax_peers.items()
                               if dtype_name == "bf16" or (n == "fa3-jax" and dtype_name == "fp16")})
-            bench = bench_backward if args.backward else bench_config
-            rows.append(bench(dtype_name, headdim, seqlen, causal, peers))
+            if args.backward:
+                rows.append(bench_backward(dtype_name, headdim, seqlen, causal, peers, deterministic=args.deterministic))
+            else:
+                rows.append(bench_config(dtype_name, headdim, seqlen, causal, peers))
             _echo(rows[-1], progress)
     env = environment()
     # Each dtype's cupy.matmul ceiling (fp16 always: the forward issue reads every row against it).

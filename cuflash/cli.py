@@ -448,6 +448,8 @@ def _check_sweep(dtypes, headdims, seqlens):
                    "dropout against cuflash without them and the peers that take them.")
 @click.option("--backward", is_flag=True, help="Time attention_backward instead of the forward (standard and "
                                                "modifiers suites).")
+@click.option("--deterministic", is_flag=True, help="With --backward (standard suite): also time "
+                                                     "deterministic=True, beside the default.")
 @click.option("--dtypes", default="bf16,fp16", show_default=True,
               help="Comma list of bf16, fp16, fp32, fp64 (bfloat16, float16, float32, float64 also accepted); "
                    "fp32/fp64 rows show the peers and each dtype's cupy.matmul rate; cuflash runs float32 "
@@ -461,7 +463,7 @@ def _check_sweep(dtypes, headdims, seqlens):
 @click.option("--no-peers", is_flag=True, help="Skip plain CuPy, torch and JAX.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write the numbers as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Bar chart PNG (needs matplotlib).")
-def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_path):
+def bench(suite, backward, deterministic, dtypes, headdims, seqlens, no_peers, json_path, plot_path):
     """Measure TF/s on this GPU, with the peers present on the machine in the same run."""
     from . import _arrays
 
@@ -472,7 +474,7 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
         return ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT
 
     if suite != "standard":
-        fixed = ("seqlens", "plot_path") + (("backward", "dtypes", "headdims") if suite != "modifiers" else ())
+        fixed = ("seqlens", "plot_path", "deterministic") + (("backward", "dtypes", "headdims") if suite != "modifiers" else ())
         refused = [f"--{name.replace('_', '-')}" for name in fixed if given(name)]
         if refused:
             options = ", ".join(refused).replace("--plot-path", "--plot")
@@ -481,6 +483,8 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
         if suite == "modifiers" and not set(dtypes.split(",")) <= {"bf16", "fp16"}:
             raise click.UsageError(f"--dtypes {dtypes}: the modifiers suite runs bf16 and fp16 (its peers' "
                                    "fused bias/mask kernels are 16-bit; float32/float64 modifier rows are not timed)")
+    if deterministic and not backward:
+        raise click.UsageError("--deterministic times the backward's deterministic=True: add --backward")
     for path, option in ((json_path, "--json"), (plot_path, "--plot")):  # fail now, not after the sweep
         if path is not None:
             _check_writable(path, option)
@@ -494,7 +498,7 @@ def bench(suite, backward, dtypes, headdims, seqlens, no_peers, json_path, plot_
     for name, value in (("dtypes", dtypes), ("headdims", headdims)):  # (modifiers: bf16, head dim 128 unless given)
         if suite == "standard" or given(name):
             argv += [f"--{name}", value]
-    argv += ["--backward"] * backward + ["--no-peers"] * no_peers
+    argv += ["--backward"] * backward + ["--deterministic"] * deterministic + ["--no-peers"] * no_peers
     argv += ["--json", json_path] if json_path else []
     argv += ["--plot", plot_path] if plot_path else []
     bench_module.main(argv, progress=lambda items, label: click.progressbar(items, label=label, file=_progress_stream()))

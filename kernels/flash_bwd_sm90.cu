@@ -288,6 +288,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     // in the step's own dO and Q tiles, free once dV and dK are done, read by the copy engine before
     // the next step's barrier lets that stage be loaded again.
     constexpr bool kDqInStage = kDqAtomic && kColSplit;
+    static_assert(!kDqInStage || kWG * kBM * kDqSlice * 4 <= kTileQ, "the column split's dQ panels fit a stage's dO and Q tiles");
+    static_assert(4 * kBM * 4 <= 1024, "two stages of LSE and D rows fit the 1 KB before sdS");
     // dK's product issued after dQ's and waited for after dQ's store (FA3's order): it overlaps that store
     constexpr bool kDkAfterDq = kDqAtomic && !kColSplit;
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");

@@ -7,7 +7,7 @@
 #   (default: tests sanitize host bench; one call of 10 minutes holds about that much)
 # Environment: PYTEST_ARGS (default: all of tests/; shell quoting kept, e.g. 'tests/x.py -k "a or b"'), PYTEST_WORKERS (pytest-xdist workers, 6), WARM_MATCH
 # (warm only the variants whose names contain one of its comma-separated parts, e.g. sm90),
-# BENCH_ARGS (extra options of the standard sweep), MODIFIERS_ARGS (of the modifiers suite, e.g. "--headdims 64,256 --dtypes bf16,fp16"), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
+# BENCH_ARGS (extra options of the standard sweep; for the backward stage --deterministic adds deterministic=True's column), MODIFIERS_ARGS (of the modifiers suite, e.g. "--headdims 64,256 --dtypes bf16,fp16"), *_TIMEOUT per stage in seconds, SAN_TOOLS (the
 # compute-sanitizer tools, default all three; SANITIZE_PARTS=fwd sweeps the forwards only; SAN_ARGS more options,
 # e.g. "--kernel-name kns=cuflash_bwd_sm90" to check only those kernels), AB_BASE (the
 # checkout the ab stage compares this one, or AB_NEW, with, e.g. a `git archive` of the previous

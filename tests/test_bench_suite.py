@@ -123,3 +123,20 @@ def test_table_reads_each_row_against_its_dtypes_gemm():
     assert "| fp64 | 64 | False | 16384 | 38 | 0.60 |" in table
     assert "| fp32 | 64 | False | 16384 | 40 | 0.80 |" in table
     assert "| bf16 | 64 | False | 16384 | 400 | 0.50 |" in table
+
+
+@pytest.mark.skipif(_arrays.cupy_module() is None, reason="cuflash.bench imports CuPy")
+def test_backward_table_puts_deterministic_beside_the_default():
+    """`--backward --deterministic` rows carry cuflash-det (deterministic=True): its column and the
+    det / default ratio (issue 22 asks for those rows beside the default)."""
+    from cuflash import bench
+
+    env = {"gpu": "X", "cc": "90", "date": "d", "cuflash": "0", "cupy": "0", "nvrtc": "0"}
+    rows = [dict(dtype="bf16", headdim=128, seqlen=4096, causal=False, cuflash=400.0, **{"cuflash-det": 360.0,
+                                                                                         "torch-cudnn": 500.0}),
+            dict(dtype="bf16", headdim=256, seqlen=4096, causal=True, cuflash=300.0, **{"cuflash-det": None,
+                                                                                        "torch-cudnn": 300.0})]
+    lines = bench.to_markdown(rows, env).splitlines()
+    assert lines[2] == "| dtype | hdim | causal | seqlen | cuflash | cuflash-det | torch-cudnn | cuflash / torch-cudnn | det / default |"
+    assert lines[4] == "| bf16 | 128 | False | 4096 | 400 | 360 | 500 | 0.80 | 0.90 |"
+    assert lines[5] == "| bf16 | 256 | True | 4096 | 300 | – | 300 | 1.00 | – |"  # (a row without it)
