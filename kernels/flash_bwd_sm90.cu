@@ -9,8 +9,9 @@
 // path, without its writer warp), dq_accum in dq_tile_offset's tiled order.
 // Shah et al., "FlashAttention-3", 2024, §3 for the wgmma operand placement.  Warpgroup w of a
 // block owns 64 rows (query rows in _dq, key rows in _dkdv); tiles live in the swizzled layout of
-// swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered with cp.async
-// behind one barrier per step, as in flash_fwd_sm90.cu.
+// swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered behind one barrier
+// per step: K/V in _dq by cp.async, Q/dO in the dK/dV kernels by the bulk tensor copy engine (one
+// thread issues them on the stage's mbarrier; tensor maps BwdMaps).
 //   _dq   : per key tile, S = Q Kᵀ and dP = dO Vᵀ (A and B from shared memory), dS = P ∘ (dP - D)
 //           in registers, dQ += dS K (dS from registers, K read transposed).
 //   _dkdv : per query tile of each GQA head, Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q.
@@ -19,7 +20,8 @@
 //           is issued after dQ's and runs while dQ is stored.
 // Head dims 64 and 128 in the form above; 256 (and the buckets between 128 and 256, their columns
 // past the head dim zero) with the warpgroups of a _dkdv_dq block splitting the columns of dK and
-// dV (whole, they do not fit in one warpgroup's registers): CUFLASH_COL_SPLIT.  Deterministic
+// dV (whole, they do not fit in one warpgroup's registers; each forms Sᵀ, dPᵀ of half the queries
+// and shares Pᵀ, dSᵀ through shared memory): CUFLASH_COL_SPLIT.  Deterministic
 // d256 stays with flash_bwd.cu (its _dq kernel's tiles do not fit in shared memory).
 // CUFLASH_MODS as flash_bwd.cu's (score_mods.cuh): 1 bias and mask in P (natural units, against the
 // forward's LSE), the bias gradient added by the dK/dV kernel (in both dQ schemes it visits every
