@@ -252,11 +252,13 @@ def bench_backward(dtype_name, headdim, seqlen, causal, peers, tokens=16384, hid
         for g in grads:
             if not bool(cp.isfinite(g.astype(cp.float32)).all()):
                 raise RuntimeError("non-finite gradient")
-        row["cuflash"] = flops / time_gpu(lambda: cuflash.attention_backward(
-            dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2])) / 1e9
+        def tflops(**opts):
+            return flops / time_gpu(lambda: cuflash.attention_backward(
+                dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2], **opts)) / 1e9
+
+        row["cuflash"] = tflops()
         if deterministic:
-            row["cuflash-det"] = flops / time_gpu(lambda: cuflash.attention_backward(
-                dout, q, k, v, out, lse, causal=causal, dq=grads[0], dk=grads[1], dv=grads[2], deterministic=True)) / 1e9
+            row["cuflash-det"] = tflops(deterministic=True)
     for name, make in peers.items():
         try:
             row[name] = flops / time_gpu(make(q, k, v, causal), reps=10) / 1e9

@@ -63,6 +63,16 @@ def _part(checkout: str, part: str) -> list:
     def rand(shape):
         return cp.random.default_rng(0).standard_normal(shape, dtype=cp.float32).astype(bf16)
 
+    def time_backward(dout, q, k, v, out, lse, **opts):  # ms of attention_backward into its own gradients
+        grads = cuflash.attention_backward(dout, q, k, v, out, lse, **opts)
+        return B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
+                                                             **opts))
+
+    def modifier_forms(batch, heads, s, randn):  # the modifier parts' bias, key padding (valid keys per entry), dropout
+        valid = cp.asarray(np.random.default_rng(0).integers(s // 2, s + 1, size=(batch, 1, 1, 1)))
+        return {"bias 1-H-S-S": dict(bias=randn((1, heads, s, s))), "key padding": dict(mask=cp.arange(s)[None, None, None, :] < valid),
+                "dropout 0.1": dict(dropout_p=0.1, dropout_seed=3)}
+
     if part in ("fwd", "bwd", "bwd256"):
         for d, s, causal in {"fwd": FWD, "bwd": BWD, "bwd256": BWD256}[part]:
             batch, heads = 16384 // s, 2048 // d
@@ -72,9 +82,7 @@ def _part(checkout: str, part: str) -> list:
             if part == "fwd":
                 ms = B.time_gpu(lambda: cuflash.attention(q, k, v, causal=causal, out=out))
             else:
-                grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)
-                ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, dq=grads[0],
-                                                                   dk=grads[1], dv=grads[2]))
+                ms = time_backward(dout, q, k, v, out, lse, causal=causal)
             rows.append((f"{part} d{d} s{s}{' causal' if causal else ''}", flops / ms / 1e9))
     elif part == "widefwd":  # the float32/float64 forward (issue 24)
         for dtype, d in WIDE_ROWS:
@@ -88,23 +96,18 @@ def _part(checkout: str, part: str) -> list:
             s, batch, heads = 4096, 4, 2048 // d
             q, k, v, dout = (cp.random.default_rng(0).standard_normal((batch, s, heads, d), dtype=dtype) for _ in range(4))
             out, lse = cuflash.attention(q, k, v, return_lse=True)
-            grads = cuflash.attention_backward(dout, q, k, v, out, lse)
-            ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2]))
+            ms = time_backward(dout, q, k, v, out, lse)
             rows.append((f"bwd {np.dtype(dtype).name} d{d} s{s}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
     elif part == "bwdmods":
         for d in BWD_MODS:
             s, batch, heads = 4096, 4, 2048 // d
             q, k, v, dout = (rand((batch, s, heads, d)) for _ in range(4))
-            valid = cp.asarray(np.random.default_rng(0).integers(s // 2, s + 1, size=(batch, 1, 1, 1)))  # valid keys per entry
-            forms = {"key padding": dict(mask=cp.arange(s)[None, None, None, :] < valid),
-                     "bias 1-H-S-S": dict(bias=rand((1, heads, s, s))), "dropout 0.1": dict(dropout_p=0.1, dropout_seed=3)}
+            forms = modifier_forms(batch, heads, s, rand)
             for form, mods in forms.items():
                 out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
-                grads = cuflash.attention_backward(dout, q, k, v, out, lse, **mods)
-                ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
-                                                                   **mods))
+                ms = time_backward(dout, q, k, v, out, lse, **mods)
                 rows.append((f"bwdmods d{d} {form}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
-                del mods, out, lse, grads
+                del mods, out, lse
             del forms
             cp.get_default_memory_pool().free_all_blocks()
     elif part == "widemods":  # the float32/float64 modifier form (issue 24): none, bias, key padding, dropout
@@ -112,19 +115,14 @@ def _part(checkout: str, part: str) -> list:
             s, batch, heads = 4096, 4, 2048 // d
             gen = cp.random.default_rng(0)
             q, k, v, dout = (gen.standard_normal((batch, s, heads, d), dtype=dtype) for _ in range(4))
-            valid = cp.asarray(np.random.default_rng(0).integers(s // 2, s + 1, size=(batch, 1, 1, 1)))  # valid keys per entry
-            forms = {"none": {}, "bias 1-H-S-S": dict(bias=gen.standard_normal((1, heads, s, s), dtype=dtype)),
-                     "key padding": dict(mask=cp.arange(s)[None, None, None, :] < valid),
-                     "dropout 0.1": dict(dropout_p=0.1, dropout_seed=3)}
+            forms = {"none": {}, **modifier_forms(batch, heads, s, lambda shape: gen.standard_normal(shape, dtype=dtype))}
             for form, mods in forms.items():
                 out, lse = cuflash.attention(q, k, v, return_lse=True, **mods)
                 ms = B.time_gpu(lambda: cuflash.attention(q, k, v, out=out, **mods))
                 rows.append((f"fwd {np.dtype(dtype).name} d{d} {form}", B.attention_flops(batch, heads, s, s, d, False) / ms / 1e9))
-                grads = cuflash.attention_backward(dout, q, k, v, out, lse, **mods)
-                ms = B.time_gpu(lambda: cuflash.attention_backward(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2],
-                                                                   **mods))
+                ms = time_backward(dout, q, k, v, out, lse, **mods)
                 rows.append((f"bwd {np.dtype(dtype).name} d{d} {form}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
-                del mods, out, lse, grads
+                del mods, out, lse
             del forms
             cp.get_default_memory_pool().free_all_blocks()
     elif part == "decode":

@@ -128,6 +128,21 @@ def test_deterministic_backward_is_bitwise_repeatable(rng, headdim):
         R.assert_exact(g.get(), r, n, name)
 
 
+def _check_varlen_grads(grads, dout, q, k, v, cu_q, cu_k, **opts):
+    """Each packed sequence's gradients against its own reference and naive error; keys of a
+    sequence without queries get zero dK, dV."""
+    for b in range(len(cu_q) - 1):
+        qs, ks_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b + 1] == cu_q[b]:
+            assert (grads[1][ks_] == 0).all() and (grads[2][ks_] == 0).all()  # keys no query sees
+            continue
+        args = [x[None] for x in (dout[qs], q[qs], k[ks_], v[ks_])]
+        refs = R.attention_backward_ref(*args, **opts)
+        naives = R.naive_attention_backward(*args, **opts)
+        for name, g, r, n, sl in zip(("dq", "dk", "dv"), grads, refs, naives, (qs, ks_, ks_)):
+            R.assert_exact(g[sl], r[0], n[0], f"{name} of sequence {b}")
+
+
 @pytest.mark.parametrize("headdim", [64, 256])
 def test_varlen_backward(rng, headdim):
     cp = _cp()
@@ -143,16 +158,7 @@ def test_varlen_backward(rng, headdim):
     grads = cuflash.attention_varlen_backward(cp.asarray(dout), cp.asarray(q), cp.asarray(k), cp.asarray(v),
                                               out, lse, cp.asarray(cu_q), cp.asarray(cu_k), **opts)
     grads = [g.get() for g in grads]
-    for b in range(len(cu_q) - 1):  # each sequence against its own reference and naive error
-        qs, ks_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        if cu_q[b + 1] == cu_q[b]:
-            assert (grads[1][ks_] == 0).all() and (grads[2][ks_] == 0).all()  # keys no query sees
-            continue
-        args = [x[None] for x in (dout[qs], q[qs], k[ks_], v[ks_])]
-        refs = R.attention_backward_ref(*args, **opts)
-        naives = R.naive_attention_backward(*args, **opts)
-        for name, g, r, n, sl in zip(("dq", "dk", "dv"), grads, refs, naives, (qs, ks_, ks_)):
-            R.assert_exact(g[sl], r[0], n[0], f"{name} of sequence {b}")
+    _check_varlen_grads(grads, dout, q, k, v, cu_q, cu_k, **opts)
     assert (grads[0][71:] == 0).all()  # rows past cu_seqlens_q[-1]
 
 
@@ -173,13 +179,7 @@ def test_varlen_backward_reads_no_row_past_its_sequence(rng, headdim):
                                         return_lse=True)
     grads = cuflash.attention_varlen_backward(cp.asarray(dout), cp.asarray(q), cp.asarray(k), cp.asarray(v), out, lse,
                                               cp.asarray(cu_q), cp.asarray(cu_k))
-    grads = [g.get() for g in grads]
-    for b in range(len(cu_q) - 1):
-        qs, ks_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        args = [x[None] for x in (dout[qs], q[qs], k[ks_], v[ks_])]
-        refs, naives = R.attention_backward_ref(*args), R.naive_attention_backward(*args)
-        for name, g, r, n, sl in zip(("dq", "dk", "dv"), grads, refs, naives, (qs, ks_, ks_)):
-            R.assert_exact(g[sl], r[0], n[0], f"{name} of sequence {b}")
+    _check_varlen_grads([g.get() for g in grads], dout, q, k, v, cu_q, cu_k)
 
 
 @pytest.mark.parametrize("headdim", [128, 256])
