@@ -366,20 +366,24 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     if mods:  # (bias/mask/dropout at d64: three blocks' 168 registers spilled 64-152 bytes, two blocks' 255 none)
         min_blocks = min(min_blocks, 2)
     col_split = d > 128
+    # _dkdv_dq with a producer warpgroup (Q/dO copies and the dQ reductions off the consumers,
+    # perf-notes b13): d128, one block an SM, 384 threads; not with bias/mask/dropout, whose
+    # consumers spilled 464-1204 bytes at its 240 registers (140-348 at 255 without it)
+    producer = d == 128 and not deterministic and not mods
     name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
-            + "_alibi" * alibi + "_det" * deterministic + _MODS_SUFFIX[mods])
+            + "_alibi" * alibi + "_det" * deterministic + _MODS_SUFFIX[mods] + "_p" * producer)
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
         ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
         ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_DETERMINISTIC", int(deterministic)),
-        ("CUFLASH_COL_SPLIT", int(col_split)), ("CUFLASH_MODS", mods),
+        ("CUFLASH_COL_SPLIT", int(col_split)), ("CUFLASH_MODS", mods), ("CUFLASH_PRODUCER", int(producer)),
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
     # column split), two stages of two inner tiles, LSE and D of the _dkdv stages, the dS tile of
-    # _dkdv_dq, its fp32 dQ tile (not with the column split: staged in the Q and dO tiles; there the
-    # Pᵀ tile instead), 1 KB for the 1024-byte alignment.
+    # _dkdv_dq (two with the producer), its fp32 dQ tile (not with the column split: staged in the Q
+    # and dO tiles; there the Pᵀ tile instead), 1 KB for the 1024-byte alignment.
     outer = 64 if col_split else 64 * wgs
-    smem = ((2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + (1 + col_split) * outer * inner * 2 + 1024
+    smem = ((2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + (1 + col_split + producer) * outer * inner * 2 + 1024
             + (not deterministic and not col_split) * inner * d * 4)
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 

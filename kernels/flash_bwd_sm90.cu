@@ -6,7 +6,9 @@
 // forms dQ += dS K per query tile and adds it to an fp32 dq_accum, which _dq_convert scales and
 // rounds: 5 matrix products and one P/dS recomputation instead of 7 and two.  Each warpgroup stages
 // its dQ columns in shared memory and the copy engine adds them in one bulk reduction (FA3's dQ
-// path, without its writer warp), dq_accum in dq_tile_offset's tiled order.
+// path), dq_accum in dq_tile_offset's tiled order.  At head dim 128 (CUFLASH_PRODUCER) a third
+// warpgroup serves the two that compute: its producer warp copies Q, dO and their LSE/D rows, its
+// writer warp issues the dQ reductions (sm90_bwd_load.cuh); elsewhere the consumers do both.
 // Shah et al., "FlashAttention-3", 2024, §3 for the wgmma operand placement.  Warpgroup w of a
 // block owns 64 rows (query rows in _dq, key rows in _dkdv); tiles live in the swizzled layout of
 // swizzled_tile.cuh, and the tiles the inner loop walks over are double-buffered behind one barrier
@@ -28,6 +30,7 @@
 // (query, key) pair once); 2 also dropout: dV += (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D).
 #include "params.cuh"
 #include "score_grad.cuh"
+#include "sm90_bwd_load.cuh"
 #include "sm90_pipeline.cuh"
 #include "swizzled_tile.cuh"
 #include "warp_gemm.cuh"
@@ -65,34 +68,19 @@
 #ifndef CUFLASH_MODS
 #define CUFLASH_MODS 0  // 1: additive bias and boolean mask (score_mods.cuh); 2: and dropout
 #endif
+// 1: _dkdv_dq with a producer warpgroup before its consumers (flash_bwd_dkdv_sm90's kProducer):
+// 128 more threads a block
+#ifndef CUFLASH_PRODUCER
+#define CUFLASH_PRODUCER 0
+#endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd_sm90
 #endif
 #define CUFLASH_CAT2(a, b) a##b
 #define CUFLASH_CAT(a, b) CUFLASH_CAT2(a, b)
 
-// A step of the dkdv loop over (query head of the GQA group, query tile) pairs, head-major.
-struct StepPos {
-    int head, tile;
-    __device__ __forceinline__ void advance(int tiles, int group) {  // to the next pair, wrapping
-        if (++tile == tiles) {
-            tile = 0;
-            if (++head == group) head = 0;
-        }
-    }
-};
-
 // Each thread's rows of a warpgroup's 64-row wgmma accumulator: r and r + 8 within the 64.
 __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + (tid % 32) / 4; }
-
-// [dst, dst + bytes) += the floats at src in shared memory, by the copy engine (a bulk reduction
-// in this thread's bulk group; 16-byte aligned, bytes a multiple of 16).  The threads that wrote
-// src ran fence_async_smem() and a barrier with this one before; this thread waits with
-// bulk_wait_read before src is written again and with bulk_wait before the block exits.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, u32 bytes) {
-    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
-                 :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
-}
 
 // The first float of query tile m0 (64 rows) of head h, batch entry b in dq_accum.
 // Each tile is 64 kD floats of its own, in panels of kSlice columns (panel c / kSlice); within a
@@ -113,9 +101,14 @@ __device__ __forceinline__ long long dq_tile_offset(const FlashParams& p, const 
 // Scale a (64 x kAccD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
 // warpgroup's own rows [r0, r0 + 64) and chunks [c0, c0 + kAccD / 8) of the swizzled (kRows x kD)
 // tile `stage`, then (after a block barrier) store rows < rows_valid and chunks < chunks_valid to g.
-template <class T, int kD, int kRows, int kThreads, int kAccD = kD>
+// `sync` is the barrier of the threads that store (every thread of the block by default).
+struct BlockSync {
+    __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+template <class T, int kD, int kRows, int kThreads, int kAccD = kD, class Sync = BlockSync>
 __device__ __forceinline__ void store_tile(const float (&acc)[kAccD / 8][4], float mul, unsigned char* stage, int r0,
-                                           u16* g, long long row_stride, int rows_valid, int chunks_valid, int tid, int c0 = 0) {
+                                           u16* g, long long row_stride, int rows_valid, int chunks_valid, int tid, int c0 = 0,
+                                           Sync sync = Sync{}) {
     const int lane = tid % 32;
 #pragma unroll
     for (int half = 0; half < 2; ++half)
@@ -123,7 +116,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kAccD / 8][4], flo
         for (int ot = 0; ot < kAccD / 8; ++ot)
             *reinterpret_cast<u32*>(stage + swizzled_chunk<kRows>(r0 + wg_row(tid) + 8 * half, c0 + ot) + (lane % 4) * 4) =
                 pack2<T>(acc[ot][2 * half] * mul, acc[ot][2 * half + 1] * mul);
-    __syncthreads();
+    sync();
     constexpr int kChunks = kD / 8;
 #pragma unroll
     for (int c = tid; c < kRows * kChunks; c += kThreads) {
@@ -260,20 +253,20 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
     store_tile<T, kD, kBM, kThreads>(dq, seq.poison(scale), sQ, wg * 64, gdQ, p.dq_row_stride, rows_valid, qk_chunks, tid);
 }
 
-// The tensor maps of a dkdv launch (cuflash/_gpu.py's _bwd_maps): Q and dO as (headdim, rows,
-// heads, batch) boxes of (64, kBM, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
-struct BwdMaps {
-    TensorMap q, dout;
-};
-
 // kColSplit (head dims above 128): the warpgroups share the block's 64 key rows and split the
 // head-dim columns of dK and dV (kD / kWG each), which do not fit in one warpgroup's registers
 // whole.  Warpgroup w forms Sᵀ, dPᵀ, P and dS of its own kBM / kWG queries and stages Pᵀ and dSᵀ in
 // shared memory, from where dV += Pᵀ dO and dK += dSᵀ Q (all queries, its own columns) read them as
 // their A operand; dQ = dS K in 64-column slices (FA3's d256 split).  Otherwise warpgroup w owns key
 // rows [64 w, 64 w + 64) and keeps P and dS in registers for dV and dK.
+//
+// kProducer (with kDqAtomic, not the column split): a third warpgroup, first in the block, gives up
+// its registers (bwd_ws::kProducerRegs) to the two consumer warpgroups; its warp 0 streams Q, dO and
+// their LSE/D rows into the ring (sm90_bwd_load.cuh's bwd_load_steps), its warp 1 adds the
+// consumers' dQ panels to dq_accum (bwd_write_dq).  The consumers meet once a step (dSᵀ staged,
+// two dSᵀ buffers in turn) and never wait for a copy they issued.
 template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic, bool kColSplit, bool kMods,
-          bool kDropout>
+          bool kDropout, bool kProducer>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const BwdMaps& maps) {
     constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG;  // kBN key rows, kBM-query tiles
     constexpr int kQW = kColSplit ? kBM / kWG : kBM, kNT = kQW / 8;  // the queries of Sᵀ and dPᵀ each warpgroup forms
@@ -296,6 +289,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     constexpr bool kDkAfterDq = kDqAtomic && !kColSplit;
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
     static_assert(!kColSplit || (kDqAtomic && kQW % 16 == 0), "the column split: _dkdv_dq, whole 16-query steps per warpgroup");
+    static_assert(!kProducer || (kDqAtomic && !kColSplit && kWG == 2 && kDqCols == kDqSlice), "the producer form: two consumers, a dQ panel each");
+    constexpr int kDsBufs = kProducer ? 2 : 1;  // dSᵀ buffers (the producer form: one a step, in turn)
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
     unsigned char* sV = sK + kTileKV;        // (kBN, kD), reused to stage dV
@@ -304,15 +299,21 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     float* sLse2 = reinterpret_cast<float*>(sdO + 2 * kTileQ);  // 2 stages of (kBM): LSE in log2 units (kMods: natural)
     float* sDsum = sLse2 + 2 * kBM;                             // 2 stages of (kBM): D
     unsigned char* sdS = sdO + 2 * kTileQ + 1024;               // kDqAtomic: dSᵀ (kBN keys, kBM queries), swizzled
-    float* sdQ = reinterpret_cast<float*>(sdS + kBN * kBM * 2);  // kDqAtomic without kDqInStage: the step's dQ tile (kBM x kD floats)
+    float* sdQ = reinterpret_cast<float*>(sdS + kDsBufs * kBN * kBM * 2);  // kDqAtomic without kDqInStage: the step's dQ tile (kBM x kD floats)
     unsigned char* sP = sdS + kBN * kBM * 2;                    // kColSplit: Pᵀ (kBN keys, kBM queries), swizzled
 
-    const int tid = threadIdx.x, wg = tid / 128, lane = tid % 32;
-    // Q and dO of stage s landed: thread 0 announces the bytes and issues the bulk tensor copies
-    __shared__ u64 stage_full[2];
-    if (tid == 0) {
-        mbar_init(&stage_full[0], 1);
-        mbar_init(&stage_full[1], 1);
+    // Q and dO of stage s landed: thread 0 (kProducer: the producer warp) announces the bytes and
+    // issues the bulk tensor copies.  kProducer: the consumers free stage s (stage_empty), the
+    // writer has read consumer w's dQ panel (dq_empty[w]), which goes to dq_accum + dq_dst[w].
+    // Thread tid of the consumers (every thread without kProducer; with it, warpgroup 0 is the producer's)
+    const int tid = static_cast<int>(threadIdx.x) - (kProducer ? 128 : 0), wg = tid / 128, lane = tid % 32;
+    __shared__ u64 stage_full[2], stage_empty[2], dq_empty[2];
+    __shared__ long long dq_dst[2];
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < 2; ++s) {
+            mbar_init(&stage_full[s], kProducer ? 32 : 1);
+            if constexpr (kProducer) mbar_init(&stage_empty[s], 4 * kWG), mbar_init(&dq_empty[s], 1);
+        }
         mbar_init_fence();
         tma_prefetch(maps.q);
         tma_prefetch(maps.dout);
@@ -329,7 +330,6 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     const int write_rows = p.cu_seqlens_k ? seq.sk : static_cast<int>(p.seqlen_k);
     if (n0 >= write_rows) return;
     const int qk_chunks = static_cast<int>(p.headdim_qk / 8), v_chunks = static_cast<int>(p.headdim_v / 8);
-
     const long long k_row = seq.k_start + n0;
     const u16* gK = static_cast<const u16*>(p.k) + b * p.k_batch_stride + k_row * p.k_row_stride + hk * p.k_head_stride;
     const u16* gV = static_cast<const u16*>(p.v) + b * p.v_batch_stride + k_row * p.v_row_stride + hk * p.v_head_stride;
@@ -356,23 +356,40 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         mb_lo = lo < hi ? lo : mb_lo;
         mb_hi = lo < hi ? hi : mb_lo;
     }
-    const int tiles = mb_hi - mb_lo;
-    const int steps = group * tiles;
     // Step t of the loop: query head hk * group + u / tiles, query tile mb_lo + u % tiles, where
     // u = t, or with atomic dQ u = (t + blockIdx.x) % steps, so that the key blocks of one head do
     // not all add to the same dQ rows at the same time.
     // The loop walks u without divisions: `cur` holds step t's (u / tiles, u % tiles), `next` step t + 1's.
+    BwdSteps<kBM> walk{hk, group, mb_lo, mb_hi - mb_lo, group * (mb_hi - mb_lo), {0, 0}};
+    const int tiles = walk.tiles, steps = walk.steps;
     const int shift = kDqAtomic && steps > 0 ? static_cast<int>(blockIdx.x % steps) : 0;
-    StepPos cur{tiles > 0 ? shift / tiles : 0, tiles > 0 ? shift % tiles : 0}, next = cur;
+    if (tiles > 0) walk.first = {shift / tiles, shift % tiles};
+
+    if constexpr (kProducer) {  // ---- warpgroup 0: the producer warp and the dQ writer warp ----
+        if (threadIdx.x < 128) {
+            regs_release<bwd_ws::kProducerRegs>();
+            const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+            if (warp == 0)
+                bwd_load_steps<kBM, kD, kMods>(p, maps, seq, b, walk, sQ, sdO, sLse2, sDsum, stage_full, stage_empty, lane);
+            else if (warp == 1)
+                bwd_write_dq<kBM * kDqSlice>(p.dq_accum, sdQ, dq_dst, dq_empty, lane);
+            return;
+        }
+        regs_acquire<bwd_ws::kConsumerRegs>();
+    }
+    // ---- the consumers ----
+    auto consumer_sync = [&] {  // every consumer thread (kProducer: not the producer warpgroup)
+        if constexpr (kProducer) named_barrier_sync<bwd_ws::kConsumerBarrier>(kThreads);
+        else __syncthreads();
+    };
+    StepPos cur = walk.first, next = cur;
     next.advance(tiles, group);
-    auto step_head = [&](StepPos s) { return hk * group + s.head; };
-    auto step_m0 = [&](StepPos s) { return (mb_lo + s.tile) * kBM; };
     static_assert(kBM <= kThreads, "a row of LSE and D per thread");
-    // kStatsAhead (one block an SM): a tile's LSE and D are loaded with its copies and stored in
-    // the stage at the top of its step, their loads' latency off the step that issues them (with
-    // several blocks an SM they are stored at once: two more registers across the loop made d64's
-    // 168 spill)
-    constexpr bool kStatsAhead = kWG > 1;
+    // kStatsAhead (one block an SM, no producer): a tile's LSE and D are loaded with its copies and
+    // stored in the stage at the top of its step, their loads' latency off the step that issues them
+    // (with several blocks an SM they are stored at once: two more registers across the loop made
+    // d64's 168 spill)
+    constexpr bool kStatsAhead = kWG > 1 && !kProducer;
     float next_lse = 0.f, next_dsum = 0.f;
     auto store_stats = [&](int stage) {  // read after the barrier that publishes the stage
         if (tid < kBM) {
@@ -380,8 +397,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             sDsum[stage * kBM + tid] = next_dsum;
         }
     };
-    auto load_q = [&](StepPos s, int stage) {
-        const int h = step_head(s), m0 = step_m0(s);
+    auto load_q = [&](StepPos s, int stage) {  // (without kProducer)
+        const int h = walk.head(s), m0 = walk.m0(s);
         const int rows_valid = min(kBM, seq.sq - m0);
         if (tid == 0) {  // (rows past the tensor and columns past the head dim arrive as zeros)
             const int q_row = static_cast<int>(seq.q_start) + m0, batch = p.cu_seqlens_q ? 0 : b;
@@ -407,18 +424,32 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         load_tile_swizzled<kBN, kD, kThreads>(sK, gK, p.k_row_stride, seq.sk - n0, qk_chunks, tid);
         load_tile_swizzled<kBN, kD, kThreads>(sV, gV, p.v_row_stride, seq.sk - n0, v_chunks, tid);
         cp_async_commit();
-        load_q(cur, 0);
+        if constexpr (kProducer) {  // (the loop's barriers do not cover K and V there)
+            cp_async_wait<0>();
+            fence_async_smem();
+            consumer_sync();
+        } else {
+            load_q(cur, 0);
+        }
     }
+    // kProducer: the stage this step's consumers free (lane 0 of each warp, once the warp is done
+    // with its Q, dO, LSE and D); the dSᵀ buffer of this step; the parity of the dQ handovers
+    auto release_stage = [&](int stage) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&stage_empty[stage]);
+    };
+    int ds_buf = 0, dq_phase = 0;
     const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
 
     for (int t = 0, stage = 0; t < steps; ++t, stage ^= 1, cur = next, next.advance(tiles, group)) {
-        const int h = step_head(cur), m0 = step_m0(cur);
+        const int h = walk.head(cur), m0 = walk.m0(cur);
         const float slope = kAlibi ? p.alibi_slopes[b * p.nheads_q + h] : 0.f;
         const ScoreMods mods{p, b, h, seq.sq, seq.sk};  // (read only by kMods kernels)
         if constexpr (kStatsAhead) store_stats(stage);
         mbar_wait(&stage_full[stage], (t >> 1) & 1);  // this Q/dO tile landed
-        if (t == 0) cp_async_wait<0>();                // (and K, V)
-        if (p.cu_seqlens_q && m0 + kBM > seq.sq) {
+        if (!kProducer && t == 0) cp_async_wait<0>();  // (and K, V)
+        const bool packed_tail = p.cu_seqlens_q && m0 + kBM > seq.sq;
+        if (packed_tail) {
             // The copy engine read the rows past a packed sequence from the array (another
             // sequence's rows, or unwritten rows that may hold NaN): zeros, as P and dS must be 0 there
             const int first = seq.sq - m0;
@@ -428,15 +459,17 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 *reinterpret_cast<uint4*>(sdO + stage * kTileQ + off) = make_uint4(0, 0, 0, 0);
             }
         }
-        fence_async_smem();
-        __syncthreads();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
+        if (!kProducer || packed_tail) {
+            fence_async_smem();
+            consumer_sync();  // this Q/dO tile (and K, V) landed; every warp is done with the other stage
+        }
         // The next step's copies: here, or (kDqInStage) once the copy engine has read the previous
         // step's dQ panels from that stage, after the barrier in the middle of this step (the
         // reductions then run while this step's Sᵀ and dPᵀ are formed)
         auto load_next = [&] {
             if (t + 1 < steps) load_q(next, stage ^ 1);
         };
-        if constexpr (!kDqInStage) load_next();
+        if constexpr (!kDqInStage && !kProducer) load_next();
         const int mask_state = kMods ? mods.tile_state<kBM, kBN>(m0 / kBM, blockIdx.x) : 2;
         if (mask_state == 0) {  // (kMods) the mask hides the whole tile: it adds nothing
             if constexpr (kDqInStage) {
@@ -444,6 +477,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 __syncthreads();
                 load_next();
             }
+            if constexpr (kProducer) release_stage(stage);
             continue;
         }
 
@@ -548,7 +582,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 for (int half = 0; half < 2; ++half)
                     *reinterpret_cast<u32*>(tile + swizzled_chunk<kBN>(r_lo + 8 * half, q_off / 8 + nt) + (lane % 4) * 4) = a[nt / 2][2 * (nt % 2) + half];
         };
-        if constexpr (kDqAtomic) stage_rows(sdS, dsa);
+        unsigned char* sdS_t = sdS + ds_buf * (kBN * kBM * 2);  // (kProducer: this step's buffer)
+        if constexpr (kDqAtomic) stage_rows(sdS_t, dsa);
         if constexpr (kColSplit) {
             stage_rows(sP, pa);
             fence_async_smem();
@@ -588,14 +623,15 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         if constexpr (kDqAtomic) {
             // The copy engine has read the previous step's dQ tile (its reduction was
             // issued by thread 0 of each warpgroup a step ago) before the barrier lets sdQ be rewritten
-            if (!kDqInStage && tid % 128 == 0) bulk_wait_read<0>();
-            if constexpr (!kColSplit) __syncthreads();  // every warpgroup's dSᵀ rows are staged (column split: above)
+            // (kProducer: the writer warp waits for that, and the consumer for the writer below)
+            if (!kDqInStage && !kProducer && tid % 128 == 0) bulk_wait_read<0>();
+            if constexpr (!kColSplit) consumer_sync();  // every warpgroup's dSᵀ rows are staged (column split: above)
 #pragma unroll 1
             for (int slice = 0; slice < kDqCols / kDqSlice; ++slice) {
                 const int c0 = wg * kDqCols + slice * kDqSlice;  // the slice's first column
                 float dq[kDqSlice / 8][4];  // query rows wg_row, wg_row + 8 of the tile x the slice's columns
                 float (&dq_flat)[kDqSlice / 2] = reinterpret_cast<float (&)[kDqSlice / 2]>(dq);
-                const u32 ds_tile = uniform(smem_addr(sdS)), k_cols = uniform(k_base + (c0 / 64) * kBN * 128);
+                const u32 ds_tile = uniform(smem_addr(sdS_t)), k_cols = uniform(k_base + (c0 / 64) * kBN * 128);
                 wgmma_fence();
 #pragma unroll
                 for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
@@ -611,19 +647,28 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                     wgmma_wait<0>();
                 }
                 wgmma_pin(dq_flat);
+                if constexpr (kProducer) mbar_wait(&dq_empty[wg], dq_phase ^ 1);  // the writer has read the last panel
                 // the slice's panel (dq_tile_offset's order), added in one piece
                 float* panel = kDqInStage ? reinterpret_cast<float*>((slice == 0 ? sdO : sQ) + stage * kTileQ) + wg * kBM * kDqSlice
                                           : sdQ + (c0 / kDqSlice) * kBM * kDqSlice;
 #pragma unroll
                 for (int nt = 0; nt < kDqSlice / 8; ++nt)
                     *reinterpret_cast<float4*>(panel + (nt * 128 + tid % 128) * 4) = make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);
+                // where the panel goes in dq_accum (computed by the thread that passes it on)
+                auto dst = [&] { return dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice; };
                 fence_async_smem();
-                if (wg == 0) named_barrier_sync<1>(128);
-                else named_barrier_sync<2>(128);
-                if (tid % 128 == 0) {
-                    bulk_reduce_add(p.dq_accum + dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice, panel,
-                                    kBM * kDqSlice * 4);
-                    bulk_commit();
+                if constexpr (kProducer) {  // handed to the writer warp
+                    if (tid % 128 == 0) dq_dst[wg] = dst();
+                    if (wg == 0) named_barrier_arrive<bwd_ws::kDqFullBarrier>(bwd_ws::kDqFullThreads);
+                    else named_barrier_arrive<bwd_ws::kDqFullBarrier + 1>(bwd_ws::kDqFullThreads);
+                    dq_phase ^= 1;
+                } else {
+                    if (wg == 0) named_barrier_sync<1>(128);
+                    else named_barrier_sync<2>(128);
+                    if (tid % 128 == 0) {
+                        bulk_reduce_add(p.dq_accum + dst(), panel, kBM * kDqSlice * 4);
+                        bulk_commit();
+                    }
                 }
             }
             if constexpr (kDkAfterDq) wgmma_wait<0>();
@@ -632,15 +677,26 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         }
         wgmma_pin(dv_flat);
         wgmma_pin(dk_flat);
+        if constexpr (kProducer) {
+            release_stage(stage);
+            ds_buf ^= 1;
+        }
     }
-    cp_async_wait<0>();
-    if (kDqAtomic && tid % 128 == 0) bulk_wait<0>();  // (the reductions done before the block exits)
-    __syncthreads();  // every warpgroup is done with sK, sV before they stage dK, dV
+    if constexpr (kProducer) {  // the writer's last round: no panel (its reductions end before it leaves)
+        mbar_wait(&dq_empty[wg], dq_phase ^ 1);
+        if (tid % 128 == 0) dq_dst[wg] = -1;
+        if (wg == 0) named_barrier_arrive<bwd_ws::kDqFullBarrier>(bwd_ws::kDqFullThreads);
+        else named_barrier_arrive<bwd_ws::kDqFullBarrier + 1>(bwd_ws::kDqFullThreads);
+    } else {
+        cp_async_wait<0>();
+        if (kDqAtomic && tid % 128 == 0) bulk_wait<0>();  // (the reductions done before the block exits)
+    }
+    consumer_sync();  // every warpgroup is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kBN, write_rows - n0);
     store_tile<T, kD, kBN, kThreads, kDc>(dk, seq.poison(scale), sK, r_lo - wg_row(tid), gdK, p.dk_row_stride, rows_valid,
-                                          qk_chunks, tid, c_panel * 8);
+                                          qk_chunks, tid, c_panel * 8, consumer_sync);
     store_tile<T, kD, kBN, kThreads, kDc>(dv, seq.poison(1.f), sV, r_lo - wg_row(tid), gdV, p.dv_row_stride, rows_valid,
-                                          v_chunks, tid, c_panel * 8);
+                                          v_chunks, tid, c_panel * 8, consumer_sync);
 }
 
 // One module per dQ scheme, so that a first call compiles only the kernels it launches (a module
@@ -656,13 +712,13 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(
     const __grid_constant__ FlashParams p, const __grid_constant__ BwdMaps maps) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false, CUFLASH_COL_SPLIT != 0,
-                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p, maps);
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2, false>(p, maps);
 }
 #else
-extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(
+extern "C" __global__ void __launch_bounds__((CUFLASH_WARPGROUPS + CUFLASH_PRODUCER) * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(
     const __grid_constant__ FlashParams p, const __grid_constant__ BwdMaps maps) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true, CUFLASH_COL_SPLIT != 0,
-                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2>(p, maps);
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2, CUFLASH_PRODUCER != 0>(p, maps);
 }
 
 // The atomic-dQ form's last pass: dq = softmax_scale * dq_accum for the 64-row query tiles of one

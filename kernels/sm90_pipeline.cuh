@@ -96,6 +96,14 @@ __device__ __forceinline__ void tma_store_4d(const TensorMap& map, const void* s
                  :: "l"(reinterpret_cast<u64>(&map)), "r"(smem_addr(src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                  : "memory");
 }
+// [dst, dst + bytes) += the floats at src in shared memory, by the copy engine (a bulk reduction
+// in this thread's bulk group; 16-byte aligned, bytes a multiple of 16).  The threads that wrote
+// src ran fence_async_smem() and a barrier with this one before; this thread waits with
+// bulk_wait_read before src is written again and with bulk_wait before the block exits.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, const float* src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;"
+                 :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
 // Until this thread's bulk groups but the newest kPending have read their shared memory (_read) or are done.
 template <int kPending> __device__ __forceinline__ void bulk_wait_read() {

@@ -1,0 +1,113 @@
+// The walk of the Hopper dK/dV kernel (flash_bwd_sm90.cu) over its query tiles, and the two helper
+// warps of its warp-specialised form (CUFLASH_PRODUCER): the producer, which streams each step's Q
+// and dO tiles (bulk tensor copies) with their LSE and D rows into a 2-stage ring, and the dQ
+// writer, which adds each consumer warpgroup's staged dQ panel to dq_accum with one bulk reduction.
+// The consumer warpgroups then neither issue copies nor wait for them: they wait on a stage's
+// `full` barrier, hand dQ over through shared memory with a named-barrier arrival, and free the
+// stage with an arrival on its `empty` barrier (Shah et al., "FlashAttention-3", 2024, §3.1 and the
+// backward's Appendix B.3: the producer warp, the dQ writer warp with its bulk reduce-add).
+#pragma once
+#include "score_grad.cuh"
+#include "seqinfo.cuh"
+#include "sm90_pipeline.cuh"
+
+// The tensor maps of a dkdv launch (cuflash/_gpu.py's _bwd_maps): Q and dO as (headdim, rows,
+// heads, batch) boxes of (64, kBM, 1, 1); packed (varlen) arrays are one batch entry of all their rows.
+struct BwdMaps {
+    TensorMap q, dout;
+};
+
+// A step of the dkdv loop over (query head of the GQA group, query tile) pairs, head-major.
+struct StepPos {
+    int head, tile;
+    __device__ __forceinline__ void advance(int tiles, int group) {  // to the next pair, wrapping
+        if (++tile == tiles) {
+            tile = 0;
+            if (++head == group) head = 0;
+        }
+    }
+};
+
+// A dK/dV block's steps: `steps` = group * tiles (query head, query tile) pairs from `first` on,
+// the tiles [mb_lo, mb_lo + tiles) of kBM queries, the heads hk * group + [0, group).
+template <int kBM>
+struct BwdSteps {
+    int hk, group, mb_lo, tiles, steps;
+    StepPos first;
+    __device__ __forceinline__ int head(StepPos s) const { return hk * group + s.head; }
+    __device__ __forceinline__ int m0(StepPos s) const { return (mb_lo + s.tile) * kBM; }
+};
+
+// Named barriers of the warp-specialised form: 1 the two consumer warpgroups (256 threads);
+// 2 + w consumer w's dQ panel staged (its 128 threads arrive, the writer warp syncs).
+namespace bwd_ws {
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
+constexpr int kConsumerBarrier = 1, kDqFullBarrier = 2;
+constexpr int kDqFullThreads = 128 + 32;
+}  // namespace bwd_ws
+
+// The producer (one warp): for each step, once the consumers freed the stage (`empty`, 8 arrivals:
+// lane 0 of each consumer warp), the warp stores the tile's LSE (as lse_for_prob reads it; +inf past
+// the sequence: P = 0) and D (0 there) in the stage, each lane arrives on `full` (32 arrivals: the
+// rows' release), and lane 0 announces and issues the Q and dO copies (rows past the tensor arrive
+// as zeros; rows past a packed sequence are the consumers' to zero).  It leaves once every copy was
+// issued: the consumers wait for the last ones, and no stage is written after that.
+template <int kBM, int kD, bool kMods>
+__device__ __forceinline__ void bwd_load_steps(const FlashParams& p, const BwdMaps& maps, const SeqInfo& seq, int b,
+                                               const BwdSteps<kBM>& w, unsigned char* sQ, unsigned char* sdO,
+                                               float* sLse2, float* sDsum, u64 (&full)[2], u64 (&empty)[2], int lane) {
+    constexpr int kTileQ = kBM * kD * 2;
+    auto ring = RingState<2>::producer_start();
+    StepPos s = w.first;
+    const int batch = p.cu_seqlens_q ? 0 : b;
+    for (int t = 0; t < w.steps; ++t, ring.advance(), s.advance(w.tiles, w.group)) {
+        const int h = w.head(s), m0 = w.m0(s), rows_valid = min(kBM, seq.sq - m0);
+        const long long stat = seq.lse_row(p, b, h, m0);
+        mbar_wait(&empty[ring.stage], ring.phase);
+#pragma unroll
+        for (int r = lane; r < kBM; r += 32) {
+            sLse2[ring.stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000) : lse_for_prob<kMods>(p.lse[stat + r]);
+            sDsum[ring.stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+        }
+        if (lane == 0) {
+            const int q_row = static_cast<int>(seq.q_start) + m0;
+            mbar_arrive_expect_tx(&full[ring.stage], 2 * kTileQ);
+            tma_load_tile<kBM, kD>(sQ + ring.stage * kTileQ, maps.q, &full[ring.stage], q_row, h, batch);
+            tma_load_tile<kBM, kD>(sdO + ring.stage * kTileQ, maps.dout, &full[ring.stage], q_row, h, batch);
+        } else {
+            mbar_arrive(&full[ring.stage]);
+        }
+        __syncwarp();
+    }
+}
+
+// The dQ writer (one warp): consumer w stages its (kBM x kPanelCols) fp32 panel at panels + w *
+// kPanelFloats, puts the float offset in dq_accum where it goes in dst[w] (-1: the block is done)
+// and arrives on barrier kDqFullBarrier + w; lane 0 adds the panel by one bulk reduction and, once
+// the copy engine has read it, arrives on empty[w] (1 arrival), which the consumer waits for before
+// it stages its next panel.  Both consumers hand over once a step, so the writer takes them in turn.
+template <int kPanelFloats>
+__device__ __forceinline__ void bwd_write_dq(float* dq_accum, const float* panels, const volatile long long* dst,
+                                             u64 (&empty)[2], int lane) {
+    for (;;) {
+        named_barrier_sync<bwd_ws::kDqFullBarrier>(bwd_ws::kDqFullThreads);
+        const long long off0 = dst[0];
+        if (off0 >= 0 && lane == 0) {
+            bulk_reduce_add(dq_accum + off0, panels, kPanelFloats * 4);
+            bulk_commit();
+        }
+        named_barrier_sync<bwd_ws::kDqFullBarrier + 1>(bwd_ws::kDqFullThreads);
+        const long long off1 = dst[1];
+        if (off0 < 0) break;  // (both consumers end in the same round)
+        if (lane == 0) {
+            bulk_reduce_add(dq_accum + off1, panels + kPanelFloats, kPanelFloats * 4);
+            bulk_commit();
+            bulk_wait_read<1>();
+            mbar_arrive(&empty[0]);
+            bulk_wait_read<0>();
+            mbar_arrive(&empty[1]);
+        }
+        __syncwarp();
+    }
+    if (lane == 0) bulk_wait<0>();  // (the reductions done before the block exits)
+}
