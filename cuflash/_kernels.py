@@ -346,6 +346,9 @@ def sm90_overlap() -> bool:
 # columns of dK and dV, which do not fit in one warpgroup's registers (CUFLASH_COL_SPLIT,
 # perf-notes b5); deterministic d256 stays with flash_bwd.cu.  Measured: docs/perf-notes.md, h2.
 SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
+# ... with a producer warpgroup (flash_bwd_sm90.cu's CUFLASH_PRODUCER; sm90_bwd_variant says where):
+# d64's 128 keys a block, each consumer adding its keys' part of the whole dQ tile
+SM90_BWD_PRODUCER_TILES = {64: (64, 2, 1), 128: (64, 2, 1)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,14 +365,14 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
         d = 128  # (65-96 too: padded, it ran 2x the sm_80 kernel's 137-140 TF/s, perf-notes b6)
     if d not in SM90_BWD_TILES or (d > 128 and deterministic):
         return None
-    inner, wgs, min_blocks = SM90_BWD_TILES[d]
+    # _dkdv_dq with a producer warpgroup (Q/dO copies and the dQ reductions off the consumers,
+    # perf-notes b13, b15): one block an SM, 384 threads; not with bias/mask/dropout, whose
+    # consumers spilled 464-1204 bytes at its 240 registers (d128; 140-348 at 255 without it)
+    producer = d in SM90_BWD_PRODUCER_TILES and not deterministic and not mods
+    inner, wgs, min_blocks = (SM90_BWD_PRODUCER_TILES if producer else SM90_BWD_TILES)[d]
     if mods:  # (bias/mask/dropout at d64: three blocks' 168 registers spilled 64-152 bytes, two blocks' 255 none)
         min_blocks = min(min_blocks, 2)
     col_split = d > 128
-    # _dkdv_dq with a producer warpgroup (Q/dO copies and the dQ reductions off the consumers,
-    # perf-notes b13): d128, one block an SM, 384 threads; not with bias/mask/dropout, whose
-    # consumers spilled 464-1204 bytes at its 240 registers (140-348 at 255 without it)
-    producer = d == 128 and not deterministic and not mods
     name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
             + "_alibi" * alibi + "_det" * deterministic + _MODS_SUFFIX[mods] + "_p" * producer)
     defines = (
@@ -380,11 +383,12 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
     # column split), two stages of two inner tiles, LSE and D of the _dkdv stages, the dS tile of
-    # _dkdv_dq (two with the producer), its fp32 dQ tile (not with the column split: staged in the Q
-    # and dO tiles; there the Pᵀ tile instead), 1 KB for the 1024-byte alignment.
+    # _dkdv_dq (two with the producer), its fp32 dQ panels (a warpgroup's share of the columns, or at
+    # least 64 of them: d64 with two warpgroups; not with the column split: staged in the Q and dO
+    # tiles; there the Pᵀ tile instead), 1 KB for the 1024-byte alignment.
     outer = 64 if col_split else 64 * wgs
     smem = ((2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + (1 + col_split + producer) * outer * inner * 2 + 1024
-            + (not deterministic and not col_split) * inner * d * 4)
+            + (not deterministic and not col_split) * wgs * inner * max(64, d // wgs) * 4)
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 

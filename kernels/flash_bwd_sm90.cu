@@ -88,10 +88,12 @@ __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + 
 // dQ = dS K as the 4 floats at (nt * 128 + t) * 4: rows wg_row(t) (+0, +0, +8, +8), columns
 // 8 nt + 2 (t % 4) (+0, +1, +0, +1) of the panel, so that the warpgroup stores it with one 16-byte
 // store a tile per thread, without bank conflicts, and the copy engine adds it in one piece.
-// kSlice = dq_panel_cols(kD, warpgroups, column split).
+// kSlice = dq_panel_cols(kD, warpgroups, column split): 64 with the column split, the warpgroup's
+// share of kD otherwise, or all of d64 where two warpgroups each add their keys' part of the
+// whole tile (flash_bwd_dkdv_sm90's kDqByKeys).
 // Tiles do not overlap: padded batches round each head's rows up to 64, packed sequences keep 64
 // rows apart (dq_accum holds nheads_q * (total_q + 64 batch) rows then).
-constexpr int dq_panel_cols(int d, int warpgroups, bool col_split) { return col_split ? 64 : d / warpgroups; }
+constexpr int dq_panel_cols(int d, int warpgroups, bool col_split) { return col_split || d / warpgroups < 64 ? 64 : d / warpgroups; }
 __device__ __forceinline__ long long dq_tile_offset(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, int kD) {
     const long long row = p.cu_seqlens_q ? h * (p.total_q + 64 * p.batch) + seq.q_start + 64ll * b + m0
                                          : (b * p.nheads_q + h) * ((p.seqlen_q + 63) / 64 * 64) + m0;
@@ -275,7 +277,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     // (Where it spilled, visible() stays: d64's 168-register cap of three blocks per SM, the softcap
     // forms and the column split at d256 spilled 8-248 bytes with the range form; d128 went from 4-8 to 0.)
     constexpr bool kRangeMask = kD == 128 && !kSoftcap && !kColSplit && !kMods;
-    constexpr int kDqCols = kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
+    // kDqByKeys (d64 with two warpgroups, whose shares of dQ's columns would be 32 wide): each
+    // warpgroup forms all of the tile's dQ over its own 64 keys, and both panels are added to the same
+    // tile; a warpgroup then reads only the dSᵀ rows it staged itself.
+    constexpr bool kDqByKeys = kDqAtomic && !kColSplit && kD / kWG < 64;
+    constexpr int kDqCols = kDqByKeys ? kD : kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
     constexpr int kDqSlice = dq_panel_cols(kD, kWG, kColSplit);  // ... in slices (dq_tile_offset's panels) of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
     // kDqAtomic: dQ staged in shared memory and added by the copy engine, thread 0 of each warpgroup
@@ -625,16 +631,24 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             // issued by thread 0 of each warpgroup a step ago) before the barrier lets sdQ be rewritten
             // (kProducer: the writer warp waits for that, and the consumer for the writer below)
             if (!kDqInStage && !kProducer && tid % 128 == 0) bulk_wait_read<0>();
-            if constexpr (!kColSplit) consumer_sync();  // every warpgroup's dSᵀ rows are staged (column split: above)
+            if constexpr (kDqByKeys) {  // this warpgroup's dSᵀ rows are staged
+                if (wg == 0) named_barrier_sync<bwd_ws::kWarpgroupBarrier>(128);
+                else named_barrier_sync<bwd_ws::kWarpgroupBarrier + 1>(128);
+            } else if constexpr (!kColSplit) {
+                consumer_sync();  // every warpgroup's dSᵀ rows are staged (column split: above)
+            }
 #pragma unroll 1
             for (int slice = 0; slice < kDqCols / kDqSlice; ++slice) {
-                const int c0 = wg * kDqCols + slice * kDqSlice;  // the slice's first column
+                const int c0 = (kDqByKeys ? 0 : wg * kDqCols) + slice * kDqSlice;  // the slice's first column
                 float dq[kDqSlice / 8][4];  // query rows wg_row, wg_row + 8 of the tile x the slice's columns
                 float (&dq_flat)[kDqSlice / 2] = reinterpret_cast<float (&)[kDqSlice / 2]>(dq);
-                const u32 ds_tile = uniform(smem_addr(sdS_t)), k_cols = uniform(k_base + (c0 / 64) * kBN * 128);
+                // (kDqByKeys: from this warpgroup's first key, 64 rows of 128 bytes into dSᵀ and K)
+                constexpr int kDqKeys = kDqByKeys ? 64 : kBN;
+                const int key0 = kDqByKeys ? wg * 64 * 128 : 0;
+                const u32 ds_tile = uniform(smem_addr(sdS_t) + key0), k_cols = uniform(k_base + (c0 / 64) * kBN * 128 + key0);
                 wgmma_fence();
 #pragma unroll
-                for (int kk = 0; kk < kBN / 16; ++kk)  // dQ = dS K over this block's keys
+                for (int kk = 0; kk < kDqKeys / 16; ++kk)  // dQ = dS K over this block's keys (kDqByKeys: this warpgroup's)
                     wgmma_ss_mn<T, kDqSlice>(dq_flat, desc_n_major<kBN>(ds_tile, kk), desc_n_major<kBN>(k_cols, kk), kk > 0);
                 wgmma_commit();
                 if constexpr (kDkAfterDq) {
@@ -650,7 +664,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 if constexpr (kProducer) mbar_wait(&dq_empty[wg], dq_phase ^ 1);  // the writer has read the last panel
                 // the slice's panel (dq_tile_offset's order), added in one piece
                 float* panel = kDqInStage ? reinterpret_cast<float*>((slice == 0 ? sdO : sQ) + stage * kTileQ) + wg * kBM * kDqSlice
-                                          : sdQ + (c0 / kDqSlice) * kBM * kDqSlice;
+                                          : sdQ + (kDqByKeys ? wg : c0 / kDqSlice) * kBM * kDqSlice;
 #pragma unroll
                 for (int nt = 0; nt < kDqSlice / 8; ++nt)
                     *reinterpret_cast<float4*>(panel + (nt * 128 + tid % 128) * 4) = make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);

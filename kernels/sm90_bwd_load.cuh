@@ -39,10 +39,11 @@ struct BwdSteps {
 };
 
 // Named barriers of the warp-specialised form: 1 the two consumer warpgroups (256 threads);
-// 2 + w consumer w's dQ panel staged (its 128 threads arrive, the writer warp syncs).
+// 2 + w consumer w's dQ panel staged (its 128 threads arrive, the writer warp syncs); 4 + w
+// consumer w alone (128 threads).
 namespace bwd_ws {
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
-constexpr int kConsumerBarrier = 1, kDqFullBarrier = 2;
+constexpr int kConsumerBarrier = 1, kDqFullBarrier = 2, kWarpgroupBarrier = 4;
 constexpr int kDqFullThreads = 128 + 32;
 }  // namespace bwd_ws
 
