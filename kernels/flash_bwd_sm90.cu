@@ -296,6 +296,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     static_assert(kDc % 64 == 0, "dK and dV columns: whole 64-column panels per warpgroup");
     static_assert(!kColSplit || (kDqAtomic && kQW % 16 == 0), "the column split: _dkdv_dq, whole 16-query steps per warpgroup");
     static_assert(!kProducer || (kDqAtomic && !kColSplit && kWG == 2 && kDqCols == kDqSlice), "the producer form: two consumers, a dQ panel each");
+    static_assert(!(kProducer && kMods), "the producer form walks every step (no tile-map skips in the producer or writer)");
     constexpr int kDsBufs = kProducer ? 2 : 1;  // dSᵀ buffers (the producer form: one a step, in turn)
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK

@@ -42,7 +42,10 @@ struct BwdSteps {
 // 2 + w consumer w's dQ panel staged (its 128 threads arrive, the writer warp syncs); 4 + w
 // consumer w alone (128 threads).
 namespace bwd_ws {
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 * 24 + 256 * 240 <= 65536
+// (the block's pool is what __launch_bounds__(384, 1) gives each thread, 168, times 384: setmaxnreg.inc
+// waits until the registers it asks for are free, so the split must not exceed the pool)
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 384 * (65536 / 384 / 8 * 8), "the split fits the block's registers");
 constexpr int kConsumerBarrier = 1, kDqFullBarrier = 2, kWarpgroupBarrier = 4;
 constexpr int kDqFullThreads = 128 + 32;
 }  // namespace bwd_ws

@@ -53,13 +53,15 @@ for kind in [a for a in sys.argv[1:] if a in ("fwd", "bwd")]:
                 rates = [tflops(d, s, causal, disable, kind == "bwd", *rest) for disable, *rest in runs]
                 print(f"{kind} d{d} {causal} {s}: " + " / ".join(f"{r:.0f}" for r in rates), flush=True)
 
-# Backward tiles to compare: SM90_BWD_TILES="64:64x1x2,128:64x1x2" (head dim: inner x warpgroups x min blocks).
+# Backward tiles to compare: SM90_BWD_TILES="64:64x1x2,128:64x1x2" (head dim: inner x warpgroups x min blocks),
+# in the form without the producer warpgroup (the override takes the head dim out of SM90_BWD_PRODUCER_TILES).
 for spec in filter(None, os.environ.get("SM90_BWD_TILES", "").split(",")):
     from cuflash import _kernels
 
     d, tile = spec.split(":")
     d = int(d)
     _kernels.SM90_BWD_TILES[d] = tuple(map(int, tile.split("x")))
+    _kernels.SM90_BWD_PRODUCER_TILES.pop(d, None)
     _kernels.sm90_bwd_variant.cache_clear()
     row = [f"{tflops(d, s, causal, False, True):.0f}" for causal in (False, True) for s in (4096, 16384)]
     print(f"bwd tile d{d} {tile}: non-causal 4k/16k, causal 4k/16k: {' / '.join(row)}", flush=True)
