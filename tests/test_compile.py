@@ -408,6 +408,30 @@ def test_float64_exp2_form_per_variant(smem_kb):
             assert d["CUFLASH_F64_EXP2"] == (0 if d["CUFLASH_HEADDIM"] <= 64 else 1), v.name
 
 
+def test_sm90_backward_producer_form_where_chosen():
+    """The Hopper dK/dV kernel's producer form (flash_bwd_sm90.cu's CUFLASH_PRODUCER: a third
+    warpgroup copies Q/dO and adds dQ, perf-notes b13/b15) serves d64 and d128 (and the buckets padded
+    to them) without deterministic and without bias/mask/dropout; its two consumer warpgroups are what
+    the grids count (Variant.threads 256, 128 keys a block), the launch adds the producer's 128.  The
+    deterministic, modifier and d256 forms keep their tiles."""
+    from cuflash import _gpu
+
+    for dtype in ("bfloat16", "float16"):
+        for d in (40, 64, 96, 128):
+            v = _kernels.sm90_bwd_variant(dtype, d, softcap=d == 96, alibi=d == 40)
+            defs = dict(v.defines)
+            assert defs["CUFLASH_PRODUCER"] == 1 and defs["CUFLASH_WARPGROUPS"] == 2, v.name
+            assert v.threads == 256 and _gpu.bwd_tiles(v) == (128, 128) and v.name.endswith("_p"), v.name
+            for other in (dict(deterministic=True), dict(mods=1), dict(mods=2)):
+                w = _kernels.sm90_bwd_variant(dtype, d, softcap=False, alibi=False, **other)
+                assert dict(w.defines)["CUFLASH_PRODUCER"] == 0 and not w.name.endswith("_p"), w.name
+        w = _kernels.sm90_bwd_variant(dtype, 256, softcap=False, alibi=False)
+        assert dict(w.defines)["CUFLASH_PRODUCER"] == 0 and dict(w.defines)["CUFLASH_COL_SPLIT"] == 1
+        # d64's producer form: three blocks of one warpgroup before (perf-notes b15); deterministic keeps them
+        assert dict(_kernels.sm90_bwd_variant(dtype, 64, softcap=False, alibi=False, deterministic=True).defines)[
+            "CUFLASH_MIN_BLOCKS"] == 3
+
+
 def test_sm90_backward_blocks_per_sm_fit_in_shared_memory():
     """Every Hopper backward variant's dynamic shared memory (with the fp32 dQ tile the atomic form
     stages, flash_bwd_sm90.cu's sdQ), its static bytes and the driver's 1 KB a block leave room for the
