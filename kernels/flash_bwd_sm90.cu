@@ -361,12 +361,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     auto load_q = [&](StepPos s, int stage) {  // (without kProducer)
         const int h = walk.head(s), m0 = walk.m0(s);
         const int rows_valid = min(kBM, seq.sq - m0);
-        if (tid == 0) {  // (rows past the tensor and columns past the head dim arrive as zeros)
-            const int q_row = static_cast<int>(seq.q_start) + m0, batch = p.cu_seqlens_q ? 0 : b;
-            mbar_arrive_expect_tx(&stage_full[stage], 2 * kTileQ);
-            tma_load_tile<kBM, kD>(sQ + stage * kTileQ, maps.q, &stage_full[stage], q_row, h, batch);
-            tma_load_tile<kBM, kD>(sdO + stage * kTileQ, maps.dout, &stage_full[stage], q_row, h, batch);
-        }
+        if (tid == 0) copy_q_dout<kBM, kD>(p, maps, seq, b, h, m0, sQ + stage * kTileQ, sdO + stage * kTileQ, &stage_full[stage]);
         // the tile's LSE and D: row tid (threads [0, kBM)); rows past the sequence: P = 0, D = 0
         const long long stat = seq.lse_row(p, b, h, m0);
         if constexpr (kStatsAhead) {
@@ -375,10 +370,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 next_dsum = tid < rows_valid ? p.dsum[stat + tid] : 0.f;
             }
         } else {
-            for (int r = tid; r < kBM; r += kThreads) {
-                sLse2[stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000) : lse_for_prob<kMods>(p.lse[stat + r]);
-                sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
-            }
+            store_stat_rows<kBM, kThreads, kMods>(p, stat, rows_valid, sLse2, sDsum, stage, tid);
         }
     };
     if (tiles > 0) {

@@ -38,6 +38,29 @@ struct BwdSteps {
     __device__ __forceinline__ int m0(StepPos s) const { return (mb_lo + s.tile) * kBM; }
 };
 
+// Announce the Q and dO bytes of query tile m0 of head h on `full` and issue their copies into one
+// stage's sQ and sdO (one thread; rows past the tensor and columns past the head dim arrive as zeros).
+template <int kBM, int kD>
+__device__ __forceinline__ void copy_q_dout(const FlashParams& p, const BwdMaps& maps, const SeqInfo& seq, int b, int h,
+                                            int m0, unsigned char* sQ, unsigned char* sdO, u64* full) {
+    const int q_row = static_cast<int>(seq.q_start) + m0, batch = p.cu_seqlens_q ? 0 : b;
+    mbar_arrive_expect_tx(full, 2 * kBM * kD * 2);
+    tma_load_tile<kBM, kD>(sQ, maps.q, full, q_row, h, batch);
+    tma_load_tile<kBM, kD>(sdO, maps.dout, full, q_row, h, batch);
+}
+
+// Stage `stage`'s LSE rows (as lse_for_prob reads them; +inf past the sequence's rows_valid: P = 0)
+// and D rows (0 there) of the kBM-row stages at sLse2 and sDsum, from the tile's first LSE row
+// `stat`: rows first, first + kStride, ... of kBM.
+template <int kBM, int kStride, bool kMods>
+__device__ __forceinline__ void store_stat_rows(const FlashParams& p, long long stat, int rows_valid, float* sLse2,
+                                                float* sDsum, int stage, int first) {
+    for (int r = first; r < kBM; r += kStride) {
+        sLse2[stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000) : lse_for_prob<kMods>(p.lse[stat + r]);
+        sDsum[stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
+    }
+}
+
 // Named barriers of the warp-specialised form: 1 the two consumer warpgroups (256 threads);
 // 2 + w consumer w's dQ panel staged (its 128 threads arrive, the writer warp syncs); 4 + w
 // consumer w alone (128 threads).
@@ -63,21 +86,13 @@ __device__ __forceinline__ void bwd_load_steps(const FlashParams& p, const BwdMa
     constexpr int kTileQ = kBM * kD * 2;
     auto ring = RingState<2>::producer_start();
     StepPos s = w.first;
-    const int batch = p.cu_seqlens_q ? 0 : b;
     for (int t = 0; t < w.steps; ++t, ring.advance(), s.advance(w.tiles, w.group)) {
         const int h = w.head(s), m0 = w.m0(s), rows_valid = min(kBM, seq.sq - m0);
         const long long stat = seq.lse_row(p, b, h, m0);
         mbar_wait(&empty[ring.stage], ring.phase);
-#pragma unroll
-        for (int r = lane; r < kBM; r += 32) {
-            sLse2[ring.stage * kBM + r] = r >= rows_valid ? __int_as_float(0x7f800000) : lse_for_prob<kMods>(p.lse[stat + r]);
-            sDsum[ring.stage * kBM + r] = r < rows_valid ? p.dsum[stat + r] : 0.f;
-        }
+        store_stat_rows<kBM, 32, kMods>(p, stat, rows_valid, sLse2, sDsum, ring.stage, lane);
         if (lane == 0) {
-            const int q_row = static_cast<int>(seq.q_start) + m0;
-            mbar_arrive_expect_tx(&full[ring.stage], 2 * kTileQ);
-            tma_load_tile<kBM, kD>(sQ + ring.stage * kTileQ, maps.q, &full[ring.stage], q_row, h, batch);
-            tma_load_tile<kBM, kD>(sdO + ring.stage * kTileQ, maps.dout, &full[ring.stage], q_row, h, batch);
+            copy_q_dout<kBM, kD>(p, maps, seq, b, h, m0, sQ + ring.stage * kTileQ, sdO + ring.stage * kTileQ, &full[ring.stage]);
         } else {
             mbar_arrive(&full[ring.stage]);
         }
