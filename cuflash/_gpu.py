@@ -368,7 +368,7 @@ def _hopper_variant(device: int, dtype: str, headdim: int, features: dict, famil
         return None
     if family is _kernels.sm90_fwd_variant:
         return family(dtype, headdim, **features, overlap=_kernels.sm90_overlap())
-    return family(dtype, headdim, **features)
+    return family(dtype, headdim, **features, ordered=_kernels.sm90_ordered_dq())
 
 
 def _mask_tile_map(prm, p, block_m: int, block_n: int, device: int):
@@ -736,6 +736,10 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
                         else prm.batch * prm.nheads_q * -(-prm.seqlen_q // 64) * 64)
             dq_accum = cp.zeros(rows * dict(main.defines)["CUFLASH_HEADDIM"], dtype=lse.dtype)
             prm.dq_accum = dq_accum.data.ptr
+            if dict(main.defines).get("CUFLASH_DQ_ORDER"):  # deterministic: the key blocks add to a dQ tile in turn
+                dq_order = cp.zeros(2 * (rows // 64 + 1), dtype=cp.int32)  # noqa: F841 (alive until queued)
+                prm.split_counters = dq_order.data.ptr
+                prm.tile_heads, dkdv_grid = _ordered_bwd_grid(device, main, p.batch * p.nheads_k, dkdv_grid[0])
             launches = (("_dkdv_dq", dkdv_grid, smem), ("_dq_convert", dq_grid, 0))
         tail, dsum_kernel = _kernels.varlen_tail_variant(), _kernels.dsum_variant(dtype)
         if not tail_only:
@@ -778,6 +782,18 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             dbias[...] = dbias_of().reshape(dbias.shape)
         if q_sign != 1.0:
             grads[0][...] = grads[0] * q_sign  # -dq, or 0 (NaN rows of bad metadata stay NaN)
+
+
+def _ordered_bwd_grid(device: int, variant, pairs: int, key_blocks: int):
+    """(tile_heads, grid) of the Hopper dK/dV kernel with ordered dQ additions (flash_bwd_sm90.cu's
+    kDqOrdered): one axis of key_blocks x pairs blocks in sections of tile_heads (batch, K/V head)
+    pairs (kernels/sm90_scheduler.cuh's bwd_block), as many as leave about 8 key blocks of a pair
+    among the resident blocks: the key blocks of a pair add to each dQ tile one after another, and
+    a block that runs beside fewer of its pair waits less at the start (a guess: to be tuned)."""
+    resident = _sm_resources(device)[0] * dict(variant.defines).get("CUFLASH_MIN_BLOCKS", 1)
+    blocks = key_blocks * pairs
+    assert blocks < 2**31, "the grid's x extent"  # (2^31 blocks of 64 keys would be terabytes of K)
+    return max(1, min(pairs, -(-resident // 8))), (blocks, 1, 1)
 
 
 def bwd_tiles(variant) -> tuple:

@@ -339,6 +339,14 @@ def sm90_overlap() -> bool:
     return os.environ.get("CUFLASH_SM90_OVERLAP", "") != "0"
 
 
+def sm90_ordered_dq() -> bool:
+    """CUFLASH_SM90_ORDERED_DQ=1 runs ``deterministic=True`` on the Hopper backward's one-pass kernel
+    with dQ's additions in a fixed order (flash_bwd_sm90.cu's kDqOrdered, docs/perf-notes.md b16)
+    instead of its _dq + _dkdv pair (and of flash_bwd.cu at head dims above 128): the switch under
+    which that form is verified on a GPU before it replaces them, not a setting for users."""
+    return os.environ.get("CUFLASH_SM90_ORDERED_DQ", "") not in ("", "0")
+
+
 # Hopper backward (flash_bwd_sm90.cu): head-dim bucket -> (rows of the inner-loop tiles, warpgroups
 # of 64 rows, blocks per SM the registers must allow).  The bucket 96 runs the 128 kernel (zero-padded
 # columns).  Head dim 256 (and the buckets 160-224,
@@ -353,32 +361,36 @@ SM90_BWD_PRODUCER_TILES = {64: (64, 2, 1), 128: (64, 2, 1)}
 
 @functools.lru_cache(maxsize=None)
 def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
-                     deterministic: bool = False, mods: int = 0) -> Variant | None:
+                     deterministic: bool = False, mods: int = 0, ordered: bool = False) -> Variant | None:
     """The wgmma backward kernels for ``headdim``'s bucket: ``<name>_dkdv_dq`` +
     ``<name>_dq_convert`` (fp32 dQ added by the copy engine), or with ``deterministic`` ``<name>_dq`` +
     ``<name>_dkdv`` (a module of their own, so a first call compiles only what it launches; the
-    D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves."""
+    D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves.  ``ordered`` (with
+    ``deterministic``; :func:`sm90_ordered_dq`): ``_dkdv_dq`` + ``_dq_convert`` with dQ's additions
+    in a fixed order (CUFLASH_DQ_ORDER, names ending ``_ord``), at every head-dim bucket."""
     d = headdim_bucket(headdim)
     if d > 128:
         d = 256  # (the columns past the head dim are zero in the tiles)
     elif d > 64:
         d = 128  # (65-96 too: padded, it ran 2x the sm_80 kernel's 137-140 TF/s, perf-notes b6)
-    if d not in SM90_BWD_TILES or (d > 128 and deterministic):
+    ordered = ordered and deterministic
+    split = deterministic and not ordered  # (_dq + _dkdv)
+    if d not in SM90_BWD_TILES or (d > 128 and split):
         return None
     # _dkdv_dq with a producer warpgroup (Q/dO copies and the dQ reductions off the consumers,
     # perf-notes b13, b15): one block an SM, 384 threads; not with bias/mask/dropout, whose
     # consumers spilled 464-1204 bytes at its 240 registers (d128; 140-348 at 255 without it)
-    producer = d in SM90_BWD_PRODUCER_TILES and not deterministic and not mods
+    producer = d in SM90_BWD_PRODUCER_TILES and not split and not mods
     inner, wgs, min_blocks = (SM90_BWD_PRODUCER_TILES if producer else SM90_BWD_TILES)[d]
     if mods:  # (bias/mask/dropout at d64: three blocks' 168 registers spilled 64-152 bytes, two blocks' 255 none)
         min_blocks = min(min_blocks, 2)
     col_split = d > 128
     name = (f"cuflash_bwd_sm90_{_SHORT[dtype]}_d{d}_wg{wgs}_in{inner}_mb{min_blocks}" + "_softcap" * softcap
-            + "_alibi" * alibi + "_det" * deterministic + _MODS_SUFFIX[mods] + "_p" * producer)
+            + "_alibi" * alibi + "_det" * split + _MODS_SUFFIX[mods] + "_p" * producer + "_ord" * ordered)
     defines = (
         ("CUFLASH_DTYPE", DTYPE_TAGS[dtype]), ("CUFLASH_HEADDIM", d), ("CUFLASH_INNER", inner),
         ("CUFLASH_WARPGROUPS", wgs), ("CUFLASH_MIN_BLOCKS", min_blocks), ("CUFLASH_SOFTCAP", int(softcap)),
-        ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_DETERMINISTIC", int(deterministic)),
+        ("CUFLASH_ALIBI", int(alibi)), ("CUFLASH_DETERMINISTIC", int(split)), ("CUFLASH_DQ_ORDER", int(ordered)),
         ("CUFLASH_COL_SPLIT", int(col_split)), ("CUFLASH_MODS", mods), ("CUFLASH_PRODUCER", int(producer)),
     )
     # The largest kernel: 64 * wgs outer rows (Q and dO in _dq, K and V in _dkdv; 64 with the
@@ -388,7 +400,7 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     # tiles; there the Pᵀ tile instead), 1 KB for the 1024-byte alignment.
     outer = 64 if col_split else 64 * wgs
     smem = ((2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + (1 + col_split + producer) * outer * inner * 2 + 1024
-            + (not deterministic and not col_split) * wgs * inner * max(64, d // wgs) * 4)
+            + (not split and not col_split) * wgs * inner * max(64, d // wgs) * 4)
     return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
 
 
@@ -592,8 +604,9 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     hopper = [sm90_fwd_variant(dtype, d, softcap=softcap, alibi=alibi, overlap=overlap, long_rows=long_rows)
                               for overlap in (True, False) for long_rows in long_forms
                               if d in SM90_FWD_TILES]  # (other buckets run these)
-                    hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det, mods=mods)
-                               for det in (False, True) for mods in (0, 1, 2)
+                    hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det, mods=mods,
+                                                ordered=ordered)
+                               for det, ordered in ((False, False), (True, False), (True, True)) for mods in (0, 1, 2)
                                if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))

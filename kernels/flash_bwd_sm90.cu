@@ -26,7 +26,10 @@
 // past the head dim zero) with the warpgroups of a _dkdv_dq block splitting the columns of dK and
 // dV (whole, they do not fit in one warpgroup's registers; each forms Sᵀ, dPᵀ of half the queries
 // and shares Pᵀ, dSᵀ through shared memory): CUFLASH_COL_SPLIT.  Deterministic
-// d256 stays with flash_bwd.cu (its _dq kernel's tiles do not fit in shared memory).
+// d256 stays with flash_bwd.cu (its _dq kernel's tiles do not fit in shared memory), unless dQ's
+// additions are ordered: CUFLASH_DQ_ORDER builds _dkdv_dq with the key blocks adding to each query
+// tile in turn (bitwise repeatable at every head dim, one pass; to replace _dq + _dkdv once
+// verified on a GPU: cuflash/_kernels.py's sm90_ordered_dq).
 // CUFLASH_MODS as flash_bwd.cu's (score_mods.cuh): 1 bias and mask in P (natural units, against the
 // forward's LSE), the bias gradient added by the dK/dV kernel (in both dQ schemes it visits every
 // (query, key) pair once); 2 also dropout: dV += (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D).
@@ -35,6 +38,7 @@
 #include "sm90_bwd_epilogue.cuh"
 #include "sm90_bwd_load.cuh"
 #include "sm90_pipeline.cuh"
+#include "sm90_scheduler.cuh"
 #include "swizzled_tile.cuh"
 #include "warp_gemm.cuh"
 
@@ -75,6 +79,10 @@
 // 128 more threads a block
 #ifndef CUFLASH_PRODUCER
 #define CUFLASH_PRODUCER 0
+#endif
+// 1: _dkdv_dq with dQ's additions in a fixed order (deterministic=True; flash_bwd_dkdv_sm90's kDqOrdered)
+#ifndef CUFLASH_DQ_ORDER
+#define CUFLASH_DQ_ORDER 0
 #endif
 #ifndef CUFLASH_KERNEL_NAME
 #define CUFLASH_KERNEL_NAME cuflash_bwd_sm90
@@ -221,8 +229,18 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 // their LSE/D rows into the ring (sm90_bwd_load.cuh's bwd_load_steps), its warp 1 adds the
 // consumers' dQ panels to dq_accum (bwd_write_dq).  The consumers meet once a step (dSᵀ staged,
 // two dSᵀ buffers in turn) and never wait for a copy they issued.
+//
+// kDqOrdered (deterministic=True): dQ's panels are added to each query tile in one order, the key
+// blocks that reach the tile from the last to the first (FlashAttention-3's deterministic mode):
+// a counter per tile and panel owner (dq_order_counter) says whose turn it is; the block adds its
+// panels when the counter reads its turn and adds 1 once they are done.  The blocks run in
+// bwd_block's order, so a block only waits for blocks already started; the steps walk the query
+// tiles from the first (no shift), every block that reaches a tile takes its turn there (the mask's
+// tile map narrows nothing; a tile it skips passes the turn on), and dQ, dK, dV are bitwise
+// repeatable.  The waits are the writer warp's (kProducer) or thread 0's of each warpgroup, which
+// passes its turn on at its next wait for the reductions (bulk_wait instead of bulk_wait_read).
 template <class T, int kD, int kBM, int kWG, bool kSoftcap, bool kAlibi, bool kDqAtomic, bool kColSplit, bool kMods,
-          bool kDropout, bool kProducer>
+          bool kDropout, bool kProducer, bool kDqOrdered>
 __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const BwdMaps& maps) {
     constexpr int kBN = kColSplit ? 64 : 64 * kWG, kThreads = 128 * kWG;  // kBN key rows, kBM-query tiles
     constexpr int kQW = kColSplit ? kBM / kWG : kBM, kNT = kQW / 8;  // the queries of Sᵀ and dPᵀ each warpgroup forms
@@ -251,6 +269,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     static_assert(!kColSplit || (kDqAtomic && kQW % 16 == 0), "the column split: _dkdv_dq, whole 16-query steps per warpgroup");
     static_assert(!kProducer || (kDqAtomic && !kColSplit && kWG == 2 && kDqCols == kDqSlice), "the producer form: two consumers, a dQ panel each");
     static_assert(!(kProducer && kMods), "the producer form walks every step (no tile-map skips in the producer or writer)");
+    static_assert(!kDqOrdered || (kDqAtomic && (kProducer || !kDqByKeys)), "ordered dQ: _dkdv_dq; one turn a tile for both panels in the writer only");
     constexpr int kDsBufs = kProducer ? 2 : 1;  // dSᵀ buffers (the producer form: one a step, in turn)
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
@@ -270,6 +289,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     const int tid = static_cast<int>(threadIdx.x) - (kProducer ? 128 : 0), wg = tid / 128, lane = tid % 32;
     __shared__ u64 stage_full[2], stage_empty[2], dq_empty[2];
     __shared__ long long dq_dst[2];
+    __shared__ int2 dq_order[2];  // kProducer with kDqOrdered: (counter, turn) of each consumer's panel
     if (threadIdx.x == 0) {
         for (int s = 0; s < 2; ++s) {
             mbar_init(&stage_full[s], kProducer ? 32 : 1);
@@ -280,12 +300,15 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         tma_prefetch(maps.dout);
     }
     __syncthreads();
-    const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    // key block blockIdx.x of (batch, K/V head) pair blockIdx.z * gridDim.y + blockIdx.y, or kDqOrdered
+    // bwd_block's order
+    const long long bh = kDqOrdered ? bwd_block(p).pair : static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_k) return;
     const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
     const int group = static_cast<int>(p.nheads_q / p.nheads_k);
     const SeqInfo seq(p, b);
-    const int n0 = blockIdx.x * kBN;
+    const int key_block = kDqOrdered ? bwd_block(p).key_block : blockIdx.x;
+    const int n0 = key_block * kBN;
     // Padded batches own every row up to seqlen_k (rows past seqlens_k get zero gradients);
     // packed sequences own only their own rows.
     const int write_rows = p.cu_seqlens_k ? seq.sk : static_cast<int>(p.seqlen_k);
@@ -307,23 +330,23 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     int i_lo = 0, i_hi = 0;
     if (n0 < seq.sk) seq.query_range(n0, n0 + kBN, i_lo, i_hi);
     int mb_lo = i_lo / kBM, mb_hi = i_lo < i_hi ? (i_hi + kBM - 1) / kBM : mb_lo;
-    if constexpr (kMods) {  // the query tiles whose mask is not all False for some head of the group (tile map)
+    if constexpr (kMods && !kDqOrdered) {  // the query tiles whose mask is not all False for some head of the group (tile map)
         int lo = mb_hi, hi = mb_lo;
         for (int g = 0; g < group; ++g) {
             int l = mb_lo, u = mb_hi;
-            ScoreMods{p, b, hk * group + g, seq.sq, seq.sk}.narrow_query_tiles<kBM, kBN>(blockIdx.x, l, u);
+            ScoreMods{p, b, hk * group + g, seq.sq, seq.sk}.narrow_query_tiles<kBM, kBN>(key_block, l, u);
             if (l < u) lo = min(lo, l), hi = max(hi, u);
         }
         mb_lo = lo < hi ? lo : mb_lo;
         mb_hi = lo < hi ? hi : mb_lo;
     }
     // Step t of the loop: query head hk * group + u / tiles, query tile mb_lo + u % tiles, where
-    // u = t, or with atomic dQ u = (t + blockIdx.x) % steps, so that the key blocks of one head do
-    // not all add to the same dQ rows at the same time.
+    // u = t, or with atomic dQ in any order u = (t + key block) % steps, so that the key blocks of
+    // one head do not all add to the same dQ rows at the same time.
     // The loop walks u without divisions: `cur` holds step t's (u / tiles, u % tiles), `next` step t + 1's.
     BwdSteps<kBM> walk{hk, group, mb_lo, mb_hi - mb_lo, group * (mb_hi - mb_lo), {0, 0}};
     const int tiles = walk.tiles, steps = walk.steps;
-    const int shift = kDqAtomic && steps > 0 ? static_cast<int>(blockIdx.x % steps) : 0;
+    const int shift = kDqAtomic && !kDqOrdered && steps > 0 ? static_cast<int>(static_cast<unsigned>(key_block) % steps) : 0;
     if (tiles > 0) walk.first = {shift / tiles, shift % tiles};
 
     if constexpr (kProducer) {  // ---- warpgroup 0: the producer warp and the dQ writer warp ----
@@ -333,7 +356,8 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             if (warp == 0)
                 bwd_load_steps<kBM, kD, kMods>(p, maps, seq, b, walk, sQ, sdO, sLse2, sDsum, stage_full, stage_empty, lane);
             else if (warp == 1)
-                bwd_write_dq<kBM * kDqSlice>(p.dq_accum, sdQ, dq_dst, dq_empty, lane);
+                bwd_write_dq<kBM * kDqSlice, kDqOrdered, kDqOrdered && kDqByKeys>(p.dq_accum, sdQ, dq_dst, dq_empty, lane,
+                                                                               p.split_counters, dq_order);
             return;
         }
         regs_acquire<bwd_ws::kConsumerRegs>();
@@ -392,6 +416,28 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         if (lane == 0) mbar_arrive(&stage_empty[stage]);
     };
     int ds_buf = 0, dq_phase = 0;
+    // kDqOrdered: this block's turn at query tile m0 (the key blocks that reach it add from the last
+    // to the first; the last is the one holding the tile's last visible key, or the last launched:
+    // a packed key sequence longer than max_seqlen_k, reported as an error, has keys no block
+    // holds), the slot of this warpgroup's panels (dq_order_counter), and, without kProducer, the
+    // counter whose turn thread 0 of the warpgroup holds until its reductions are done (-1: none)
+    auto turn_at = [&](int m0) {
+        int lo, hi;
+        seq.key_range(m0, min(m0 + kBM, seq.sq), lo, hi);
+        const int launched = static_cast<int>(gridDim.x / static_cast<unsigned>(p.batch * p.nheads_k));
+        return min((hi - 1) / kBN, launched - 1) - n0 / kBN;
+    };
+    const int dq_slot = kDqByKeys ? 0 : wg;
+    int turn_held = -1;
+    auto pass_turn = [&] {  // (thread 0 of a warpgroup) its reductions are done: the next key block's turn
+        bulk_wait<0>();
+        if (turn_held >= 0) sem_release_add(p.split_counters + turn_held);
+        turn_held = -1;
+    };
+    auto wait_dq_read = [&] {  // (thread 0 of a warpgroup) the copy engine has read its dQ panels (kDqOrdered: added them)
+        if constexpr (kDqOrdered) pass_turn();
+        else bulk_wait_read<0>();
+    };
     const u32 k_base = smem_addr(sK), v_base = smem_addr(sV), q_base = smem_addr(sQ), do_base = smem_addr(sdO);
 
     for (int t = 0, stage = 0; t < steps; ++t, stage ^= 1, cur = next, next.advance(tiles, group)) {
@@ -423,10 +469,19 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             if (t + 1 < steps) load_q(next, stage ^ 1);
         };
         if constexpr (!kDqInStage && !kProducer) load_next();
-        const int mask_state = kMods ? mods.tile_state<kBM, kBN>(m0 / kBM, blockIdx.x) : 2;
+        const int mask_state = kMods ? mods.tile_state<kBM, kBN>(m0 / kBM, key_block) : 2;
         if (mask_state == 0) {  // (kMods) the mask hides the whole tile: it adds nothing
+            if constexpr (kDqOrdered) {  // (and passes its turn there on at once)
+                if (tid % 128 == 0) {
+                    pass_turn();
+                    const int counter = dq_order_counter(p, seq, b, h, m0, dq_slot);
+                    sem_wait_eq(p.split_counters + counter, turn_at(m0));
+                    sem_release_add(p.split_counters + counter);
+                }
+                __syncwarp();  // (the warp together again after thread 0's wait, before the barriers)
+            }
             if constexpr (kDqInStage) {
-                if (tid % 128 == 0) bulk_wait_read<0>();
+                if (tid % 128 == 0) wait_dq_read();
                 __syncthreads();
                 load_next();
             }
@@ -540,7 +595,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         if constexpr (kColSplit) {
             stage_rows(sP, pa);
             fence_async_smem();
-            if (tid % 128 == 0) bulk_wait_read<0>();  // the previous step's dQ panels were read (the next copies' stage)
+            if (tid % 128 == 0) wait_dq_read();  // the previous step's dQ panels were read (the next copies' stage)
             __syncthreads();  // every warpgroup's queries of Pᵀ and dSᵀ are staged (and its Sᵀ, dPᵀ products read Q and dO)
             load_next();
         } else if constexpr (kDqAtomic) {
@@ -577,7 +632,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             // The copy engine has read the previous step's dQ tile (its reduction was
             // issued by thread 0 of each warpgroup a step ago) before the barrier lets sdQ be rewritten
             // (kProducer: the writer warp waits for that, and the consumer for the writer below)
-            if (!kDqInStage && !kProducer && tid % 128 == 0) bulk_wait_read<0>();
+            if (!kDqInStage && !kProducer && tid % 128 == 0) wait_dq_read();
             if constexpr (kDqByKeys) {  // this warpgroup's dSᵀ rows are staged
                 if (wg == 0) named_barrier_sync<bwd_ws::kWarpgroupBarrier>(128);
                 else named_barrier_sync<bwd_ws::kWarpgroupBarrier + 1>(128);
@@ -620,6 +675,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 fence_async_smem();
                 if constexpr (kProducer) {  // handed to the writer warp
                     if (tid % 128 == 0) dq_dst[wg] = dst();
+                    if constexpr (kDqOrdered) {
+                        if (tid % 128 == 0) dq_order[wg] = make_int2(dq_order_counter(p, seq, b, h, m0, dq_slot), turn_at(m0));
+                    }
                     if (wg == 0) named_barrier_arrive<bwd_ws::kDqFullBarrier>(bwd_ws::kDqFullThreads);
                     else named_barrier_arrive<bwd_ws::kDqFullBarrier + 1>(bwd_ws::kDqFullThreads);
                     dq_phase ^= 1;
@@ -627,9 +685,14 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                     if (wg == 0) named_barrier_sync<1>(128);
                     else named_barrier_sync<2>(128);
                     if (tid % 128 == 0) {
+                        if constexpr (kDqOrdered) {  // (the column split's second slice: the turn still held)
+                            turn_held = dq_order_counter(p, seq, b, h, m0, dq_slot);
+                            sem_wait_eq(p.split_counters + turn_held, turn_at(m0));
+                        }
                         bulk_reduce_add(p.dq_accum + dst(), panel, kBM * kDqSlice * 4);
                         bulk_commit();
                     }
+                    if constexpr (kDqOrdered) __syncwarp();  // (after thread 0's wait, before the next wgmma)
                 }
             }
             if constexpr (kDkAfterDq) wgmma_wait<0>();
@@ -651,6 +714,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     } else {
         cp_async_wait<0>();
         if (kDqAtomic && tid % 128 == 0) bulk_wait<0>();  // (the reductions done before the block exits)
+        if constexpr (kDqOrdered) {
+            if (tid % 128 == 0) pass_turn();
+        }
     }
     consumer_sync();  // every warpgroup is done with sK, sV before they stage dK, dV
     const int rows_valid = min(kBN, write_rows - n0);
@@ -673,13 +739,13 @@ extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_M
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv)(
     const __grid_constant__ FlashParams p, const __grid_constant__ BwdMaps maps) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, false, CUFLASH_COL_SPLIT != 0,
-                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2, false>(p, maps);
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2, false, false>(p, maps);
 }
 #else
 extern "C" __global__ void __launch_bounds__((CUFLASH_WARPGROUPS + CUFLASH_PRODUCER) * 128, CUFLASH_MIN_BLOCKS) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dkdv_dq)(
     const __grid_constant__ FlashParams p, const __grid_constant__ BwdMaps maps) {
     flash_bwd_dkdv_sm90<CUFLASH_DTYPE, CUFLASH_HEADDIM, CUFLASH_INNER, CUFLASH_WARPGROUPS, CUFLASH_SOFTCAP != 0, CUFLASH_ALIBI != 0, true, CUFLASH_COL_SPLIT != 0,
-                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2, CUFLASH_PRODUCER != 0>(p, maps);
+                        CUFLASH_MODS >= 1, CUFLASH_MODS == 2, CUFLASH_PRODUCER != 0, CUFLASH_DQ_ORDER != 0>(p, maps);
 }
 
 // dq = softmax_scale * dq_accum, rounded, for the rows of one (64 * warpgroups)-row block of a

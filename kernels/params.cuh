@@ -33,7 +33,8 @@ struct FlashParams {
     const void* block_table;       // (batch, max_pages) page of each page_size keys; k/v batch stride = page stride
     float* out_accum;              // (num_splits, batch, nheads_q, seqlen_q, headdim_v) fp32 partial outputs
     float* lse_accum;              // (num_splits, batch, nheads_q, seqlen_q) their natural-log LSE
-    int* split_counters;           // one per group of blocks sharing rows, 0 between launches (the last block resets it)
+    int* split_counters;           // one per group of blocks sharing rows, 0 between launches (the last block resets it);
+                                   // the Hopper backward with ordered dQ: its turn counters (zeroed per call, dq_order_counter)
     // KV append only (kv_append.cu): new keys/values (batch, seqlen_new, nheads_k, headdim), written into k/v.
     const void* k_new;
     const void* v_new;

@@ -105,26 +105,52 @@ __device__ __forceinline__ void bwd_load_steps(const FlashParams& p, const BwdMa
 // and arrives on barrier kDqFullBarrier + w; lane 0 adds the panel by one bulk reduction and, once
 // the copy engine has read it, arrives on empty[w] (1 arrival), which the consumer waits for before
 // it stages its next panel.  Both consumers hand over once a step, so the writer takes them in turn.
-template <int kPanelFloats>
+// kOrdered (deterministic dQ): consumer w also puts in turn[w] the counter of its panel's tile
+// (its index in `counters`) and this block's turn there; lane 0 waits for the turn before the
+// reduction and passes it on once the reduction is done.  kOneTurn: both panels go to the same
+// tile (flash_bwd_dkdv_sm90's kDqByKeys) under one turn, the second added once the first is done.
+template <int kPanelFloats, bool kOrdered = false, bool kOneTurn = false>
 __device__ __forceinline__ void bwd_write_dq(float* dq_accum, const float* panels, const volatile long long* dst,
-                                             u64 (&empty)[2], int lane) {
+                                             u64 (&empty)[2], int lane, int* counters = nullptr,
+                                             const volatile int2* turn = nullptr) {
+    static_assert(kOrdered || !kOneTurn, "one turn for both panels: ordered additions only");
     for (;;) {
         named_barrier_sync<bwd_ws::kDqFullBarrier>(bwd_ws::kDqFullThreads);
         const long long off0 = dst[0];
+        int counter0 = 0;  // (kOrdered, lane 0: read before the arrival on empty[0] lets the consumer rewrite it)
         if (off0 >= 0 && lane == 0) {
+            if constexpr (kOrdered) {
+                counter0 = turn[0].x;
+                sem_wait_eq(counters + counter0, turn[0].y);
+            }
             bulk_reduce_add(dq_accum + off0, panels, kPanelFloats * 4);
             bulk_commit();
         }
+        if constexpr (kOrdered) __syncwarp();  // (the warp together again after lane 0's wait)
         named_barrier_sync<bwd_ws::kDqFullBarrier + 1>(bwd_ws::kDqFullThreads);
         const long long off1 = dst[1];
         if (off0 < 0) break;  // (both consumers end in the same round)
         if (lane == 0) {
+            const int counter1 = kOrdered && !kOneTurn ? turn[1].x : 0;
+            if constexpr (kOneTurn) {  // the second panel's sums after the first's
+                bulk_wait<0>();
+                mbar_arrive(&empty[0]);
+            } else if constexpr (kOrdered) {
+                sem_wait_eq(counters + counter1, turn[1].y);
+            }
             bulk_reduce_add(dq_accum + off1, panels + kPanelFloats, kPanelFloats * 4);
             bulk_commit();
-            bulk_wait_read<1>();
-            mbar_arrive(&empty[0]);
+            if constexpr (!kOneTurn) {
+                bulk_wait_read<1>();
+                mbar_arrive(&empty[0]);
+            }
             bulk_wait_read<0>();
             mbar_arrive(&empty[1]);
+            if constexpr (kOrdered) {  // the sums are done: the next key block's turn
+                bulk_wait<0>();
+                sem_release_add(counters + counter0);
+                if constexpr (!kOneTurn) sem_release_add(counters + counter1);
+            }
         }
         __syncwarp();
     }

@@ -132,3 +132,33 @@ template <int kRegs> __device__ __forceinline__ void regs_release() {
 template <int kRegs> __device__ __forceinline__ void regs_acquire() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(kRegs));
 }
+
+// --- ordering across blocks ----------------------------------------------------------------------
+
+// A counter in global memory that blocks take turns on (the deterministic backward's dQ order,
+// flash_bwd_sm90.cu's kDqOrdered): a block waits until the counter reads its turn, makes its
+// additions, and once they are done passes the turn on by adding 1.  One thread calls these.
+// The bulk reductions are copies of the async proxy: the fence orders them with the counter's
+// generic accesses, after the wait (the additions start after the turn was seen) and before the
+// release (they are complete, bulk_wait, and visible before the next block sees its turn).
+// A turn that never comes (a counting error: a block that never adds) ends the launch with a trap
+// after about a minute instead of hanging.
+__device__ __forceinline__ void sem_wait_eq(const int* sem, int value) {
+    int seen;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(sem) : "memory");
+    if (seen != value) {
+        u64 start, now;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+        do {
+            __nanosleep(64);
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(seen) : "l"(sem) : "memory");
+            asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+            if (now - start > 60ull * 1000000000ull) __trap();
+        } while (seen != value);
+    }
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+__device__ __forceinline__ void sem_release_add(int* sem) {
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;" :: "l"(sem) : "memory");
+}

@@ -15,6 +15,8 @@
 // (the last query tile of every pair, then the one before, ...: under a causal mask later query
 // rows see more keys), so that a grid of blocks taking the numbers in order ends on short tiles.
 // Which block computes a tile never changes what it computes: the result stays bitwise repeatable.
+//
+// The backward's dK/dV blocks (flash_bwd_sm90.cu): bwd_block below.
 #pragma once
 #include "params.cuh"
 
@@ -53,3 +55,25 @@ struct TileScheduler {
         return {static_cast<int>(pair / heads), static_cast<int>(pair % heads), static_cast<int>(m_block * kBM)};
     }
 };
+
+// Which key block of which (batch, K/V head) pair a block of the Hopper backward's dK/dV kernel
+// computes when dQ's additions are ordered (deterministic=True: flash_bwd_sm90.cu's kDqOrdered;
+// otherwise key block blockIdx.x of pair blockIdx.z * gridDim.y + blockIdx.y, the key blocks of a
+// pair side by side, reading the same Q and dO tiles at about the same time).  The grid is one axis,
+// its blocks in sections of p.tile_heads pairs; within a section the key blocks from the last to
+// the first, the section's pairs in turn.  A block waits only for higher key blocks of its own pair
+// (they add to a query tile before it), which the hardware, starting a grid's blocks in order,
+// started before it: every block waited for is running or done (FlashAttention-3's deterministic
+// backward relies on the same).  The last first also lets a causal mask's blocks add without
+// waiting: key block n reaches query tile m a step after key block n + 1 did.
+struct BwdBlock {
+    int key_block;
+    long long pair;  // b * nheads_k + K/V head
+};
+__device__ __forceinline__ BwdBlock bwd_block(const FlashParams& p) {  // (32 bits: the host launches < 2^31 blocks)
+    const unsigned all = static_cast<unsigned>(p.batch * p.nheads_k), blocks = gridDim.x / all;
+    const unsigned section = max(1u, min(all, static_cast<unsigned>(p.tile_heads)));  // (the host sets 1..pairs)
+    const unsigned first = blockIdx.x / (section * blocks) * section;                   // first pair of the section
+    const unsigned size = min(section, all - first), r = blockIdx.x - first * blocks;
+    return {static_cast<int>(blocks - 1 - r / size), static_cast<long long>(first + r % size)};
+}

@@ -46,6 +46,7 @@ def _one_per_source(variants):
     for v in variants:
         d = dict(v.defines)
         key = (v.filename, d.get("CUFLASH_DTYPE"), d.get("CUFLASH_SPLITKV", 0), d.get("CUFLASH_DETERMINISTIC", 0),
+               d.get("CUFLASH_DQ_ORDER", 0),
                d.get("CUFLASH_SLAB_WARPS", 1), d.get("CUFLASH_MODS", 0) > 0,  # (the kernels without modifiers too, not only the fullest form)
                d.get("CUFLASH_F64_EXP2"))  # (float64's exp2 forms each: mma.cuh)
         rank = (d.get("CUFLASH_SOFTCAP", 0) + d.get("CUFLASH_ALIBI", 0) + d.get("CUFLASH_MODS", 0), d.get("CUFLASH_HEADDIM", 0))
@@ -278,10 +279,11 @@ def test_hopper_variants_cover_the_panel_buckets():
     names = [v.name for v in VARIANTS if v.arch == "90a" and "_sm90_" in v.name]  # attention kernels
     # dtypes x (forward 64/128/192/256 with and without the overlap, and with bias/mask and with
     # bias/mask/dropout (overlapped only), backward 64/128 in both dQ schemes and 256 in the atomic
-    # one, each plain, with bias/mask and with bias/mask/dropout) x (softcap, alibi), and the forwards
-    # with bias/mask or bias/mask/dropout in their raw-score form (no softcap, no ALiBi), and d64's
-    # long-row tile (plain, with and without the overlap)
-    assert len(names) == 2 * (4 * 4 + (2 * 2 + 1) * 3) * 4 + 2 * 4 * 2 + 2 * 2
+    # one, and 64/128/256 with ordered dQ (CUFLASH_SM90_ORDERED_DQ), each plain, with bias/mask and
+    # with bias/mask/dropout) x (softcap, alibi), and the forwards with bias/mask or
+    # bias/mask/dropout in their raw-score form (no softcap, no ALiBi), and d64's long-row tile
+    # (plain, with and without the overlap)
+    assert len(names) == 2 * (4 * 4 + (2 * 2 + 1 + 3) * 3) * 4 + 2 * 4 * 2 + 2 * 2
     assert _kernels.sm90_fwd_variant("bfloat16", 64, softcap=False, alibi=False, long_rows=True).name.endswith("_d64_bm192_bn96_st2")
     assert "_bm128_" in _kernels.sm90_fwd_variant("bfloat16", 64, softcap=True, alibi=False, long_rows=True).name
     assert "_bn64_" in _kernels.sm90_fwd_variant("bfloat16", 256, softcap=False, alibi=False, mods=1).name
@@ -289,6 +291,8 @@ def test_hopper_variants_cover_the_panel_buckets():
     v = _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False)
     assert v.name.startswith("cuflash_bwd_sm90_bf16_d256_") and dict(v.defines)["CUFLASH_COL_SPLIT"] == 1
     assert _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False, deterministic=True) is None
+    assert "_d256_" in _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False, deterministic=True,
+                                                 ordered=True).name
     for d in (72, 96):  # the bucket 96 runs the 128 kernel, its columns past the head dim zero
         assert _kernels.sm90_bwd_variant("bfloat16", d, softcap=False, alibi=False).name.startswith("cuflash_bwd_sm90_bf16_d128_")
     assert _kernels.sm90_bwd_variant("bfloat16", 32, softcap=False, alibi=False) is None  # MiniLM's: flash_bwd.cu
@@ -432,6 +436,37 @@ def test_sm90_backward_producer_form_where_chosen():
             "CUFLASH_MIN_BLOCKS"] == 3
 
 
+def test_sm90_backward_ordered_dq_form(monkeypatch):
+    """deterministic=True with ordered dQ additions (flash_bwd_sm90.cu's kDqOrdered, under
+    CUFLASH_SM90_ORDERED_DQ=1 until verified on a GPU): the default form's kernels and tiles
+    (producer form included) at every head-dim bucket, d256 too, with CUFLASH_DQ_ORDER; a one-axis
+    grid of key blocks x pairs in sections that leave about 8 key blocks of a pair among the resident
+    blocks; without the switch the dispatcher keeps _dq + _dkdv."""
+    from cuflash import _gpu
+
+    for dtype in ("bfloat16", "float16"):
+        for d in (40, 64, 96, 128, 160, 256):
+            for mods in (0, 1, 2):
+                base = _kernels.sm90_bwd_variant(dtype, d, softcap=False, alibi=True, mods=mods)
+                v = _kernels.sm90_bwd_variant(dtype, d, softcap=False, alibi=True, mods=mods, deterministic=True,
+                                              ordered=True)
+                defs, base_defs = dict(v.defines), dict(base.defines)
+                assert v.name == base.name + "_ord" and defs.pop("CUFLASH_DQ_ORDER") == 1, v.name
+                assert base_defs.pop("CUFLASH_DQ_ORDER") == 0 and defs == base_defs, v.name
+                assert (v.threads, v.smem_bytes, _gpu.bwd_tiles(v)) == (base.threads, base.smem_bytes, _gpu.bwd_tiles(base))
+                assert v in _kernels.all_variants()
+    monkeypatch.setattr(_gpu, "_sm_resources", lambda device: (132, 233472))
+    p = _kernels.sm90_bwd_variant("bfloat16", 128, softcap=False, alibi=False, deterministic=True, ordered=True)
+    assert _gpu._ordered_bwd_grid(0, p, 40, 32) == (17, (1280, 1, 1))  # 132 SMs / 8
+    assert _gpu._ordered_bwd_grid(0, p, 4, 64) == (4, (256, 1, 1))  # (no more sections than pairs)
+    m = _kernels.sm90_bwd_variant("bfloat16", 64, softcap=False, alibi=False, mods=1, deterministic=True, ordered=True)
+    assert _gpu._ordered_bwd_grid(0, m, 100, 8)[0] == 33  # two blocks an SM
+    monkeypatch.delenv("CUFLASH_SM90_ORDERED_DQ", raising=False)
+    assert not _kernels.sm90_ordered_dq()
+    monkeypatch.setenv("CUFLASH_SM90_ORDERED_DQ", "1")
+    assert _kernels.sm90_ordered_dq()
+
+
 def test_sm90_backward_blocks_per_sm_fit_in_shared_memory():
     """Every Hopper backward variant's dynamic shared memory (with the fp32 dQ tile the atomic form
     stages, flash_bwd_sm90.cu's sdQ), its static bytes and the driver's 1 KB a block leave room for the
@@ -443,9 +478,9 @@ def test_sm90_backward_blocks_per_sm_fit_in_shared_memory():
     for dtype in ("bfloat16", "float16"):
         for d in (64, 128, 256):
             for softcap, alibi, mods in ((False, False, 0), (True, True, 0), (False, False, 1), (False, False, 2)):
-                for deterministic in (False, True):
+                for deterministic, ordered in ((False, False), (True, False), (True, True)):
                     v = _kernels.sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, mods=mods,
-                                                  deterministic=deterministic)
+                                                  deterministic=deterministic, ordered=ordered)
                     if v is None:
                         continue
                     blocks = dict(v.defines)["CUFLASH_MIN_BLOCKS"]

@@ -18,6 +18,7 @@ from cuflash import reference as R
 
 from .conftest import HAS_GPU, requires_gpu
 from .test_cpu import check_backward, check_varlen, make_qkv, varlen_inputs
+from .test_gpu_backward import _check_varlen_grads
 from .test_gpu_forward import _check, _rand
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -252,14 +253,17 @@ def test_wgmma_repeated_calls_are_bitwise_identical(rng):
         assert bool((cuflash.attention(q, k, v, causal=True) == first).all())
 
 
-@pytest.fixture(params=["sm90", "sm90-deterministic", "sm80"])
+@pytest.fixture(params=["sm90", "sm90-deterministic", "sm90-ordered", "sm80"])
 def backward_kernels(request, monkeypatch):
-    """The Hopper backward in both forms (atomic dQ by default; _dq + _dkdv with
-    deterministic=True) and the sm_80 kernels; yields the deterministic flag to pass."""
+    """The Hopper backward in its forms (atomic dQ by default; _dq + _dkdv with
+    deterministic=True; the one-pass kernel with ordered dQ additions under
+    CUFLASH_SM90_ORDERED_DQ=1) and the sm_80 kernels; yields the deterministic flag to pass."""
     if request.param == "sm80":
         monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
+    if request.param == "sm90-ordered":
+        monkeypatch.setenv("CUFLASH_SM90_ORDERED_DQ", "1")
     _fastpath.PLANS.clear()
-    yield request.param == "sm90-deterministic"
+    yield request.param in ("sm90-deterministic", "sm90-ordered")
     _fastpath.PLANS.clear()
 
 
@@ -303,8 +307,9 @@ def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, op
 @pytest.mark.parametrize("case", ["bias+mask", "dropout+bias", "softcap+bias"])
 def test_both_backward_kernels_with_bias_mask_dropout(rng, backward_kernels, headdim, case):
     """Bias (with its gradient), mask and dropout in the Hopper backward (CUFLASH_MODS of
-    flash_bwd_sm90.cu, both dQ schemes; d200: the column-split kernel, whose deterministic form is
-    flash_bwd.cu's) and in the sm_80 one, against the float64 reference: GQA, causal, tails."""
+    flash_bwd_sm90.cu, every dQ scheme; d200: the column-split kernel, whose deterministic form is
+    flash_bwd.cu's unless dQ is ordered) and in the sm_80 one, against the float64 reference: GQA,
+    causal, tails."""
     cp = _arrays.cupy_module()
     b, sq, sk, hq, hk = 2, 130, 257, 4, 2
     q, k, v = make_qkv(rng, np.float16, b, sq, sk, hq, hk, headdim)
@@ -399,3 +404,98 @@ def test_o_stored_by_the_copy_engine_other_layouts(rng, case):
     ref = R.attention_ref(q, k, v, causal=True, layout=layout)[0]
     R.assert_exact(out.get(), ref, R.naive_attention(q, k, v, causal=True, layout=layout), f"out ({case})")
     assert bool(cp.isnan(big[~mask]).all()), "written outside the out= view"
+
+
+ORDERED_CASES = ["full", "causal", "window", "sections", "mask-tiles", "varlen"]
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("case", ORDERED_CASES)
+def test_ordered_dq_backward_exact_and_bitwise_repeatable(rng, monkeypatch, headdim, case):
+    """deterministic=True on the Hopper one-pass kernel with dQ's additions in a fixed order
+    (CUFLASH_SM90_ORDERED_DQ=1: flash_bwd_sm90.cu's kDqOrdered, the key blocks that reach a query
+    tile adding to it from the last to the first): exact against the float64 reference, and 20 calls
+    give the same bits of dq, dk and dv (GQA: dK, dV sum 4 query heads).  "sections": more (batch,
+    head) pairs than one section of the block order holds (sm90_scheduler.cuh's bwd_block);
+    "mask-tiles": a mask that hides whole tiles, which pass their turn on without adding;
+    "varlen": packed sequences with NaN rows past the last one and an empty one.  A counting error
+    would hang a block (the wait traps after a minute) or change bits between calls."""
+    monkeypatch.setenv("CUFLASH_SM90_ORDERED_DQ", "1")
+    _fastpath.PLANS.clear()
+    cp = _arrays.cupy_module()
+    hq, hk = 8, 2
+    if case == "varlen":
+        cu_q = np.array([0, 300, 300, 877, 1000], dtype=np.int32)
+        cu_k = np.array([0, 450, 470, 1100, 1330], dtype=np.int32)
+        q = _rand(rng, (1030, hq, headdim), ml_dtypes.bfloat16)
+        k, v = (_rand(rng, (1330, hk, headdim), ml_dtypes.bfloat16) for _ in range(2))
+        dout = _rand(rng, (1030, hq, headdim), ml_dtypes.bfloat16)
+        q[1000:], dout[1000:] = np.nan, np.nan  # rows no sequence owns
+        args = [cp.asarray(x) for x in (q, k, v)]
+        cu = [cp.asarray(cu_q), cp.asarray(cu_k)]
+        out, lse = cuflash.attention_varlen(*args, *cu, causal=True, return_lse=True)
+
+        def run():
+            return cuflash.attention_varlen_backward(cp.asarray(dout), *args, out, lse, *cu, causal=True,
+                                                     deterministic=True)
+    else:
+        batch, sq, sk = {"sections": (5, 300, 700)}.get(case, (2, 1000, 1300))
+        heads = {"sections": (32, 8)}.get(case, (hq, hk))
+        q, k, v = make_qkv(rng, ml_dtypes.bfloat16, batch, sq, sk, *heads, headdim)
+        opts = {"full": {}, "causal": dict(causal=True), "window": dict(window_size=(300, 40)),
+                "sections": dict(causal=True), "mask-tiles": {}}[case]
+        ref_opts = dict(opts)
+        if case == "mask-tiles":  # key blocks of 64 and 128 rows, query tiles of 64: whole hidden tiles
+            mask = np.ones((batch, 1, sq, sk), dtype=bool)
+            mask[:, :, 64:320, 128:640] = False
+            mask[:, :, 700:, :256] = False
+            mask[:, :, :, 1280:] = rng.random((batch, 1, sq, sk - 1280)) < 0.5
+            opts["mask"], ref_opts["mask"] = cp.asarray(mask), mask
+        args = [cp.asarray(x) for x in (q, k, v)]
+        out, lse = cuflash.attention(*args, return_lse=True, **opts)
+        dout = _rand(rng, tuple(out.shape), ml_dtypes.bfloat16)
+
+        def run():
+            return cuflash.attention_backward(cp.asarray(dout), *args, out, lse, deterministic=True, **opts)
+    first = run()
+    for _ in range(19):
+        for name, x, y in zip(("dq", "dk", "dv"), first, run()):
+            assert cp.array_equal(x.view(cp.uint16), y.view(cp.uint16)), f"{name} changed between calls"
+    grads = [g.get() for g in first]
+    if case == "varlen":
+        _check_varlen_grads(grads, dout, q, k, v, cu_q, cu_k, causal=True)
+        return
+    refs = R.attention_backward_ref(dout, q, k, v, **ref_opts)
+    naives = R.naive_attention_backward(dout, q, k, v, **ref_opts)
+    for name, g, r, n in zip(("dq", "dk", "dv"), grads, refs, naives):
+        R.assert_exact(g, r, n, name)
+
+
+@requires_hopper
+@pytest.mark.parametrize("headdim", [64, 128, 256])
+def test_ordered_dq_backward_key_sequence_longer_than_max_seqlen_k(rng, monkeypatch, headdim):
+    """A packed key sequence longer than max_seqlen_k (an error the kernels report; the grid holds
+    only max_seqlen_k's key blocks): the ordered dQ form gives no turn to a block never launched, so
+    the call ends (no hang, no trap), raises InvalidIndexError at the next synchronize, and the
+    well-formed sequence's gradients are exact."""
+    monkeypatch.setenv("CUFLASH_SM90_ORDERED_DQ", "1")
+    _fastpath.PLANS.clear()
+    cp = _arrays.cupy_module()
+    cu_q, cu_k = np.array([0, 200, 400], dtype=np.int32), np.array([0, 150, 600], dtype=np.int32)
+    q = _rand(rng, (400, 4, headdim), np.float16)
+    k, v = (_rand(rng, (600, 2, headdim), np.float16) for _ in range(2))
+    dout = _rand(rng, (400, 4, headdim), np.float16)
+    args = [cp.asarray(x) for x in (q, k, v)]
+    cu = [cp.asarray(cu_q), cp.asarray(cu_k)]
+    for causal in (False, True):
+        out, lse = cuflash.attention_varlen(*args, *cu, max_seqlen_q=200, max_seqlen_k=450, causal=causal,
+                                            return_lse=True)
+        cuflash.synchronize()  # (well formed for the forward: 450 keys)
+        grads = cuflash.attention_varlen_backward(cp.asarray(dout), *args, out, lse, *cu, max_seqlen_q=200,
+                                                  max_seqlen_k=300, causal=causal, deterministic=True)
+        with pytest.raises(cuflash.InvalidIndexError, match="max_seqlen_k"):
+            cuflash.synchronize()
+        grads = [g.get() for g in grads]
+        _check_varlen_grads([g[:200] if i == 0 else g[:150] for i, g in enumerate(grads)], dout[:200], q[:200],
+                            k[:150], v[:150], cu_q[:2], cu_k[:2], causal=causal)

@@ -1,5 +1,7 @@
 """The Hopper forward's tile order (cuflash._gpu._sm90_tile_grid, kernels/sm90_scheduler.cuh) on a
 stand-in for the H200's resources: no GPU needed.  docs/perf-notes.md h13 has the measurement."""
+import itertools
+
 import pytest
 
 from cuflash import _gpu
@@ -39,3 +41,66 @@ def test_sections_of_the_measured_row():
 def test_no_pairs_and_packed_grids():
     assert _gpu._sm90_tile_grid(0, 4, 0, 1024) == (0, (1,))
     assert _gpu._sm90_tile_grid(0, 1, 3, 1024, packed=True) == (3, (SMS,))  # packed: one block per SM
+
+
+# The deterministic Hopper backward's dQ order (flash_bwd_sm90.cu's kDqOrdered) transcribed from
+# the kernels' integer arithmetic: SeqInfo's key_range and query_range (kernels/seqinfo.cuh), the
+# dK/dV block's query tiles (flash_bwd_dkdv_sm90) and its turn at a tile (turn_at), bwd_block's
+# launch order (kernels/sm90_scheduler.cuh).  A turn no block takes would hang the launch.
+
+def _key_range(m0, m1, sk, offset, left, right):
+    lo = 0 if left < 0 else max(0, m0 + offset - left)
+    hi = sk if right < 0 else min(sk, m1 - 1 + offset + right + 1)
+    return lo, hi
+
+
+def _query_tiles(n0, n1, sq, sk, offset, left, right, bm):
+    if n0 >= sk:
+        return range(0)
+    lo = 0 if right < 0 else max(0, n0 - offset - right)
+    hi = sq if left < 0 else min(sq, n1 - 1 - offset + left + 1)
+    return range(lo // bm, -(-hi // bm)) if lo < hi else range(0)
+
+
+def _turn(m0, sq, sk, offset, left, right, bm, bn, key_block, launched):
+    lo, hi = _key_range(m0, min(m0 + bm, sq), sk, offset, left, right)
+    assert hi >= 1  # (C's division truncates, Python's floors: the same for hi - 1 >= 0)
+    return min((hi - 1) // bn, launched - 1) - key_block
+
+
+def _bwd_block(x, grid, pairs, section):
+    blocks = grid // pairs
+    section = max(1, min(pairs, section))
+    first = x // (section * blocks) * section
+    size, r = min(section, pairs - first), x - first * blocks
+    return blocks - 1 - r // size, first + r % size
+
+
+@pytest.mark.parametrize("bn", [64, 128])
+def test_ordered_dq_turns_are_each_taken_once_in_launch_order(bn):
+    """Over lengths around the tile sizes, both causal alignments, windows (one-sided too) and no
+    mask: at every query tile the key blocks that reach it (their query_range) hold the turns
+    0 .. count - 1, one each; the block with turn r + 1 starts after the one with turn r (bwd_block:
+    it waits only for blocks already started); every (pair, key block) is launched once.  Also with
+    fewer key blocks launched than the keys need (a packed key sequence longer than max_seqlen_k:
+    an error the kernels report, which must not leave a turn to a block never launched)."""
+    bm = 64
+    masks = [(-1, -1), (-1, 0), (0, 0), (3, 5), (70, 0), (0, 130), (200, -1), (-1, 17)]
+    for sq in (1, 7, 63, 64, 65, 129, 200, 333):
+        for sk in (1, 63, 64, 65, 128, 129, 300, 700):
+            for top_left in (False, True):
+                offset = 0 if top_left else sk - sq
+                for (left, right), launched in itertools.product(masks, {-(-sk // bn), max(1, sk // bn // 2)}):
+                    turns = {}
+                    for n in range(launched):
+                        for m in _query_tiles(n * bn, n * bn + bn, sq, sk, offset, left, right, bm):
+                            turns.setdefault(m, []).append(_turn(m * bm, sq, sk, offset, left, right, bm, bn, n, launched))
+                            assert m * bm < sq
+                    for m, ts in turns.items():
+                        assert sorted(ts) == list(range(len(ts))), (sq, sk, top_left, left, right, launched, m, ts)
+    for pairs, blocks, section in ((1, 5, 17), (40, 3, 17), (40, 32, 17), (7, 4, 3), (3, 1, 1)):
+        seen = [_bwd_block(x, pairs * blocks, pairs, section) for x in range(pairs * blocks)]
+        assert sorted(seen) == [(n, pr) for n in range(blocks) for pr in range(pairs)]
+        for pr in range(pairs):  # a pair's key blocks start from the last (turn 0 at every tile)
+            order = [n for n, q in seen if q == pr]
+            assert order == list(range(blocks - 1, -1, -1))
