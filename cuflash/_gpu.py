@@ -771,9 +771,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
         for suffix, grid, shared_mem in launches:
             fn = _kernels.get_function(main, device, suffix)
             extra = (_cpointer()(maps.address),) if suffix.startswith("_dkdv") and maps is not None else ()
-            # (_dkdv_dq's producer warpgroup, CUFLASH_PRODUCER, comes before the consumers' threads)
-            threads = main.threads + 128 * (suffix == "_dkdv_dq") * dict(main.defines).get("CUFLASH_PRODUCER", 0)
-            fn(grid, (threads,), (_pointer(prm), *extra), shared_mem=shared_mem)
+            fn(grid, (main.threads_of(suffix),), (_pointer(prm), *extra), shared_mem=shared_mem)
 
         for g_out, g_x in zip(grads, gx):
             if g_x is not g_out:

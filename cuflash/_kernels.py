@@ -81,9 +81,16 @@ class Variant:
     filename: str
     name: str
     defines: tuple  # ((macro, value), ...)
-    threads: int
+    threads: int  # a block's threads (the grids' tiles are counted from them)
     smem_bytes: int = 0
     arch: str = ""  # "90a": needs Hopper's arch-specific instructions (wgmma); "" = any sm_80+
+    # ((entry suffix, threads), ...): kernels of the module launched with other block sizes (the
+    # Hopper backward's producer form: _dkdv_dq with its producer warpgroup beside the consumers)
+    entry_threads: tuple = ()
+
+    def threads_of(self, suffix: str = "") -> int:
+        """The threads a block of the module's kernel ``<name><suffix>`` is launched with."""
+        return dict(self.entry_threads).get(suffix, self.threads)
 
     def options(self) -> tuple:
         defs = [f"-D{k}={v}" for k, v in self.defines]
@@ -401,7 +408,9 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     outer = 64 if col_split else 64 * wgs
     smem = ((2 * outer + 4 * inner) * d * 2 + 4 * inner * 4 + (1 + col_split + producer) * outer * inner * 2 + 1024
             + (not split and not col_split) * wgs * inner * max(64, d // wgs) * 4)
-    return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a")
+    # (the producer warpgroup comes first in _dkdv_dq's block: CUFLASH_PRODUCER; _dq_convert has none)
+    return Variant("flash_bwd_sm90.cu", name, defines, 128 * wgs, smem, arch="90a",
+                   entry_threads=(("_dkdv_dq", 128 * wgs + 128),) if producer else ())
 
 
 def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:

@@ -416,8 +416,8 @@ def test_sm90_backward_producer_form_where_chosen():
     """The Hopper dK/dV kernel's producer form (flash_bwd_sm90.cu's CUFLASH_PRODUCER: a third
     warpgroup copies Q/dO and adds dQ, perf-notes b13/b15) serves d64 and d128 (and the buckets padded
     to them) without deterministic and without bias/mask/dropout; its two consumer warpgroups are what
-    the grids count (Variant.threads 256, 128 keys a block), the launch adds the producer's 128.  The
-    deterministic, modifier and d256 forms keep their tiles."""
+    the grids count (Variant.threads 256, 128 keys a block); _dkdv_dq launches with the producer's 128
+    more (Variant.threads_of).  The deterministic, modifier and d256 forms keep their tiles."""
     from cuflash import _gpu
 
     for dtype in ("bfloat16", "float16"):
@@ -426,9 +426,11 @@ def test_sm90_backward_producer_form_where_chosen():
             defs = dict(v.defines)
             assert defs["CUFLASH_PRODUCER"] == 1 and defs["CUFLASH_WARPGROUPS"] == 2, v.name
             assert v.threads == 256 and _gpu.bwd_tiles(v) == (128, 128) and v.name.endswith("_p"), v.name
+            assert (v.threads_of("_dkdv_dq"), v.threads_of("_dq_convert")) == (384, 256), v.name
             for other in (dict(deterministic=True), dict(mods=1), dict(mods=2)):
                 w = _kernels.sm90_bwd_variant(dtype, d, softcap=False, alibi=False, **other)
                 assert dict(w.defines)["CUFLASH_PRODUCER"] == 0 and not w.name.endswith("_p"), w.name
+                assert all(w.threads_of(suffix) == w.threads for suffix in ("_dkdv_dq", "_dq", "_dkdv")), w.name
         w = _kernels.sm90_bwd_variant(dtype, 256, softcap=False, alibi=False)
         assert dict(w.defines)["CUFLASH_PRODUCER"] == 0 and dict(w.defines)["CUFLASH_COL_SPLIT"] == 1
         # d64's producer form: three blocks of one warpgroup before (perf-notes b15); deterministic keeps them
