@@ -363,23 +363,28 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
         raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
 
 
-def _check_append_targets(c: _Call):
-    """Appending writes the caches in place: they must be writable and distinct, q, k and v must
-    not live in them (k_cache is written before v is read, and q is read after both), GPU caches
-    need a contiguous last axis (the append kernel copies whole rows), and (where the index values
-    are on the host) no new token may land on a slot that another new token or another sequence's
-    keys occupy."""
-    for name, cache in (("k_cache", c.k_cache), ("v_cache", c.v_cache)):
+def check_cache_writes(q, k, v, k_cache, v_cache):
+    """Appending k, v writes the caches in place: they must be writable and distinct, q, k and v
+    must not live in them (k_cache is written before v is read, and q is read after both), and
+    GPU caches need a contiguous last axis (the append kernel copies whole rows).  Also
+    cuflash.parallel's sharded cache."""
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"{name} is read-only (or a broadcast view); new tokens are written into it in place")
-        if c.gpu and cache.size and cache.strides[-1] != cache.itemsize:
+        if _arrays.is_gpu(q) and cache.size and cache.strides[-1] != cache.itemsize:
             raise ValueError(f"{name} has a strided last axis (stride {cache.strides[-1]} bytes); appending on the "
                              "GPU needs its head dim contiguous (pass a contiguous cache)")
-    if V.shares_memory(c.k_cache, c.v_cache):
+    if V.shares_memory(k_cache, v_cache):
         raise ValueError("k_cache and v_cache share memory; new tokens for both would overwrite each other")
-    for name, x in (("q", c.q), ("k", c.k), ("v", c.v)):
-        if x.size and any(V.shares_memory(x, cache) for cache in (c.k_cache, c.v_cache) if cache.size):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.size and any(V.shares_memory(x, cache) for cache in (k_cache, v_cache) if cache.size):
             raise ValueError(f"{name} shares memory with the cache, which this call writes before it reads {name}")
+
+
+def _check_append_targets(c: _Call):
+    """The caches as check_cache_writes wants them, and (where the index values are on the host)
+    no new token may land on a slot that another new token or another sequence's keys occupy."""
+    check_cache_writes(c.q, c.k, c.v, c.k_cache, c.v_cache)
     lengths, table, rows, new, page_size = c.host_lengths, c.host_table, c.host_rows, c.new, c.page_size
     if lengths is None or not lengths.size:
         return

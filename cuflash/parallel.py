@@ -20,6 +20,7 @@ chunks is then full, diagonal (plain causal) or skipped.
 
 from __future__ import annotations
 
+import ast
 import queue
 import threading
 from typing import Protocol
@@ -28,7 +29,7 @@ import numpy as np
 
 from . import _arrays
 from . import _validate as V
-from .api import attention, merge_states
+from .api import attention, lse_dtype, merge_states
 
 DEFAULT_TIMEOUT = 300.0  # seconds a collective may take before it raises naming the rank
 SCHEMES = ("zigzag", "contiguous")
@@ -79,6 +80,16 @@ def _start_sendrecv(comm, arrays, dest, source):
 
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete within the communicator's timeout (a peer died or hangs)."""
+
+
+def _check_timeout(timeout) -> float:
+    """A communicator's timeout: seconds, a finite real number > 0 (NaN would wait forever)."""
+    if timeout is None:
+        raise TypeError("timeout must be a number of seconds > 0; got None")
+    seconds = V.check_scalar(timeout, "timeout")
+    if seconds <= 0:
+        raise ValueError(f"timeout must be a number of seconds > 0; got {timeout!r}")
+    return seconds
 
 
 # --- in-process communicators (tests, examples, one GPU) ---------------------------------------
@@ -165,8 +176,8 @@ def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs)
 
     Raises
     ------
-    ValueError
-        ``world`` < 1.
+    TypeError, ValueError
+        ``world`` not an integer >= 1, ``timeout`` not a finite number of seconds > 0.
     Exception
         The first exception a rank raised (the other ranks stop waiting for it).
 
@@ -176,9 +187,11 @@ def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs)
     GPU); the arrays never leave the process (Liu et al. 2023's ring of FlashAttention calls,
     with its ranks as threads).
     """
-    if not isinstance(world, (int, np.integer)) or world < 1:
+    if isinstance(world, (bool, np.bool_)) or not isinstance(world, (int, np.integer)):
+        raise TypeError(f"world must be an integer >= 1; got {world!r}")
+    if world < 1:
         raise ValueError(f"world must be an integer >= 1; got {world!r}")
-    hub = _Hub(int(world), float(timeout))
+    hub = _Hub(int(world), _check_timeout(timeout))
     results, errors = [None] * world, [None] * world
 
     def run(rank):
@@ -213,7 +226,8 @@ class NcclComm:
         Stream of the transfers (default: one of the communicator's own, so that a ring step's
         transfer runs while its attention does on the current stream).
     timeout : float
-        Seconds a transfer may take before it raises naming the rank (the stream is polled).
+        Seconds a transfer may take before it raises naming the rank (the stream is polled); a
+        finite number > 0.
 
     Notes
     -----
@@ -223,7 +237,8 @@ class NcclComm:
     """
 
     def __init__(self, nccl_comm, rank: int, size: int, stream=None, timeout: float = DEFAULT_TIMEOUT):
-        self.comm, self.rank, self.size, self.stream, self.timeout = nccl_comm, rank, size, stream, timeout
+        self.comm, self.rank, self.size, self.stream = nccl_comm, rank, size, stream
+        self.timeout = _check_timeout(timeout)
 
     def _stream(self):
         cp = _arrays.cupy_module()
@@ -285,13 +300,15 @@ class NcclComm:
             self.comm.allGather(x.data.ptr, out.data.ptr, x.size * x.itemsize, nccl.NCCL_UINT8, stream.ptr)
             self._wait(stream, "an all-gather")
             return list(out)
-        data = np.frombuffer(repr(obj).encode(), dtype=np.uint8)  # small option tuples: by their repr
+        # Python literals (ints, strings, tuples of them: the checks' option tuples) by their repr,
+        # read back as the objects, as LocalComm returns them
+        data = np.frombuffer(repr(obj).encode(), dtype=np.uint8)
         size = self.allgather(cp.asarray(np.array([data.size], np.int64)))
         width = int(max(int(s.get()[0]) for s in size))
         padded = np.zeros(width, np.uint8)
         padded[:data.size] = data
         parts = self.allgather(cp.asarray(padded))
-        return [bytes(p.get()[:int(n.get()[0])]).decode() for p, n in zip(parts, size)]
+        return [ast.literal_eval(bytes(p.get()[:int(n.get()[0])]).decode()) for p, n in zip(parts, size)]
 
 
 # --- sharding ----------------------------------------------------------------------------------
@@ -439,11 +456,18 @@ def _local_chunks(x, rank, world, scheme, axis=1):
 
 
 def _check_ring(comm, q, k, v, scheme, options):
+    """The checks of :func:`cuflash.attention` on this rank's shards and options (``causal`` a bool
+    here), the ring's own, and that every rank was called alike; returns ``causal``."""
     _check_scheme(scheme)
     if not (hasattr(comm, "rank") and hasattr(comm, "size") and hasattr(comm, "sendrecv")):
         raise TypeError(f"comm must be a cuflash.parallel communicator (rank, size, sendrecv, allgather); "
                         f"got {type(comm).__name__}")
+    causal = options["causal"]
+    if not isinstance(causal, (bool, np.bool_)):  # (the whole sequence's diagonal: no alignment to choose)
+        raise TypeError(f"causal must be a bool; got {causal!r}")
+    options = dict(options, causal=bool(causal))
     V.check_qkv(q, k, v)
+    V.make_problem(q, k, v, **options)  # (v's length and heads, the scale, softcap: as attention checks them)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"ring attention is self-attention over one sequence: q and k must have the same local "
                          f"length; got {q.shape[1]} and {k.shape[1]}")
@@ -455,6 +479,7 @@ def _check_ring(comm, q, k, v, scheme, options):
         bad = next(r for r, o in enumerate(everyone) if o != mine)
         raise ValueError(f"rank {comm.rank}: rank {bad} called with other shapes or options ({everyone[bad]}) "
                          f"than this rank ({mine})")
+    return options["causal"]
 
 
 def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0.0, scheme="zigzag",
@@ -501,7 +526,8 @@ def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0
     """
     q, k, v = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     options = dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap)
-    _check_ring(comm, q, k, v, scheme, options)
+    return_lse = V.check_bool(return_lse, "return_lse")
+    causal = _check_ring(comm, q, k, v, scheme, options)
     rank, world = comm.rank, comm.size
     acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
     q_chunks = _local_chunks(q, rank, world, scheme)
@@ -512,7 +538,7 @@ def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0
         exchange = _start_sendrecv(comm, block, (rank + 1) % world, (rank - 1) % world) if step < world - 1 else None
         for ck, ks in _local_chunks(block[0], owner, world, scheme):
             for cq, qs in q_chunks:
-                mode = _pair(cq, ck, bool(causal))
+                mode = _pair(cq, ck, causal)
                 if mode is None:
                     continue
                 o, lse = attention(q[:, qs], block[0][:, ks], block[1][:, ks], causal=mode == "diag",
@@ -581,7 +607,11 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, soft
     dout, q, k, v, out, lse = (_arrays.as_array(x, n) for x, n in zip(
         (dout, q, k, v, out, lse), ("dout", "q", "k", "v", "out", "lse")))
     options = dict(causal=causal, softmax_scale=softmax_scale, softcap=softcap)
-    _check_ring(comm, q, k, v, scheme, options)
+    causal = _check_ring(comm, q, k, v, scheme, options)
+    o_shape = tuple(q.shape[:3]) + (v.shape[3],)
+    for name, x in (("dout", dout), ("out", out)):  # (as attention_backward checks them)
+        V.check_out(x, name, o_shape, q.dtype, q)
+    V.check_out(lse, "lse", (q.shape[0], q.shape[2], q.shape[1]), lse_dtype(q.dtype), q)
     rank, world = comm.rank, comm.size
     xp = _arrays.module_of(q)
     acc = np.float64 if np.dtype(q.dtype) == np.float64 else np.float32
@@ -597,7 +627,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, comm, *, causal=False, soft
         dk_part, dv_part = xp.zeros(bk.shape, dtype=acc), xp.zeros(bv.shape, dtype=acc)
         for ck, ks in _local_chunks(bk, owner, world, scheme):
             for cq, qs in q_chunks:
-                mode = _pair(cq, ck, bool(causal))
+                mode = _pair(cq, ck, causal)
                 if mode is None:
                     continue
                 g = _block_backward(dout[:, qs], q[:, qs], bk[:, ks], bv[:, ks], out[:, qs], lse[:, :, qs],
@@ -651,8 +681,10 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     Raises
     ------
     TypeError, ValueError
-        As :func:`cuflash.attention_with_kvcache`; appending with GPU ``cache_seqlens`` (their
-        owners must be known on the host); lengths plus new tokens past the whole capacity.
+        As :func:`cuflash.attention_with_kvcache` (every check before a token is written);
+        appending with GPU ``cache_seqlens`` (their owners must be known on the host); lengths
+        plus new tokens past the whole capacity; ranks called with other shapes, lengths or
+        options.
     CollectiveTimeout
         A peer did not answer within the communicator's timeout.
 
@@ -661,34 +693,68 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     The split-KV merge of Flash-Decoding (Dao et al. 2023), with the splits on different
     devices: lse = log Σ_r exp(lse_r), out = Σ_r exp(lse_r − lse) out_r (:func:`cuflash.merge_states`).
     """
-    from .kvcache import attention_with_kvcache
+    from .kvcache import attention_with_kvcache, check_cache_writes
 
-    q, k_cache, v_cache = (_arrays.as_array(x, n) for x, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    appending = k is not None or v is not None
+    written = "when k and v are appended: new tokens are written into it in place" if appending else None
+    q = _arrays.as_array(q, "q")
+    k_cache, v_cache = (_arrays.as_array(x, n, written=written) for x, n in ((k_cache, "k_cache"), (v_cache, "v_cache")))
+    V.check_qkv(q, k_cache, v_cache, names=("q", "k_cache", "v_cache"))
     if _arrays.is_gpu(q):  # a dtype without a GPU kernel: refused before this rank's cache is written
         from . import _gpu
 
         _gpu._check_gpu_dtype(q, None)
     if not (hasattr(comm, "rank") and hasattr(comm, "allgather")):
         raise TypeError(f"comm must be a cuflash.parallel communicator; got {type(comm).__name__}")
+    return_lse = V.check_bool(return_lse, "return_lse")
     xp = _arrays.module_of(q)
-    batch = q.shape[0]
-    caps = [int(c) for c in comm.allgather(int(k_cache.shape[1]))]
-    start, cap, total = sum(caps[:comm.rank]), caps[comm.rank], sum(caps)
+    batch, seqlen_q, nheads_q, headdim = q.shape
+    if k_cache.shape[0] != batch:
+        raise ValueError(f"k_cache has {k_cache.shape[0]} sequences; q has {batch}")
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(f"v_cache must match k_cache's first three axes {tuple(k_cache.shape[:3])}; "
+                         f"got {tuple(v_cache.shape[:3])}")
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]}; it must equal q's head dim {headdim}")
+    # the scale, softcap and the heads' grouping, as attention_with_kvcache checks them, before any write
+    V.finish_problem(q, batch, seqlen_q, k_cache.shape[1], nheads_q, k_cache.shape[2], headdim, v_cache.shape[3],
+                     softmax_scale=softmax_scale, causal=False, window_size=(-1, -1), softcap=softcap,
+                     alibi_slopes=None, seqlens_k=None)
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not -(2**63) <= int(cache_seqlens) < 2**63:
+            raise ValueError(f"cache_seqlens must be >= 0 and within the cache capacity; got {int(cache_seqlens)}")
         cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
     cache_seqlens, host = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
-    if host is not None and host.size and (int(host.min()) < 0 or int(host.max()) > total):
-        raise ValueError(f"cache_seqlens values must lie in [0, {total}] (the whole cache capacity, ranks' capacities "
-                         f"{caps}); got min {int(host.min())}, max {int(host.max())}")
-    lengths = cache_seqlens.astype(np.int64)
-    if k is not None or v is not None:
+    new = 0
+    if appending:
         if k is None or v is None:
             raise ValueError("k and v must be given together (new tokens to append) or both omitted")
         if host is None:
             raise ValueError("appending to a sharded cache needs cache_seqlens on the host (a NumPy array or an int): "
                              "each rank must know which new tokens it owns")
         k, v = _arrays.as_array(k, "k"), _arrays.as_array(v, "v")
-        new = k.shape[1]
+        V.check_qkv(q, k, v)
+        new, nheads_k = k.shape[1], k_cache.shape[2]
+        if tuple(k.shape) != (batch, new, nheads_k, headdim) or tuple(v.shape) != (batch, new, nheads_k, v_cache.shape[3]):
+            raise ValueError(f"k and v must have shapes ({batch}, seqlen_new, {nheads_k}, {headdim}) and "
+                             f"({batch}, seqlen_new, {nheads_k}, {v_cache.shape[3]}); got {tuple(k.shape)} and {tuple(v.shape)}")
+        check_cache_writes(q, k, v, k_cache, v_cache)
+    # Every rank's capacity (its start), and that the ranks were called alike: the same shapes but
+    # the capacity, lengths (where on the host), new tokens and options.
+    mine = repr((tuple(q.shape), str(q.dtype), tuple(k_cache.shape[2:]), tuple(v_cache.shape[2:]),
+                 None if host is None else host.tolist(), new, softmax_scale, softcap, return_lse))
+    everyone = comm.allgather((int(k_cache.shape[1]), mine))
+    if any(o != mine for _, o in everyone):
+        bad = next(r for r, (_, o) in enumerate(everyone) if o != mine)
+        raise ValueError(f"rank {comm.rank}: rank {bad} called with other shapes, lengths or options "
+                         f"({everyone[bad][1]}) than this rank ({mine})")
+    caps = [int(c) for c, _ in everyone]
+    start, cap, total = sum(caps[:comm.rank]), caps[comm.rank], sum(caps)
+    if host is not None and host.size and (int(host.min()) < 0 or int(host.max()) > total):
+        raise ValueError(f"cache_seqlens values must lie in [0, {total}] (the whole cache capacity, ranks' capacities "
+                         f"{caps}); got min {int(host.min())}, max {int(host.max())}")
+    lengths = cache_seqlens.astype(np.int64)
+    if appending:
         if host.size and int(host.max()) + new > total:
             raise ValueError(f"cache_seqlens + {new} new tokens exceed the whole cache capacity {total} "
                              f"(ranks' capacities {caps}); got max length {int(host.max()) + new}")

@@ -91,6 +91,8 @@ class _Options:
         left, right = (int(w) for w in window_size)
         if left < -1 or right < -1:
             raise ValueError(f"window_size entries must be >= -1; got {window_size!r}")
+        # a bound past any sequence is no bound (and would overflow NumPy's int64 positions)
+        left, right = (-1 if w >= 2**62 else w for w in (left, right))
         if is_causal:  # causal is the window's right edge at the diagonal
             right = 0 if right == -1 else min(right, 0)
         self.left, self.right = left, right

@@ -275,3 +275,95 @@ def test_ring_with_a_communicator_that_has_only_sendrecv(rng):
                                                  causal=True))
     for g, r in zip(got, refs):
         assert np.allclose(g, r, atol=1e-12)
+
+
+def test_hostile_arguments_refused_before_any_write(rng):
+    """From a hostile-input review (session 36): the ring's and the sharded cache's arguments get
+    the checks cuflash.attention, attention_backward and attention_with_kvcache give them, named,
+    before a token is written (a refused call leaves every cache as it was); timeouts that would
+    wait forever are refused."""
+    q, k, v = _whole(rng, 8, np.float32)
+    call = lambda fn: parallel.run_local(1, fn)  # noqa: E731
+
+    def ring(**kw):
+        args = dict(q=q, k=k, v=v, causal=False)
+        args.update(kw)
+        return lambda comm: parallel.ring_attention(args["q"], args["k"], args["v"], comm, causal=args["causal"],
+                                                    scheme="contiguous", **{n: kw[n] for n in kw if n == "return_lse"})
+
+    for causal in ("False", 1, None, np.array([0, 1])):
+        with pytest.raises(TypeError, match="causal must be a bool"):
+            call(ring(causal=causal))
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        call(ring(return_lse="False"))
+    with pytest.raises(ValueError, match="v must have k's seqlen and heads"):
+        call(ring(v=_whole(rng, 12, np.float32)[2]))
+    out, lse = call(lambda comm: parallel.ring_attention(q, k, v, comm, scheme="contiguous", return_lse=True))[0]
+    backward = dict(dout=out, out=out, lse=lse)
+    for name, bad, kind in (("lse", lse[0], ValueError), ("lse", lse.astype(np.float16), TypeError),
+                            ("out", out[:, :4], ValueError), ("dout", out[..., :4], ValueError),
+                            ("out", out.astype(np.float16), TypeError)):
+        args = dict(backward, **{name: bad})
+        with pytest.raises(kind, match=name):
+            call(lambda comm: parallel.ring_attention_backward(args["dout"], q, k, v, args["out"], args["lse"], comm,
+                                                               scheme="contiguous"))
+    # the sharded cache: each bad call leaves the caches unchanged
+    q1 = q[:, :1]
+    kc, vc = (rng.standard_normal((2, 8, 2, 8)).astype(np.float32) for _ in range(2))
+    kn, vn = (rng.standard_normal((2, 1, 2, 8)).astype(np.float32) for _ in range(2))
+    before = (kc.copy(), vc.copy())
+    bad_calls = [
+        (dict(v=kc[:, 3:4]), ValueError, "v shares memory with the cache"),
+        (dict(v_cache=kc), ValueError, "k_cache and v_cache share memory"),
+        (dict(k_cache=kc.tolist()), TypeError, "k_cache"),
+        (dict(k=kn.astype(np.float16)), TypeError, "dtype"),
+        (dict(v=vn[..., :4]), ValueError, "k and v must have shapes"),
+        (dict(k=kn[:1], v=vn[:1]), ValueError, "k and v must have shapes"),
+        (dict(k_cache=kc[:1], v_cache=vc[:1]), ValueError, "k_cache has 1 sequences; q has 2"),
+        (dict(k_cache=kc[0], v_cache=vc[0]), ValueError, "k_cache"),
+        (dict(softcap=-1.0), ValueError, "softcap"),
+        (dict(return_lse="no"), TypeError, "return_lse must be a bool"),
+    ]
+    for change, kind, message in bad_calls:
+        args = dict(q=q1, k_cache=kc, v_cache=vc, k=kn, v=vn, softcap=0.0, return_lse=False)
+        args.update(change)
+        with pytest.raises(kind, match=message):
+            call(lambda comm: parallel.decode_with_sharded_cache(
+                args["q"], args["k_cache"], args["v_cache"], np.array([3, 4]), comm, args["k"], args["v"],
+                softcap=args["softcap"], return_lse=args["return_lse"]))
+        assert np.array_equal(kc, before[0]) and np.array_equal(vc, before[1]), change
+    ro = kc.copy()
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        call(lambda comm: parallel.decode_with_sharded_cache(q1, ro, vc, np.array([3, 4]), comm, kn, vn))
+
+    def disagree(comm):  # the ranks' lengths differ
+        return parallel.decode_with_sharded_cache(q1, kc.copy(), vc.copy(), np.array([3, 3 + comm.rank]), comm)
+
+    with pytest.raises(ValueError, match="called with other shapes, lengths or options"):
+        parallel.run_local(2, disagree)
+    for timeout, kind in ((float("nan"), ValueError), (0, ValueError), (-1, ValueError), (None, TypeError),
+                          ("x", TypeError), (float("inf"), ValueError)):
+        with pytest.raises(kind, match="timeout"):
+            parallel.run_local(2, lambda comm: None, timeout=timeout)
+    with pytest.raises(TypeError, match="world must be an integer"):
+        parallel.run_local(True, lambda comm: None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("cuflash")._arrays.gpu_available(), reason="needs a CUDA GPU (CuPy arrays)")
+def test_nccl_comm_allgather_returns_the_objects():
+    """NcclComm.allgather of Python values (the checks' option tuples and capacities) gives back the
+    values, as the in-process communicator does (it gave their reprs: every NCCL ring call would have
+    seen "other options" on every rank).  One rank, over a stand-in for NCCL's all-gather (a copy)."""
+    from cuflash import _arrays
+
+    cp = _arrays.cupy_module()
+
+    class OneRank:
+        def allGather(self, send, recv, count, dtype, stream):  # noqa: N802 (NCCL's name)
+            cp.cuda.runtime.memcpyAsync(recv, send, count, cp.cuda.runtime.memcpyDeviceToDevice, stream)
+
+    comm = parallel.NcclComm(OneRank(), 0, 1)
+    for obj in (8, "a 'quoted' string", (8, "(1, 2)", None, 0.5)):
+        assert comm.allgather(obj) == [obj]
