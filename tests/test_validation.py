@@ -821,6 +821,9 @@ def test_index_lists_are_taken_as_integer_arrays():
     ([[0, 3], [7]], r"cu_seqlens_q must be an integer array \(or a list of ints\); got a ragged list"),
     ([0, 3, None], r"cu_seqlens_q must be an integer array .*got a list of \['NoneType', 'int'\]"),
     ([0, 3, 2**70], r"cu_seqlens_q must be an integer array \(or a list of ints, each within int64\)"),
+    ([0, 3, 2**63], r"cu_seqlens_q must be an integer array \(or a list of ints, each within int64\)"),  # (NumPy: float64)
+    ([0, 3, 2**64], r"cu_seqlens_q must be an integer array \(or a list of ints, each within int64\)"),
+    ([0, 1.5, 3], r"cu_seqlens_q must have dtype int32 or int64; got float64"),
     ([True, False, True], r"cu_seqlens_q must have dtype int32 or int64; got bool"),
 ])
 def test_bad_index_lists(cu, pattern):
