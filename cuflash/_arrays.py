@@ -89,8 +89,9 @@ def as_array(x, name: str, *, written: str | None = None):
     if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
         cp = cupy_module()
         if cp is None:
-            raise TypeError(f"{name} is a GPU array ({type(x).__name__}) but CuPy is not installed: pip install "
-                            "'cuflash[cuda13]' (or '[cuda12]', the extra of your CUDA), or pass NumPy arrays")
+            raise TypeError(f"{name} is a GPU array ({type(x).__name__}) but CuPy is not installed: in a cuflash "
+                            "checkout, pip install -e '.[cuda13]' (or '.[cuda12]', the extra of your CUDA), or pass "
+                            "NumPy arrays")
         failure = (TypeError, BufferError, RuntimeError, ValueError)  # CuPy's CUDA errors are RuntimeErrors
         try:
             if hasattr(x, "__cuda_array_interface__") and not hasattr(x, "__dlpack__"):

@@ -94,7 +94,8 @@ _PRECISION_DOC = """    precision : {None, "ieee", "highest", "tf32"}, optional
         cores) run :func:`attention`, :func:`attention_varlen`, their gradients and
         :func:`attention_with_kvcache`, bias, mask and dropout included; what those kernels lack
         yet (float64 gradients past head dim 192 on
-        GPUs with 99 KB of shared memory a block) raises NotImplementedError (also a TypeError) naming it."""
+        GPUs with 99 KB of shared memory a block) raises ``cuflash.NotAvailableOnGPU`` (a
+        NotImplementedError and a TypeError) naming it."""
 
 
 def _doc(fn):
@@ -191,8 +192,8 @@ def attention(
         non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
         ``window_size`` that is not a pair.  On GPU arrays, float32 and float64 with an option their
         kernels lack yet (float64 gradients past head
-        dim 192 on GPUs with 99 KB of shared memory a block, sm_86/89) raise ``NotImplementedError``
-        (also a TypeError) naming it.
+        dim 192 on GPUs with 99 KB of shared memory a block, sm_86/89) raise
+        ``cuflash.NotAvailableOnGPU`` (a NotImplementedError and a TypeError) naming it.
     ValueError
         Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside
         0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k] (NumPy ``seqlens_k``), an ``out``

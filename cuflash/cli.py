@@ -478,8 +478,10 @@ def bench(suite, backward, deterministic, dtypes, headdims, seqlens, no_peers, j
         refused = [f"--{name.replace('_', '-')}" for name in fixed if given(name)]
         if refused:
             options = ", ".join(refused).replace("--plot-path", "--plot")
-            raise click.UsageError(f"{options}: not for --suite {suite}, which runs fixed configurations (--backward, "
-                                   "--dtypes, --headdims: standard and modifiers suites)")
+            takes = "--backward, --dtypes and --headdims" if suite == "modifiers" else "none of them"
+            raise click.UsageError(f"{options}: only for --suite standard; --suite {suite} runs fixed configurations "
+                                   f"(of --seqlens, --plot, --deterministic, --backward, --dtypes, --headdims it "
+                                   f"takes {takes})")
         if suite == "modifiers" and not set(dtypes.split(",")) <= {"bf16", "fp16"}:
             raise click.UsageError(f"--dtypes {dtypes}: the modifiers suite runs bf16 and fp16 (its peers' "
                                    "fused bias/mask kernels are 16-bit; float32/float64 modifier rows are not timed)")
@@ -491,7 +493,7 @@ def bench(suite, backward, deterministic, dtypes, headdims, seqlens, no_peers, j
     if not _arrays.gpu_available():
         raise click.ClickException(f"cuflash bench measures GPU kernels; {_arrays.no_gpu_reason()} (see `cuflash info`)")
     if plot_path and importlib.util.find_spec("matplotlib") is None:
-        raise click.ClickException("--plot needs matplotlib: pip install 'cuflash[plot]'")
+        raise click.ClickException("--plot needs matplotlib: in a cuflash checkout, pip install -e '.[plot]'")
     from . import bench as bench_module
 
     argv = ["--suite", suite, "--seqlens", seqlens]

@@ -60,6 +60,11 @@ def run_child(name, cache_dir):
 @click.option("--markdown", type=click.Path(dir_okay=False), help="Also write the table here.")
 def main(markdown):
     """First-call times (cold and warm kernel cache) of the four public GPU entry points."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from cuflash import _arrays
+
+    if not _arrays.gpu_available():  # (else each child process fails with CuPy's traceback)
+        raise click.ClickException(f"first-call times need a GPU; {_arrays.no_gpu_reason()} (see `cuflash info`)")
     rows = ["| function (fp16, d128, causal) | first call, empty cache (s) | first call, cache on disk (s) "
             "| second call (ms) | import + CUDA context (s) |", "|---|---|---|---|---|"]
     for name in CALLS:

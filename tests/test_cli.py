@@ -176,6 +176,10 @@ def test_bench_refuses_sweep_options_on_fixed_suites():
     assert result.exit_code == 2 and "--headdims" in result.output and "--suite decode" in result.output
     result = CliRunner().invoke(cli.main, ["bench", "--suite", "paper", "--backward"])
     assert result.exit_code == 2 and "--backward" in result.output
+    result = CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers", "--plot", "m.png"])
+    # (a new user's report: the message named the modifiers suite among those taking the option it refused)
+    assert result.exit_code == 2 and "--plot: only for --suite standard" in result.output
+    assert "it takes --backward, --dtypes and --headdims" in " ".join(result.output.split())
     result = CliRunner().invoke(cli.main, ["bench", "--suite", "modifiers", "--seqlens", "4096"])
     assert result.exit_code == 2 and "--seqlens" in result.output
     # The modifiers suite sweeps head dims and the 16-bit dtypes; float32/float64 have no bias/mask/dropout kernels yet.
