@@ -904,8 +904,12 @@ def softmax(x, axis=-1):
 
     Parameters
     ----------
-    x : NumPy or CuPy float array, any shape with at least one axis (a 0-d array has no ``axis``)
-    axis : int, default -1
+    x : NumPy or CuPy float array, any shape with at least one axis (a 0-d array has no ``axis``;
+        with ``axis=None`` any shape)
+    axis : int, tuple of ints or None, default -1
+        The axis to normalise along; several axes (a tuple), or all of them (None), are
+        normalised together, as ``scipy.special.softmax`` does: they are moved last and flattened
+        into one (a copy where the layout needs it).
 
     Returns
     -------
@@ -917,7 +921,9 @@ def softmax(x, axis=-1):
     Raises
     ------
     TypeError
-        x is not a float array; ``axis`` is not an integer.
+        x is not a float array; ``axis`` is not an integer, a tuple of them or None.
+    ValueError
+        A tuple ``axis`` that is empty or names an axis twice.
     numpy.exceptions.AxisError
         ``axis`` out of range (``numpy.AxisError`` before NumPy 1.25; both are ValueErrors).
 
@@ -929,8 +935,24 @@ def softmax(x, axis=-1):
     x = _arrays.as_array(x, "x")
     if np.dtype(x.dtype).name not in V.FLOAT_DTYPES:
         raise TypeError(f"x must be a float array; got dtype {np.dtype(x.dtype).name}")
+    if axis is None or isinstance(axis, tuple):  # several axes: moved last, flattened into one
+        axes = tuple(range(x.ndim)) if axis is None else axis
+        if not axes and axis is not None:
+            raise ValueError("axis must name at least one axis; got ()")
+        for a in axes:
+            if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+                raise TypeError(f"axis must be an integer, a tuple of integers or None; got {axis!r}")
+        axes = tuple(normalize_axis_index(int(a), x.ndim) for a in axes)
+        if len(set(axes)) != len(axes):
+            raise ValueError(f"axis names an axis twice; got {axis!r}")
+        xp, kept = _arrays.module_of(x), x.ndim - len(axes)
+        if x.size == 0:
+            return xp.empty_like(x)
+        moved = xp.moveaxis(x, axes, tuple(range(kept, x.ndim)))
+        flat = softmax(moved.reshape(moved.shape[:kept] + (-1,)), axis=-1)
+        return xp.moveaxis(flat.reshape(moved.shape), tuple(range(kept, x.ndim)), axes)
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"axis must be an integer; got {axis!r}")
+        raise TypeError(f"axis must be an integer, a tuple of integers or None; got {axis!r}")
     if x.ndim == 0:
         raise ValueError(f"x must have at least one dimension (the softmax runs along an axis); got a scalar {x!r}")
     axis = normalize_axis_index(int(axis), x.ndim)

@@ -368,11 +368,29 @@ def test_softmax_errors_and_empty():
         cuflash.softmax(np.arange(4))
     with pytest.raises(np.exceptions.AxisError):
         cuflash.softmax(np.ones((2, 3)), axis=2)
-    for axis in (1.0, None, "1", True):  # NumPy's own messages did not name axis; True was taken as 1
+    for axis in (1.0, "1", True, (0, "1"), [0, 1]):  # NumPy's own messages did not name axis; True was taken as 1
         with pytest.raises(TypeError, match="axis must be an integer"):
+            cuflash.softmax(np.ones((2, 3)), axis=axis)
+    for axis, message in (((), "at least one axis"), ((0, -2), "names an axis twice")):
+        with pytest.raises(ValueError, match=message):
             cuflash.softmax(np.ones((2, 3)), axis=axis)
     np.testing.assert_array_equal(cuflash.softmax(np.ones((2, 3)), axis=np.int64(0)), np.full((2, 3), 0.5))
     assert cuflash.softmax(np.ones((0, 3), np.float32)).shape == (0, 3)
+    assert cuflash.softmax(np.ones((0, 3), np.float32), axis=None).shape == (0, 3)
+
+
+@pytest.mark.parametrize("axis", [None, (0, 2), (2, 0), (1,), (-1, 1)])
+def test_softmax_over_several_axes(rng, axis):
+    """axis=None (every axis) and tuples of axes normalise over all of them together, as
+    scipy.special.softmax does (a new user's report, session 36); float64 against the plain formula."""
+    x = rng.standard_normal((3, 4, 5)) * 3
+    m = np.max(x, axis=axis, keepdims=True)
+    ref = np.exp(x - m) / np.exp(x - m).sum(axis=axis, keepdims=True)
+    y = cuflash.softmax(x, axis=axis)
+    assert y.shape == x.shape
+    np.testing.assert_allclose(y, ref, rtol=1e-13, atol=0)
+    np.testing.assert_allclose(y.sum(axis=axis), 1.0, rtol=1e-13)
+    assert cuflash.softmax(np.float64(2.0), axis=None) == 1.0  # (a 0-d array: its one element)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -411,7 +411,8 @@ def test_dlpack_inputs_from_torch(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float16, ml_dtypes.bfloat16, np.float32, np.float64])
-@pytest.mark.parametrize("shape_axis", [((3, 1000), -1), ((5, 7, 33), 1), ((2, 70000), 1), ((4, 1), 0)])
+@pytest.mark.parametrize("shape_axis", [((3, 1000), -1), ((5, 7, 33), 1), ((2, 70000), 1), ((4, 1), 0),
+                                        ((5, 7, 33), None), ((5, 7, 33), (2, 0))])
 def test_softmax_kernel(rng, dtype, shape_axis):
     shape, axis = shape_axis
     x = (rng.standard_normal(shape) * 5).astype(dtype)
