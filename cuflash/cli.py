@@ -204,7 +204,7 @@ def info():
 # cuflash io
 
 _POSITIVE = click.IntRange(min=1)
-_SHORT_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # bench's spellings, accepted by io
+_SHORT_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}  # bench's spellings, accepted by io
 
 
 @main.command()
@@ -213,8 +213,9 @@ _SHORT_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # be
 @click.option("--seqlen", type=_POSITIVE, default=8192, show_default=True, help="Query length N.")
 @click.option("--seqlen-k", type=_POSITIVE, default=None, help="Key/value length [default: --seqlen].")
 @click.option("--headdim", type=_POSITIVE, default=128, show_default=True, help="Head dimension d.")
-@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", *_SHORT_DTYPES]), default="float16",
-              show_default=True, help="Element type of Q, K, V, O (fp16, bf16, fp32 also accepted).")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64", *_SHORT_DTYPES]),
+              default="float16", show_default=True,
+              help="Element type of Q, K, V, O (fp16, bf16, fp32, fp64 also accepted).")
 @click.option("--block-m", type=_POSITIVE, default=128, show_default=True, help="Query rows per tile.")
 @click.option("--block-n", type=_POSITIVE, default=64, show_default=True, help="Key columns per tile.")
 @click.option("--sram-kib", type=_POSITIVE, default=228, show_default=True,
@@ -424,7 +425,7 @@ def _check_writable(path: str, option: str):
 def _check_sweep(dtypes, headdims, seqlens):
     """The comma lists of the standard sweep: known dtypes, head dims 1..256, positive lengths.
     Returns the dtypes in bench's short spelling (the long names are accepted too)."""
-    long_to_short = {long: short for short, long in _SHORT_DTYPES.items()} | {"float64": "fp64"}
+    long_to_short = {long: short for short, long in _SHORT_DTYPES.items()}
     short = []
     for d in dtypes.split(","):
         spelled = long_to_short.get(d, d)
