@@ -352,13 +352,17 @@ def test_hostile_arguments_refused_before_any_write(rng):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("cuflash")._arrays.gpu_available(), reason="needs a CUDA GPU (CuPy arrays)")
-def test_nccl_comm_allgather_returns_the_objects():
+def test_nccl_comm_allgather_returns_the_objects(monkeypatch):
     """NcclComm.allgather of Python values (the checks' option tuples and capacities) gives back the
     values, as the in-process communicator does (it gave their reprs: every NCCL ring call would have
-    seen "other options" on every rank).  One rank, over a stand-in for NCCL's all-gather (a copy)."""
+    seen "other options" on every rank).  One rank, over a stand-in for NCCL's all-gather (a copy;
+    CuPy without the NCCL library lacks even its dtype constants)."""
+    from cupy.cuda import nccl
+
     from cuflash import _arrays
 
     cp = _arrays.cupy_module()
+    monkeypatch.setattr(nccl, "NCCL_UINT8", getattr(nccl, "NCCL_UINT8", 0), raising=False)
 
     class OneRank:
         def allGather(self, send, recv, count, dtype, stream):  # noqa: N802 (NCCL's name)
