@@ -183,10 +183,11 @@ def check_index_array(x, name: str, *, like, length: int | None = None, ndim: in
             x = np.asarray(x) if len(x) else np.zeros((0,) * ndim, dtype=np.int64)
         except ValueError as exc:  # ragged nesting
             raise TypeError(f"{name} must be an integer array (or a list of ints); got a ragged list ({exc})") from exc
-        if x.dtype == object or (x.dtype.kind in "uf" and all(  # (ints past int64: NumPy picks float64 or uint64)
-                isinstance(v, int) for v in np.asarray(given, dtype=object).ravel().tolist())):
+        items = np.asarray(given, dtype=object).ravel().tolist() if x.dtype.kind in "Ouf" else ()
+        # (ints past int64: NumPy picks object, float64 or uint64)
+        if x.dtype == object or (items and all(isinstance(v, int) for v in items)):
             raise TypeError(f"{name} must be an integer array (or a list of ints, each within int64); got a list of "
-                            f"{sorted({type(v).__name__ for v in np.asarray(given, dtype=object).ravel().tolist()})}")
+                            f"{sorted({type(v).__name__ for v in items})}")
     if not _arrays.is_array(x):
         raise TypeError(f"{name} must be an integer array (or a list of ints); got {type(x).__name__}")
     kind = np.dtype(x.dtype)

@@ -210,19 +210,12 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
     paged = block_table is not None
     if paged and cache_batch_idx is not None:
         raise ValueError("block_table and cache_batch_idx cannot be combined")
-    capacity_rows, row_len, nheads_k = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    capacity_rows, row_len = k_cache.shape[0], k_cache.shape[1]
     if paged and row_len == 0:
         raise ValueError(f"k_cache has page size 0 (shape {tuple(k_cache.shape)}); pages must hold at least one token")
-    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-        raise ValueError(f"v_cache must match k_cache's first three axes {tuple(k_cache.shape[:3])}; got {tuple(v_cache.shape[:3])}")
-    if k_cache.shape[3] != headdim:
-        raise ValueError(f"k_cache has head dim {k_cache.shape[3]}; it must equal q's head dim {headdim}")
+    check_cache_pair(k_cache, v_cache, headdim)
 
-    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
-        if not -(2**63) <= int(cache_seqlens) < 2**63:
-            raise ValueError(f"cache_seqlens must be >= 0 and within the cache capacity; got {int(cache_seqlens)}")
-        cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
-    cache_seqlens, host_lengths = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+    cache_seqlens, host_lengths = check_cache_seqlens(cache_seqlens, q, batch)
     host_table = host_rows = None
     if paged:
         block_table, host_table = V.check_index_array(block_table, "block_table", like=q, ndim=2)
@@ -238,19 +231,45 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
 
     new = 0
     if k is not None:
-        k, v = _arrays.as_array(k, "k"), _arrays.as_array(v, "v")
-        V.check_qkv(q, k, v)
-        new = k.shape[1]
-        if tuple(k.shape) != (batch, new, nheads_k, headdim) or tuple(v.shape) != (batch, new, nheads_k, v_cache.shape[3]):
-            raise ValueError(
-                f"k and v must have shapes ({batch}, seqlen_new, {nheads_k}, {headdim}) and "
-                f"({batch}, seqlen_new, {nheads_k}, {v_cache.shape[3]}); got {tuple(k.shape)} and {tuple(v.shape)}"
-            )
+        k, v, new = check_new_tokens(q, k, v, k_cache, v_cache)
     _check_ranges(host_lengths, new, capacity, row_len, host_table, capacity_rows, host_rows)
     # Keys each sequence attends to (the caller's int32 array itself when nothing is appended).
     lengths = cache_seqlens if not new and cache_seqlens.dtype == np.int32 else cache_seqlens.astype(np.int64) + new
     return _Call(q, k_cache, v_cache, k, v, cache_seqlens, lengths, block_table, cache_batch_idx, batch, new,
                  capacity, row_len, host_lengths, host_table, host_rows)
+
+
+def check_cache_pair(k_cache, v_cache, headdim: int):
+    """v_cache's first three axes are k_cache's, whose head dim is q's (``headdim``).  Also
+    cuflash.parallel's sharded cache."""
+    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
+        raise ValueError(f"v_cache must match k_cache's first three axes {tuple(k_cache.shape[:3])}; got {tuple(v_cache.shape[:3])}")
+    if k_cache.shape[3] != headdim:
+        raise ValueError(f"k_cache has head dim {k_cache.shape[3]}; it must equal q's head dim {headdim}")
+
+
+def check_cache_seqlens(cache_seqlens, q, batch: int):
+    """``cache_seqlens`` (an int for every sequence, or an index array of ``batch`` entries) as
+    (array on q's side, host values or None): V.check_index_array's.  Also cuflash.parallel's."""
+    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+        if not -(2**63) <= int(cache_seqlens) < 2**63:
+            raise ValueError(f"cache_seqlens must be >= 0 and within the cache capacity; got {int(cache_seqlens)}")
+        cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
+    return V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+
+
+def check_new_tokens(q, k, v, k_cache, v_cache):
+    """New tokens k, v of q's dtype and batch, the caches' heads and head dims: (k, v, seqlen_new).
+    Also cuflash.parallel's sharded cache."""
+    k, v = _arrays.as_array(k, "k"), _arrays.as_array(v, "v")
+    V.check_qkv(q, k, v)
+    batch, new, nheads_k, headdim = q.shape[0], k.shape[1], k_cache.shape[2], q.shape[3]
+    if tuple(k.shape) != (batch, new, nheads_k, headdim) or tuple(v.shape) != (batch, new, nheads_k, v_cache.shape[3]):
+        raise ValueError(
+            f"k and v must have shapes ({batch}, seqlen_new, {nheads_k}, {headdim}) and "
+            f"({batch}, seqlen_new, {nheads_k}, {v_cache.shape[3]}); got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
+    return k, v, new
 
 
 def _cpu_gather_buffers(c: _Call):

@@ -693,7 +693,8 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     The split-KV merge of Flash-Decoding (Dao et al. 2023), with the splits on different
     devices: lse = log Σ_r exp(lse_r), out = Σ_r exp(lse_r − lse) out_r (:func:`cuflash.merge_states`).
     """
-    from .kvcache import attention_with_kvcache, check_cache_writes
+    from .kvcache import (attention_with_kvcache, check_cache_pair, check_cache_seqlens, check_cache_writes,
+                          check_new_tokens)
 
     appending = k is not None or v is not None
     written = "when k and v are appended: new tokens are written into it in place" if appending else None
@@ -711,20 +712,12 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     batch, seqlen_q, nheads_q, headdim = q.shape
     if k_cache.shape[0] != batch:
         raise ValueError(f"k_cache has {k_cache.shape[0]} sequences; q has {batch}")
-    if tuple(v_cache.shape[:3]) != tuple(k_cache.shape[:3]):
-        raise ValueError(f"v_cache must match k_cache's first three axes {tuple(k_cache.shape[:3])}; "
-                         f"got {tuple(v_cache.shape[:3])}")
-    if k_cache.shape[3] != headdim:
-        raise ValueError(f"k_cache has head dim {k_cache.shape[3]}; it must equal q's head dim {headdim}")
+    check_cache_pair(k_cache, v_cache, headdim)
     # the scale, softcap and the heads' grouping, as attention_with_kvcache checks them, before any write
     V.finish_problem(q, batch, seqlen_q, k_cache.shape[1], nheads_q, k_cache.shape[2], headdim, v_cache.shape[3],
                      softmax_scale=softmax_scale, causal=False, window_size=(-1, -1), softcap=softcap,
                      alibi_slopes=None, seqlens_k=None)
-    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
-        if not -(2**63) <= int(cache_seqlens) < 2**63:
-            raise ValueError(f"cache_seqlens must be >= 0 and within the cache capacity; got {int(cache_seqlens)}")
-        cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)
-    cache_seqlens, host = V.check_index_array(cache_seqlens, "cache_seqlens", like=q, length=batch)
+    cache_seqlens, host = check_cache_seqlens(cache_seqlens, q, batch)
     new = 0
     if appending:
         if k is None or v is None:
@@ -732,12 +725,7 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
         if host is None:
             raise ValueError("appending to a sharded cache needs cache_seqlens on the host (a NumPy array or an int): "
                              "each rank must know which new tokens it owns")
-        k, v = _arrays.as_array(k, "k"), _arrays.as_array(v, "v")
-        V.check_qkv(q, k, v)
-        new, nheads_k = k.shape[1], k_cache.shape[2]
-        if tuple(k.shape) != (batch, new, nheads_k, headdim) or tuple(v.shape) != (batch, new, nheads_k, v_cache.shape[3]):
-            raise ValueError(f"k and v must have shapes ({batch}, seqlen_new, {nheads_k}, {headdim}) and "
-                             f"({batch}, seqlen_new, {nheads_k}, {v_cache.shape[3]}); got {tuple(k.shape)} and {tuple(v.shape)}")
+        k, v, new = check_new_tokens(q, k, v, k_cache, v_cache)
         check_cache_writes(q, k, v, k_cache, v_cache)
     # Every rank's capacity (its start), and that the ranks were called alike: the same shapes but
     # the capacity, lengths (where on the host), new tokens and options.
