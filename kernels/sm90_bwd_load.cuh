@@ -128,9 +128,10 @@ __device__ __forceinline__ void bwd_write_dq(float* dq_accum, const float* panel
         }
         if constexpr (kOrdered) __syncwarp();  // (the warp together again after lane 0's wait)
         named_barrier_sync<bwd_ws::kDqFullBarrier + 1>(bwd_ws::kDqFullThreads);
-        const long long off1 = dst[1];
         if (off0 < 0) break;  // (both consumers end in the same round)
         if (lane == 0) {
+            // (lane 0 alone reads dst[1]: its own arrival on empty[1] below lets consumer 1 rewrite it)
+            const long long off1 = dst[1];
             const int counter1 = kOrdered && !kOneTurn ? turn[1].x : 0;
             if constexpr (kOneTurn) {  // the second panel's sums after the first's
                 bulk_wait<0>();
