@@ -137,10 +137,12 @@ def normalize_mask_options(causal, window_size) -> tuple[int, int, bool]:
         raise TypeError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
     if causal not in CAUSAL_MODES:
         raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
+    if window_size is None:  # (JAX's local_window_size=None: no window)
+        window_size = (-1, -1)
     if not isinstance(window_size, (tuple, list)):
-        raise TypeError(f"window_size must be a pair (left, right); got {window_size!r}")
+        raise TypeError(f"window_size must be a pair (left, right) or None; got {window_size!r}")
     if len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right); got {window_size!r}")
+        raise ValueError(f"window_size must be a pair (left, right) or None; got {window_size!r}")
     left = _check_int(window_size[0], "window_size[0]", minimum=-1)
     right = _check_int(window_size[1], "window_size[1]", minimum=-1)
     # No sequence is 2^31 tokens long: a wider window is the same as no bound (and kernels use

@@ -29,10 +29,11 @@ _OPTIONS_DOC = """\
         True (= "bottom_right", FlashAttention >= 2.1) lets query i see key j iff
         ``j <= i + Sk - Sq``; "top_left" (torch/JAX) iff ``j <= i``.  With Sq == Sk they agree.
         Rows that see no key return 0 with LSE -inf.
-    window_size : (int, int), default (-1, -1)
+    window_size : (int, int) or None, default (-1, -1)
         Inclusive local window (left, right) around the same diagonal:
         key j is visible iff ``i + off - left <= j <= i + off + right`` with ``off = Sk - Sq``
-        (``0`` for "top_left"); -1 means unbounded.  ``causal`` sets right to 0.
+        (``0`` for "top_left"); -1 means unbounded, and None is (-1, -1) (JAX's
+        ``local_window_size=None``).  ``causal`` sets right to 0.
     softcap : float, default 0.0
         When > 0, scores become ``softcap * tanh(s / softcap)`` before ALiBi and masking
         (Gemma-2 style).
@@ -190,12 +191,13 @@ def attention(
     TypeError
         Arrays of mixed kinds or dtypes, unsupported dtypes, non-integer index arrays, a
         non-bool ``return_lse``, a ``causal`` that is neither a bool nor a string, a
-        ``window_size`` that is not a pair.  On GPU arrays, float32 and float64 with an option their
+        ``window_size`` that is neither a tuple, a list nor None, or has non-integer entries.  On GPU arrays, float32 and float64 with an option their
         kernels lack yet (float64 gradients past head
         dim 192 on GPUs with 99 KB of shared memory a block, sm_86/89) raise
         ``cuflash.NotAvailableOnGPU`` (a NotImplementedError and a TypeError) naming it.
     ValueError
-        Inconsistent shapes, nheads not a multiple of nheads_k, bad window, softcap outside
+        Inconsistent shapes, nheads not a multiple of nheads_k, a ``window_size`` of other than
+        two entries or with an entry below -1, softcap outside
         0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k] (NumPy ``seqlens_k``), an ``out``
         that is read-only or overlaps q, k or v.
     InvalidIndexError

@@ -61,6 +61,15 @@ def _f64(x):
     return _host(x).astype(np.float64)
 
 
+def _one_result(x, name):
+    """x, unless it is a tuple or list of results (``attention_ref`` returns ``(out, lse)``)."""
+    if isinstance(x, (tuple, list)):
+        raise TypeError(f"{name} is a {type(x).__name__} of {len(x)} items, not one array: the _ref functions "
+                        f"return (out, lse) (and the backward ones (dq, dk, dv)); pass one of them, e.g. "
+                        f"attention_ref(...)[0]")
+    return x
+
+
 def _compute_dtype(dtype):
     """The "plain" arithmetic of an input dtype: float64 for float64, else float32."""
     return np.dtype(np.float64) if np.dtype(dtype).name == "float64" else np.dtype(np.float32)  # any byte order
@@ -77,6 +86,7 @@ class _Options:
         if nheads_k and nheads_q % nheads_k:
             raise ValueError(f"k has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it")
         self.group = nheads_q // nheads_k if nheads_k else 1
+        self.nheads_k = nheads_k
         if softmax_scale is None:
             if headdim == 0:
                 raise ValueError("head dim 0 has no default softmax_scale (1/sqrt(0))")
@@ -88,7 +98,7 @@ class _Options:
             is_causal, self.top_left = True, causal == "top_left"
         else:
             raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
-        left, right = (int(w) for w in window_size)
+        left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
         if left < -1 or right < -1:
             raise ValueError(f"window_size entries must be >= -1; got {window_size!r}")
         # a bound past any sequence is no bound (and would overflow NumPy's int64 positions)
@@ -151,8 +161,9 @@ def visible_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1), vali
     ----------
     seqlen_q, seqlen_k : int
     causal : bool or {"bottom_right", "top_left"}
-    window_size : (int, int)
-        Inclusive (left, right) around the diagonal ``j = i + valid_k - seqlen_q``; -1 unbounded.
+    window_size : (int, int) or None
+        Inclusive (left, right) around the diagonal ``j = i + valid_k - seqlen_q``; -1 unbounded
+        (None: both).
     valid_k : int, optional
         Valid key length (keys at or past it are hidden); default seqlen_k.
 
@@ -237,6 +248,8 @@ def _repeat_heads(x, opts):
 def _sum_groups(x, opts):
     """(B, Hq, S, D) -> (B, Hkv, S, D): the gradient of :func:`_repeat_heads`."""
     b, h, s, d = x.shape
+    if opts.group == 0:  # q has no heads (k some): no query reads k or v
+        return np.zeros((b, opts.nheads_k, s, d), x.dtype)
     return x.reshape(b, h // opts.group, opts.group, s, d).sum(axis=2)
 
 
@@ -279,8 +292,9 @@ def attention_ref(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1,
         None means ``1/sqrt(headdim)``; 0.0 is literal.
     causal : bool or {"bottom_right", "top_left"}
         True is bottom-right aligned (``j <= i + Sk - Sq``); "top_left" is ``j <= i``.
-    window_size : (int, int)
-        Inclusive (left, right) around the same diagonal; -1 unbounded.  Causal sets right to 0.
+    window_size : (int, int) or None
+        Inclusive (left, right) around the same diagonal; -1 unbounded (None: both).  Causal
+        sets right to 0.
     softcap : float
         When > 0: ``s = softcap * tanh(s / softcap)``.
     alibi_slopes : array of shape (nheads,) or (batch, nheads), optional
@@ -624,8 +638,11 @@ def max_error_ratio(actual, ref64, naive) -> float:
     ------
     ValueError
         The three shapes differ.
+    TypeError
+        One of them is a tuple or list, such as the ``(out, lse)`` pair the ``_ref`` functions
+        return: pass ``attention_ref(...)[0]`` for the output.
     """
-    a, r, n = _f64(actual), _f64(ref64), _f64(naive)
+    a, r, n = (_f64(_one_result(x, name)) for x, name in ((actual, "actual"), (ref64, "ref64"), (naive, "naive")))
     if not (a.shape == r.shape == n.shape):
         raise ValueError(f"shapes differ: actual {a.shape}, ref {r.shape}, naive {n.shape}")
     if a.size == 0:
@@ -652,6 +669,9 @@ def assert_exact(actual, ref64, naive, name="result"):
     ------
     AssertionError
         With the ratio, the largest error, the allowed error and where it occurs.
+    ValueError, TypeError
+        As :func:`max_error_ratio`: shapes that differ, a tuple such as ``attention_ref``'s
+        ``(out, lse)`` in place of one array.
     """
     ratio = max_error_ratio(actual, ref64, naive)
     if ratio <= 1.0:

@@ -125,7 +125,6 @@ def test_different_value_head_dim_is_supported(qkv, rng):
         (dict(window_size=(1.5, 2)), TypeError, "window_size"),
         (dict(window_size=(True, 0)), TypeError, "window_size"),
         (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
-        (dict(window_size=None), TypeError, "window_size"),
         (dict(window_size=3), TypeError, "window_size"),
         (dict(window_size="ab"), TypeError, "window_size"),
         (dict(causal="yes"), ValueError, "causal"),

@@ -223,6 +223,7 @@ def test_empty_rows_forward_and_backward(rng):
     ((2, 0, 2, 3), (2, 5, 2, 3)),  # seqlen_q 0
     ((2, 4, 2, 3), (2, 0, 2, 3)),  # seqlen_k 0: every row empty
     ((2, 4, 0, 3), (2, 5, 0, 3)),  # no heads
+    ((2, 4, 0, 3), (2, 5, 1, 3)),  # no query heads, one key/value head: zero dk, dv of k's shape
 ])
 def test_empty_problems(rng, shapes):
     qs, ks = shapes
@@ -378,6 +379,11 @@ def test_max_error_ratio_rules():
     assert R.max_error_ratio(np.zeros(0), np.zeros(0), np.zeros(0)) == 0.0
     with pytest.raises(ValueError, match="shapes"):
         R.max_error_ratio(np.zeros(2), np.zeros(3), np.zeros(3))
+    # attention_ref's (out, lse) where one array goes: named, not NumPy's ragged-array error
+    with pytest.raises(TypeError, match=r"ref64 is a tuple of 2 items.*attention_ref\(\.\.\.\)\[0\]"):
+        R.max_error_ratio(np.zeros((1, 2)), (np.zeros((1, 2)), np.zeros(1)), np.zeros((1, 2)))
+    with pytest.raises(TypeError, match="naive is a list"):
+        R.assert_exact(np.zeros(2), np.zeros(2), [np.zeros(2)])
 
 
 def test_assert_exact_message():

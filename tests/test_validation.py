@@ -280,7 +280,6 @@ def test_bhsd_layout_checks_shapes_in_its_own_order():
         ((1,), ValueError, r"window_size must be a pair"),
         ((1, 2, 3), ValueError, r"window_size must be a pair"),
         ("a", TypeError, r"window_size must be a pair"),
-        (None, TypeError, r"window_size must be a pair"),
         (3, TypeError, r"window_size must be a pair"),
         ((1.5, 0), TypeError, r"window_size\[0\] must be an integer"),
         ((0, "1"), TypeError, r"window_size\[1\] must be an integer"),
@@ -291,6 +290,31 @@ def test_bad_window(window, exc, pattern):
     q, k, v = make()
     with pytest.raises(exc, match=pattern):
         cuflash.attention(q, k, v, window_size=window)
+
+
+def test_window_none_is_no_window():
+    """window_size=None (JAX's local_window_size=None) is (-1, -1) in every function and the oracle."""
+    from cuflash import reference
+
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal((2, s, 2, 16)).astype(np.float32) for s in (9, 13, 13))
+    for causal in (False, True):
+        out, lse = cuflash.attention(q, k, v, causal=causal, window_size=None, return_lse=True)
+        ref_out, ref_lse = cuflash.attention(q, k, v, causal=causal, window_size=(-1, -1), return_lse=True)
+        np.testing.assert_array_equal(out, ref_out)
+        dout = rng.standard_normal(out.shape).astype(np.float32)
+        for a, b in zip(cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal, window_size=None),
+                        cuflash.attention_backward(dout, q, k, v, out, lse, causal=causal)):
+            np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(reference.attention_ref(q, k, v, causal=causal, window_size=None)[0],
+                                      reference.attention_ref(q, k, v, causal=causal)[0])
+    cu = np.array([0, 4, 9], np.int32)
+    np.testing.assert_array_equal(
+        cuflash.attention_varlen(q[0], k[0], v[0], cu, np.array([0, 6, 13], np.int32), window_size=None),
+        cuflash.attention_varlen(q[0], k[0], v[0], cu, np.array([0, 6, 13], np.int32)))
+    np.testing.assert_array_equal(
+        cuflash.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=np.array([5, 13]), window_size=None),
+        cuflash.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=np.array([5, 13])))
 
 
 def test_window_accepts_numpy_integers_and_lists():
