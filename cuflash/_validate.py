@@ -418,7 +418,7 @@ def check_output_buffer(out, name: str, shape: tuple, dtype, like, inputs=()):
         return None
     if isinstance(out, np.ndarray) and not out.flags.writeable:
         raise ValueError(f"{name} is read-only; pass a writable array")
-    if out.size > 1 and not _elements_apart(out):
+    if out.size > 1 and not elements_apart(out):
         raise ValueError(f"{name} has elements that share memory (a zero or overlapping stride); pass a buffer "
                          "whose elements are distinct")
     for input_name, x in inputs:
@@ -427,7 +427,7 @@ def check_output_buffer(out, name: str, shape: tuple, dtype, like, inputs=()):
     return out
 
 
-def _elements_apart(x) -> bool:
+def elements_apart(x) -> bool:
     """Whether no two elements of ``x`` share memory: with the axes sorted by |stride|, each stride
     spans the whole extent of the axes below it (sufficient; every layout NumPy or CuPy makes
     without as_strided passes)."""

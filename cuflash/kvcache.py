@@ -379,17 +379,21 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
             pages = f"0..{num_rows - 1}" if num_rows else "it has no pages"
             raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of the cache ({pages})")
     if rows is not None and (rows.min() < 0 or rows.max() >= num_rows):
-        raise ValueError(f"cache_batch_idx entries must lie in [0, {num_rows - 1}]; got min {rows.min()}, max {rows.max()}")
+        within = f"[0, {num_rows - 1}]" if num_rows else "the cache's rows, and it has none (batch 0)"
+        raise ValueError(f"cache_batch_idx entries must lie in {within}; got min {rows.min()}, max {rows.max()}")
 
 
 def check_cache_writes(q, k, v, k_cache, v_cache):
-    """Appending k, v writes the caches in place: they must be writable and distinct, q, k and v
-    must not live in them (k_cache is written before v is read, and q is read after both), and
-    GPU caches need a contiguous last axis (the append kernel copies whole rows).  Also
-    cuflash.parallel's sharded cache."""
+    """Appending k, v writes the caches in place: they must be writable, distinct and without
+    elements that share memory, q, k and v must not live in them (k_cache is written before v is
+    read, and q is read after both), and GPU caches need a contiguous last axis (the append kernel
+    copies whole rows).  Also cuflash.parallel's sharded cache."""
     for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
         if isinstance(cache, np.ndarray) and not cache.flags.writeable:
             raise ValueError(f"{name} is read-only (or a broadcast view); new tokens are written into it in place")
+        if cache.size > 1 and not V.elements_apart(cache):
+            raise ValueError(f"{name} has elements that share memory (a zero or overlapping stride): a new token "
+                             "written at one position would show at another; pass a cache whose elements are distinct")
         if _arrays.is_gpu(q) and cache.size and cache.strides[-1] != cache.itemsize:
             raise ValueError(f"{name} has a strided last axis (stride {cache.strides[-1]} bytes); appending on the "
                              "GPU needs its head dim contiguous (pass a contiguous cache)")
@@ -437,25 +441,28 @@ def _pages_read(table, ends, page_size):
 def _check_shared_pages(table, ends, page_size, pages, pos):
     """A page may be shared (a common prefix), but no new token may land on a slot that another
     sequence reads, or that its own sequence reads at another position: positions [0, ends[b])
-    of sequence b, through its block_table row."""
+    of sequence b, through its block_table row.
+
+    Counted, not paired (memory in the entries plus the slots written, whatever the batch): entry
+    (r, i) of page P reads its slots below ``reach = min(ends[r] - i * page_size, page_size)``, so
+    slot o of P has as many readers as P's entries of reach > o; the writer's own entry is one of
+    them when it reads the position it writes."""
     owner, index = np.nonzero(_pages_read(table, ends, page_size))  # every (sequence, page entry) read
     page = table[owner, index].astype(np.int64)
-    order = np.argsort(page, kind="stable")
-    page, owner, index = page[order], owner[order], index[order]
-    # Pair each written slot (b, t) with every read entry of its page: entries lo..hi-1.
-    lo, hi = np.searchsorted(page, pages.ravel(), "left"), np.searchsorted(page, pages.ravel(), "right")
-    counts = hi - lo
-    slot = np.repeat(np.arange(pages.size), counts)  # written slot of each pair
-    entry = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts) + np.repeat(lo, counts)
-    writer, written = slot // pages.shape[1], pos.ravel()[slot]
-    offset = written % page_size
-    read = index[entry] * page_size + offset  # the position of the slot in the reading sequence
-    clash = (read < ends[owner[entry]]) & ((owner[entry] != writer) | (read != written))
+    reach = np.minimum(ends[owner] - index * page_size, page_size)
+    keys = np.sort(page * (page_size + 1) + reach)
+    page_w, offset, written = pages.ravel().astype(np.int64), pos.ravel() % page_size, pos.ravel()
+    writer = np.repeat(np.arange(pages.shape[0]), pages.shape[1])
+    base = page_w * (page_size + 1)
+    readers = np.searchsorted(keys, base + page_size, "right") - np.searchsorted(keys, base + offset, "right")
+    clash = readers - (written < ends[writer]) > 0
     if clash.any():
-        i = np.flatnonzero(clash)[0]
-        b, t = divmod(int(slot[i]), pages.shape[1])
-        reader = int(owner[entry[i]])
-        who = f"sequence {reader} reads" if reader != b else f"it also reads as its position {read[i]}"
+        i = int(np.flatnonzero(clash)[0])
+        b, t = divmod(i, pages.shape[1])
+        read = index * page_size + offset[i]  # each entry's position of the slot
+        others = (page == page_w[i]) & (read < ends[owner]) & ((owner != b) | (read != written[i]))
+        j = int(np.flatnonzero(others)[0])
+        who = f"sequence {owner[j]} reads" if owner[j] != b else f"it also reads as its position {read[j]}"
         raise ValueError(f"block_table: sequence {b}'s new token {t} would overwrite page {pages[b, t]}, "
                          f"slot {offset[i]}, which {who}; each new token needs a slot no other "
                          "position reads")

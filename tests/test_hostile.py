@@ -1019,6 +1019,47 @@ def test_defect_append_into_another_sequences_keys_is_refused(rng):
         assert np.array_equal(a, b)
 
 
+def _clashes_by_pairs(table, ends, page_size, pos):
+    """The shared-page rule by brute force: every written (sequence, position) against every read
+    (sequence, position) through the block table."""
+    slot_of = lambda b, t: (int(table[b, t // page_size]), t % page_size)  # noqa: E731
+    readers = {}
+    for b in range(table.shape[0]):
+        for t in range(int(ends[b])):
+            readers.setdefault(slot_of(b, t), []).append((b, t))
+    return any(r != (b, t) for b in range(pos.shape[0]) for t in pos[b] for r in readers.get(slot_of(b, int(t)), ()))
+
+
+def test_shared_page_rule_counts_readers_as_the_pairs_do(rng):
+    """kvcache._check_shared_pages counts each written slot's readers (sorted reaches per page)
+    instead of pairing every written slot with every entry of its page (memory batch² x new
+    tokens: 2 GB at batch 2048 with 8 new tokens on one shared page); the same verdicts as the
+    pairs on random tables with shared and repeated pages."""
+    from cuflash import kvcache
+
+    for _ in range(400):
+        batch, page_size, new = rng.integers(1, 5), rng.integers(1, 5), rng.integers(1, 3)
+        width = max(rng.integers(1, 4), -(-new // page_size))
+        table = rng.integers(0, 4, (batch, width))
+        lengths = rng.integers(0, width * page_size - new + 1, batch)
+        pos = lengths[:, None] + np.arange(new)[None, :]
+        pages = np.take_along_axis(table, pos // page_size, axis=1)
+        ends = lengths + new
+        expect = _clashes_by_pairs(table, ends, page_size, pos)
+        try:
+            kvcache._check_shared_pages(table, ends, page_size, pages, pos)
+            assert not expect, (table, lengths, page_size, new)
+        except ValueError as e:
+            assert expect and "would overwrite page" in str(e), (table, lengths, page_size, new)
+    # one page shared by 4096 sequences, 16 new tokens each: refused at once
+    batch, new = 4096, 16
+    kc = np.zeros((1, batch * new + 1, 1, 1), np.float16)
+    with pytest.raises(ValueError, match="would overwrite page 0"):
+        cuflash.attention_with_kvcache(np.zeros((batch, 1, 1, 1), np.float16), kc, kc.copy(),
+                                       np.zeros((batch, new, 1, 1), np.float16), np.zeros((batch, new, 1, 1), np.float16),
+                                       cache_seqlens=np.arange(batch) * new, block_table=np.zeros((batch, 1), np.int32))
+
+
 def test_shared_prefix_page_with_appends_to_own_pages_is_accepted(rng):
     """Prefix sharing: both sequences read page 0 in full and append into a page of their own."""
     pool_k, pool_v = rnd(rng, 3, 4, 1, 4), rnd(rng, 3, 4, 1, 4)
@@ -1224,3 +1265,25 @@ def test_defect_a_gpu_array_cupy_cannot_take_is_a_type_error_naming_it():
     a = np.ones((1, 2, 1, 4), np.float32)
     with pytest.raises(TypeError, match=r"^(k \(CudaArrayInterfaceOnly\) could not be taken|q, k, v must all be)"):
         cuflash.attention(a, CudaArrayInterfaceOnly(), a)
+
+
+def test_defect_cache_with_overlapping_rows_is_refused_for_appends(rng):
+    """A writable cache whose batch rows are one memory (a stride-0 view from as_strided) was
+    accepted: sequence 0's new token at position 3 became a key sequence 1 reads."""
+    buf = np.zeros((1, 8, 1, 4), np.float32)
+    kc = np.lib.stride_tricks.as_strided(buf, shape=(2, 8, 1, 4), strides=(0,) + buf.strides[1:])
+    vc = np.zeros((2, 8, 1, 4), np.float32)
+    q, new = rnd(rng, 2, 1, 1, 4), rnd(rng, 2, 1, 1, 4)
+    with pytest.raises(ValueError, match="k_cache has elements that share memory"):
+        cuflash.attention_with_kvcache(q, kc, vc, new, new.copy(), cache_seqlens=np.array([3, 5]))
+    assert not (buf.any() or vc.any())
+    # read without an append, the same view is fine (nothing is written)
+    cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=np.array([3, 5]))
+
+
+def test_cache_batch_idx_into_a_cache_without_rows_is_named(rng):
+    """The message said 'must lie in [0, -1]'."""
+    kc = np.zeros((0, 8, 1, 4), np.float32)
+    with pytest.raises(ValueError, match=r"cache_batch_idx entries must lie in the cache's rows, and it has none"):
+        cuflash.attention_with_kvcache(rnd(rng, 1, 1, 1, 4), kc, kc.copy(), cache_seqlens=np.array([0]),
+                                       cache_batch_idx=np.array([0]))
