@@ -318,6 +318,7 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
                     if tuple(x.shape) == (p.batch, p.seqlen_k) else "")
             raise ValueError(f"{name} of shape {tuple(x.shape)} does not broadcast to (batch, nheads, seqlen_q, "
                              f"seqlen_k) = {full}{hint}") from None
+        _refuse_ambiguous_leading_axis(name, x, p)
         if name == "bias":
             _check_bias_range(x, p.dtype)
     dropout = None
@@ -339,6 +340,21 @@ def check_modifiers(q, p: AttnProblem, bias, mask, dropout_p, dropout_seed) -> A
         return p
     return dataclasses.replace(p, bias=bias, mask=mask, dropout=dropout,
                                dropout_seed_array=seed_array if dropout is not None else None)
+
+
+def _refuse_ambiguous_leading_axis(name, x, p: AttnProblem) -> None:
+    """A 2-D or 3-D bias or mask whose first axis has batch's size where batch's size is also that
+    of the axis NumPy's broadcasting lines it up with (seqlen_q for 2-D, nheads for 3-D): a
+    (batch, seqlen_k) key-padding mask would otherwise be taken as (seqlen_q, seqlen_k) when
+    batch == seqlen_q, silently, while any other batch gets an error.  Four axes say which."""
+    if x.ndim not in (2, 3) or x.shape[0] != p.batch or p.batch < 2:
+        return
+    axis, spelled = ("seqlen_q", f"{name}[None, None]") if x.ndim == 2 else ("nheads", f"{name}[None]")
+    as_batch = f"{name}[:, None, None, :]" if x.ndim == 2 else f"{name}[:, None]"
+    rest = "seqlen_k" if x.ndim == 2 else "seqlen_q, seqlen_k"
+    raise ValueError(f"{name} of shape {tuple(x.shape)} is ambiguous here: its first axis could be batch or {axis} "
+                     f"(both {p.batch}), and NumPy's broadcasting would read it as {axis}; give the four axes: "
+                     f"{spelled} for ({axis}, {rest}), {as_batch} for (batch, {rest})")
 
 
 def _check_bias_range(bias, dtype) -> None:

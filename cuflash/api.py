@@ -51,7 +51,10 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         float32 for every input dtype but float64: there a float64 bias above float32's range is a
         ValueError, and one below it (< -3.4e38) becomes -inf and masks the key (a row whose every
         key has such a bias gives 0 and LSE -inf, where exact arithmetic would only shift the row).  The backward needs the forward's bias (and mask, and dropout
-        arguments) again: nothing checks that they are the same.
+        arguments) again: nothing checks that they are the same.  A 2-D or 3-D bias (or mask)
+        whose first axis has batch's size (> 1) where seqlen_q (2-D) or nheads (3-D) has it too
+        is a ValueError: NumPy would read that axis as seqlen_q or nheads, and a (batch, Sk)
+        key-padding array meant otherwise would change the result silently; give four axes.
     mask : bool array broadcastable likewise, optional
         True = attend (the torch/JAX meaning); masked scores are -inf.  Key padding: shape
         (batch, 1, 1, Sk), e.g. ``valid[:, None, None, :]`` from a (batch, Sk) array (unlike

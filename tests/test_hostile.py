@@ -7,6 +7,7 @@ Everything else pins down behaviour that was verified to be right, so it stays r
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import ml_dtypes
@@ -1287,3 +1288,28 @@ def test_cache_batch_idx_into_a_cache_without_rows_is_named(rng):
     with pytest.raises(ValueError, match=r"cache_batch_idx entries must lie in the cache's rows, and it has none"):
         cuflash.attention_with_kvcache(rnd(rng, 1, 1, 1, 4), kc, kc.copy(), cache_seqlens=np.array([0]),
                                        cache_batch_idx=np.array([0]))
+
+
+@pytest.mark.parametrize("name", ["mask", "bias"])
+def test_defect_key_padding_of_batch_size_seqlen_q_is_not_read_as_seqlen_q(rng, name):
+    """A (batch, seqlen_k) key-padding mask with batch == seqlen_q broadcast as (seqlen_q,
+    seqlen_k) and changed the result silently (any other batch got an error naming the fix).
+    2-D and 3-D arrays whose first axis could be batch are refused; four axes say which."""
+    B = Sq = 3
+    q, k, v = rnd(rng, B, Sq, B, 4), rnd(rng, B, 5, B, 4), rnd(rng, B, 5, B, 4)  # nheads 3 too
+    valid = np.ones((B, 5), bool)
+    valid[0, 3:] = False
+    x2 = valid if name == "mask" else np.where(valid, 0.0, -np.inf).astype(np.float32)
+    x3 = np.broadcast_to(x2[:, None, :], (B, Sq, 5))
+    for x, fix in ((x2, r"\[None, None\] for \(seqlen_q, seqlen_k\), " + name + r"\[:, None, None, :\]"),
+                   (x3, r"\[None\] for \(nheads, seqlen_q, seqlen_k\), " + name + r"\[:, None\]")):
+        with pytest.raises(ValueError, match=rf"{name} of shape {re.escape(str(x.shape))} is ambiguous here.*{fix}"):
+            cuflash.attention(q, k, v, **{name: x})
+        with pytest.raises(ValueError, match="is ambiguous"):
+            cuflash.attention_backward(q, q, k, v, q, np.zeros((B, B, Sq), np.float32), **{name: x})
+    padded = cuflash.attention(q, k, v, **{name: x2[:, None, None, :]})
+    close(padded, attention_ref(q, k, v, **{name: x2[:, None, None, :]})[0])
+    assert not np.allclose(padded, cuflash.attention(q, k, v, **{name: x2[None, None]}))
+    # where the first axis cannot be batch (its size differs, or batch is 1) nothing is ambiguous
+    cuflash.attention(q[:1], k[:1], v[:1], **{name: x2[:3]})
+    cuflash.attention(rnd(rng, B, 4, B, 4), k, v, **{name: np.broadcast_to(x2[:1], (4, 5))})
