@@ -23,6 +23,9 @@ numbers; 16 bits keep dropout_p to 1/65536).
 
 from __future__ import annotations
 
+import math
+import os
+
 import numpy as np
 
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
@@ -121,6 +124,19 @@ def keep_mask_block(seed: int, offset: int, dropout_p: float, bh, i, j, xp=np):
     return ((word >> (16 * (n & 1))) & 0xFFFF) < keep_threshold(dropout_p)
 
 
+_DRAW_CHUNK = 1 << 20  # elements of the keep-mask drawn at a time by dropout_mask
+
+
+def _memory_of(xp):
+    """Bytes of physical memory (NumPy) or free memory of the current GPU (CuPy); None if unknown."""
+    try:
+        if xp is np:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return xp.cuda.runtime.memGetInfo()[0]
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     """The keep-mask cuflash's dropout uses, as a boolean array.
 
@@ -146,8 +162,14 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     TypeError
         A seed that is neither an int nor a pair of ints.
     ValueError
-        A shape that is not 4 non-negative ints, ``dropout_p`` outside [0, 1), a seed or offset
-        outside [0, 2**64).
+        A shape that is not 4 non-negative ints, or of more elements than an array can hold,
+        ``dropout_p`` outside [0, 1), a seed or offset outside [0, 2**64).
+        Also a mask (one byte an element) larger than the machine's memory (the GPU's free
+        memory with a CuPy ``like``).
+    MemoryError
+        The mask does not fit in the memory left.  It is drawn in pieces of about a million
+        elements, so the mask itself is all the memory it needs (NumPy draws about five million
+        elements a second on one core).
 
     Notes
     -----
@@ -175,13 +197,31 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     from . import _arrays
 
     xp = _arrays.module_of(like) if like is not None else np
-    batch, heads, sq, sk = (int(n) for n in shape)
-    if 0 in shape:  # (no position to draw for: the index ranges of the other axes are never built)
-        return xp.zeros(shape, dtype=bool)
-    bh = xp.arange(batch * heads, dtype=xp.uint64).reshape(batch, heads, 1, 1)
-    i = xp.arange(sq, dtype=xp.uint64).reshape(1, 1, sq, 1)
-    j = xp.arange(sk, dtype=xp.uint64).reshape(1, 1, 1, sk)
-    return xp.broadcast_to(keep_mask_block(seed, offset, p, bh, i, j, xp), (batch, heads, sq, sk)).copy()
+    batch, heads, sq, sk = shape
+    memory = _memory_of(xp)
+    if memory is not None and math.prod(shape) > memory:
+        raise ValueError(f"shape {shape} asks for a keep-mask of {math.prod(shape) / 2**30:.3g} GiB (one byte an element), "
+                         f"more than the {memory / 2**30:.3g} GiB of {'memory' if xp is np else 'free GPU memory'} here")
+    try:
+        keep = xp.empty(shape, dtype=bool)
+    except ValueError as e:  # (NumPy: "array is too big")
+        raise ValueError(f"shape {shape} has {math.prod(shape)} elements, more than an array can hold ({e})") from None
+    except MemoryError as e:
+        raise MemoryError(f"a keep-mask of shape {shape} needs {math.prod(shape) / 2**30:.1f} GiB, which could not be "
+                          f"allocated ({type(e).__name__})") from None
+    if keep.size == 0:
+        return keep
+    # Drawn in pieces of about _DRAW_CHUNK elements (the draw's temporaries take ~80 bytes an
+    # element): row r of the (batch * nheads * seqlen_q, seqlen_k) view is query r % sq of pair r // sq.
+    flat, rows = keep.reshape(-1, sk), batch * heads * sq
+    step_r, step_c = max(1, _DRAW_CHUNK // sk), min(sk, _DRAW_CHUNK)
+    for r0 in range(0, rows, step_r):
+        r = xp.arange(r0, min(rows, r0 + step_r), dtype=xp.uint64)[:, None]
+        bh, i = r // xp.uint64(sq), r % xp.uint64(sq)
+        for c0 in range(0, sk, step_c):
+            j = xp.arange(c0, min(sk, c0 + step_c), dtype=xp.uint64)[None, :]
+            flat[r0:r0 + step_r, c0:c0 + step_c] = keep_mask_block(seed, offset, p, bh, i, j, xp)
+    return keep
 
 
 def check_dropout_p(dropout_p) -> float:

@@ -71,6 +71,37 @@ def test_a_numpy_seed_array_is_the_pair():
     assert np.array_equal(cuflash.dropout_mask(np.array(7), (1, 2, 5, 6), 0.4), cuflash.dropout_mask(7, (1, 2, 5, 6), 0.4))
 
 
+def test_mask_is_drawn_in_pieces_with_the_same_bits(monkeypatch):
+    """dropout_mask draws a few rows (or part of a row) at a time into its output: the same bits
+    as one draw over every position (keep_mask_block on the whole index grid), and at a 4096 x
+    4096 mask the mask's own memory and one piece's temporaries (~80 bytes an element: 100 MB;
+    was 80 bytes for every element of the mask, 1.3 GB)."""
+    import tracemalloc
+
+    from cuflash import dropout
+
+    shape = (2, 3, 37, 70)
+    whole = dropout.keep_mask_block(9, 4, 0.3, np.arange(6, dtype=np.uint64).reshape(2, 3, 1, 1),
+                                    np.arange(37, dtype=np.uint64)[:, None], np.arange(70, dtype=np.uint64), np)
+    for chunk in (1 << 20, 1000, 70, 33, 1):  # whole, rows, one row, part of a row, one element
+        monkeypatch.setattr(dropout, "_DRAW_CHUNK", chunk)
+        assert np.array_equal(cuflash.dropout_mask((9, 4), shape, 0.3), whole), chunk
+    monkeypatch.undo()
+    tracemalloc.start()
+    keep = cuflash.dropout_mask(1, (1, 1, 4096, 4096), 0.5)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert keep.nbytes == 2**24 and peak < keep.nbytes + 120 * dropout._DRAW_CHUNK
+
+
+def test_masks_past_memory_are_refused_naming_the_shape():
+    """A mask larger than the machine's memory (or than an array can hold) is a ValueError naming
+    the shape, at once (was NumPy's own allocation error from a temporary 80 times the mask)."""
+    for shape in ((1, 1, 2**40, 2**20), (2**40,) * 4):
+        with pytest.raises(ValueError, match=r"shape \(.*\) (asks for a keep-mask of|has \d+ elements)"):
+            cuflash.dropout_mask(1, shape, 0.5)
+
+
 def test_empty_masks_build_no_index_ranges():
     """A mask with no element is returned at once, whatever the other axes' lengths (the index
     ranges of a (1, 1, 0, 2**40) shape would take terabytes)."""
