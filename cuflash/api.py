@@ -939,7 +939,9 @@ def softmax(x, axis=-1):
     """
     x = _arrays.as_array(x, "x")
     if np.dtype(x.dtype).name not in V.FLOAT_DTYPES:
-        raise TypeError(f"x must be a float array; got dtype {np.dtype(x.dtype).name}")
+        raise TypeError(f"x must be a float array (float16, bfloat16, float32 or float64); got dtype "
+                        f"{np.dtype(x.dtype).name} (cast it, e.g. x.astype(numpy.float64); a list of ints is taken "
+                        "as float64)")
     if axis is None or isinstance(axis, tuple):  # several axes: moved last, flattened into one
         axes = tuple(range(x.ndim)) if axis is None else axis
         if not axes and axis is not None:

@@ -203,7 +203,8 @@ def info():
 # ---------------------------------------------------------------------------------------------
 # cuflash io
 
-_POSITIVE = click.IntRange(min=1)
+# (up to 2^40: the model's byte counts, products of up to four of them, stay within float64's range)
+_POSITIVE = click.IntRange(min=1, max=2**40)
 _SHORT_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}  # bench's spellings, accepted by io
 
 

@@ -134,9 +134,10 @@ def table(rows, args, world, device_name: str, dtype_name: str = "bf16") -> str:
         f1 = flops(r0[label]["one_tokens"], args.heads, args.headdim, True)
         per_fwd, per_bwd = f / m["fwd_ms"] / 1e9 / world, 2.5 * f / b / 1e9 / world
         one_fwd, one_bwd = f1 / r0[label]["one_fwd_ms"] / 1e9, 2.5 * f1 / r0[label]["one_bwd_ms"] / 1e9
-        speedup = r0[label]["one_fwd_ms"] / m["fwd_ms"] if label == "strong" else float("nan")
-        lines.append(f"| {label} | {m['tokens']} | {world} | {m['fwd_ms']:.2f} | {b:.2f} | {per_fwd:.1f} | "
-                     f"{per_bwd:.1f} | {one_fwd:.1f} | {one_bwd:.1f} | {per_fwd / one_fwd:.3f} | {speedup:.2f} |")
+        # (a speed-up is the strong case's: the weak case's GPUs each do the one GPU's work)
+        speedup = f"{r0[label]['one_fwd_ms'] / m['fwd_ms']:.2f}" if label == "strong" else "–"
+        lines.append(f"| {label} | {m['tokens']} | {world} | {m['fwd_ms']:.2f} | {b:.2f} | {per_fwd:.4g} | "
+                     f"{per_bwd:.4g} | {one_fwd:.4g} | {one_bwd:.4g} | {per_fwd / one_fwd:.3f} | {speedup} |")
     lines += ["", f"K/V transfers alone ({world - 1} exchanges of one shard): "
               f"{max(r['transfers_ms'] for r in rows):.2f} ms (against the weak case's forward above)"]
     return "\n".join(lines)

@@ -71,12 +71,23 @@ def test_io_flags_a_tile_that_does_not_fit():
         (["--seqlen", "0"], "--seqlen"),
         (["--headdim", "x"], "--headdim"),
         (["--block-m", "-4"], "--block-m"),
+        (["--seqlen", str(10**160)], "--seqlen"),  # (was an OverflowError traceback in the byte formatting)
+        (["--sram-kib", str(10**306)], "--sram-kib"),
+        (["--headdim", str(2**40 + 1)], "--headdim"),
     ],
 )
 def test_io_rejects_bad_options(args, word):
     result = CliRunner().invoke(cli.main, ["io", *args])
     assert result.exit_code == 2
     assert word in result.output
+
+
+def test_io_at_the_largest_sizes_prints_finite_numbers():
+    big = str(2**40)
+    result = CliRunner().invoke(cli.main, ["io", "--seqlen", big, "--headdim", big, "--batch", big, "--heads", big,
+                                           "--block-n", big, "--block-m", big])
+    assert result.exit_code == 0, result.output
+    assert "PiB" in result.output and "inf" not in result.output and "nan" not in result.output
 
 
 def test_help_lists_the_commands():
