@@ -504,7 +504,10 @@ def attention_vjp(q, k, v, *, return_lse=False, **options):
         computed by :func:`attention_backward` from the saved ``out`` and ``lse`` (no score
         matrix is kept: FlashAttention-2, Dao 2024, Algorithm 2).  It holds q, k, v and array
         options (e.g. ``alibi_slopes``) by reference, not as copies: changing them in place
-        before calling ``vjp`` changes the gradients.
+        before calling ``vjp`` changes the gradients.  So are the ``out`` and ``lse`` it
+        returns, which the GPU backward reads (D = rowsum(dout * out), as FlashAttention's
+        does): ``out += residual`` before ``vjp`` changes the GPU gradients, while
+        ``y = out + residual`` (a new array) does not.
 
     Raises
     ------
