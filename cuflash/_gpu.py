@@ -737,7 +737,8 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             dq_accum = cp.zeros(rows * dict(main.defines)["CUFLASH_HEADDIM"], dtype=lse.dtype)
             prm.dq_accum = dq_accum.data.ptr
             if dict(main.defines).get("CUFLASH_DQ_ORDER"):  # deterministic: the key blocks add to a dQ tile in turn
-                dq_order = cp.zeros(2 * (rows // 64 + 1), dtype=cp.int32)  # noqa: F841 (alive until queued)
+                # (the blocks' ticket counter, then a turn counter per dQ tile and panel owner)
+                dq_order = cp.zeros(1 + 2 * (rows // 64 + 1), dtype=cp.int32)  # noqa: F841 (alive until queued)
                 prm.split_counters = dq_order.data.ptr
                 prm.tile_heads, dkdv_grid = _ordered_bwd_grid(device, main, p.batch * p.nheads_k, dkdv_grid[0])
             launches = (("_dkdv_dq", dkdv_grid, smem), ("_dq_convert", dq_grid, 0))

@@ -233,8 +233,9 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 // kDqOrdered (deterministic=True): dQ's panels are added to each query tile in one order, the key
 // blocks that reach the tile from the last to the first (FlashAttention-3's deterministic mode):
 // a counter per tile and panel owner (dq_order_counter) says whose turn it is; the block adds its
-// panels when the counter reads its turn and adds 1 once they are done.  The blocks run in
-// bwd_block's order, so a block only waits for blocks already started; the steps walk the query
+// panels when the counter reads its turn and adds 1 once they are done.  The blocks take their
+// work in bwd_block's order of the tickets they draw as they start (the counters' first int), so a
+// block only waits for blocks already started; the steps walk the query
 // tiles from the first (no shift), every block that reaches a tile takes its turn there (the mask's
 // tile map narrows nothing; a tile it skips passes the turn on), and dQ, dK, dV are bitwise
 // repeatable.  The waits are the writer warp's (kProducer) or thread 0's of each warpgroup, which
@@ -290,7 +291,9 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     __shared__ u64 stage_full[2], stage_empty[2], dq_empty[2];
     __shared__ long long dq_dst[2];
     __shared__ int2 dq_order[2];  // kProducer with kDqOrdered: (counter, turn) of each consumer's panel
+    __shared__ unsigned ticket;   // kDqOrdered: this block's place in the order the blocks started
     if (threadIdx.x == 0) {
+        if constexpr (kDqOrdered) ticket = atomicAdd(reinterpret_cast<unsigned*>(p.split_counters), 1u);
         for (int s = 0; s < 2; ++s) {
             mbar_init(&stage_full[s], kProducer ? 32 : 1);
             if constexpr (kProducer) mbar_init(&stage_empty[s], 4 * kWG), mbar_init(&dq_empty[s], 1);
@@ -301,13 +304,13 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     }
     __syncthreads();
     // key block blockIdx.x of (batch, K/V head) pair blockIdx.z * gridDim.y + blockIdx.y, or kDqOrdered
-    // bwd_block's order
-    const long long bh = kDqOrdered ? bwd_block(p).pair : static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
+    // bwd_block's of the ticket
+    const long long bh = kDqOrdered ? bwd_block(p, ticket).pair : static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_k) return;
     const int b = static_cast<int>(bh / p.nheads_k), hk = static_cast<int>(bh % p.nheads_k);
     const int group = static_cast<int>(p.nheads_q / p.nheads_k);
     const SeqInfo seq(p, b);
-    const int key_block = kDqOrdered ? bwd_block(p).key_block : blockIdx.x;
+    const int key_block = kDqOrdered ? bwd_block(p, ticket).key_block : blockIdx.x;
     const int n0 = key_block * kBN;
     // Padded batches own every row up to seqlen_k (rows past seqlens_k get zero gradients);
     // packed sequences own only their own rows.

@@ -144,13 +144,16 @@ __device__ __forceinline__ void bwd_write_dq(float* dq_accum, const float* panel
             if constexpr (!kOneTurn) {
                 bulk_wait_read<1>();
                 mbar_arrive(&empty[0]);
+                if constexpr (kOrdered) {  // panel 0's sums done: the next key block's turn there
+                    bulk_wait<1>();        // (not held until panel 1's are: slot 0's order waits on slot 1's less)
+                    sem_release_add(counters + counter0);
+                }
             }
             bulk_wait_read<0>();
             mbar_arrive(&empty[1]);
-            if constexpr (kOrdered) {  // the sums are done: the next key block's turn
+            if constexpr (kOrdered) {  // the last sums done: the next key block's turn
                 bulk_wait<0>();
-                sem_release_add(counters + counter0);
-                if constexpr (!kOneTurn) sem_release_add(counters + counter1);
+                sem_release_add(counters + (kOneTurn ? counter0 : counter1));
             }
         }
         __syncwarp();

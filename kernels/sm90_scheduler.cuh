@@ -59,21 +59,22 @@ struct TileScheduler {
 // Which key block of which (batch, K/V head) pair a block of the Hopper backward's dK/dV kernel
 // computes when dQ's additions are ordered (deterministic=True: flash_bwd_sm90.cu's kDqOrdered;
 // otherwise key block blockIdx.x of pair blockIdx.z * gridDim.y + blockIdx.y, the key blocks of a
-// pair side by side, reading the same Q and dO tiles at about the same time).  The grid is one axis,
-// its blocks in sections of p.tile_heads pairs; within a section the key blocks from the last to
-// the first, the section's pairs in turn.  A block waits only for higher key blocks of its own pair
-// (they add to a query tile before it), which the hardware, starting a grid's blocks in order,
-// started before it: every block waited for is running or done (FlashAttention-3's deterministic
-// backward relies on the same).  The last first also lets a causal mask's blocks add without
-// waiting: key block n reaches query tile m a step after key block n + 1 did.
+// pair side by side, reading the same Q and dO tiles at about the same time).  `ticket` numbers the
+// blocks in the order they started (each block's thread 0 takes one from a zeroed counter: CUDA does
+// not promise that a grid's blocks start in blockIdx order).  The tickets are in sections of
+// p.tile_heads pairs; within a section the key blocks from the last to the first, the section's pairs
+// in turn.  A block waits only for higher key blocks of its own pair (they add to a query tile before
+// it), which hold smaller tickets: they started before it, and every block waited for is running or
+// done.  The last first also lets a causal mask's blocks add without waiting: key block n reaches
+// query tile m a step after key block n + 1 did.
 struct BwdBlock {
     int key_block;
     long long pair;  // b * nheads_k + K/V head
 };
-__device__ __forceinline__ BwdBlock bwd_block(const FlashParams& p) {  // (32 bits: the host launches < 2^31 blocks)
+__device__ __forceinline__ BwdBlock bwd_block(const FlashParams& p, unsigned ticket) {  // (32 bits: the host launches < 2^31 blocks)
     const unsigned all = static_cast<unsigned>(p.batch * p.nheads_k), blocks = gridDim.x / all;
     const unsigned section = max(1u, min(all, static_cast<unsigned>(p.tile_heads)));  // (the host sets 1..pairs)
-    const unsigned first = blockIdx.x / (section * blocks) * section;                   // first pair of the section
-    const unsigned size = min(section, all - first), r = blockIdx.x - first * blocks;
+    const unsigned first = ticket / (section * blocks) * section;                       // first pair of the section
+    const unsigned size = min(section, all - first), r = ticket - first * blocks;
     return {static_cast<int>(blocks - 1 - r / size), static_cast<long long>(first + r % size)};
 }

@@ -46,7 +46,9 @@ def test_no_pairs_and_packed_grids():
 # The deterministic Hopper backward's dQ order (flash_bwd_sm90.cu's kDqOrdered) transcribed from
 # the kernels' integer arithmetic: SeqInfo's key_range and query_range (kernels/seqinfo.cuh), the
 # dK/dV block's query tiles (flash_bwd_dkdv_sm90) and its turn at a tile (turn_at), bwd_block's
-# launch order (kernels/sm90_scheduler.cuh).  A turn no block takes would hang the launch.
+# order of the tickets the blocks draw as they start (kernels/sm90_scheduler.cuh), the counters'
+# places (dq_order_counter, kernels/sm90_bwd_epilogue.cuh) in the scratch _gpu allocates.  A turn no
+# block takes would hang the launch; two tiles sharing a counter would too.
 
 def _key_range(m0, m1, sk, offset, left, right):
     lo = 0 if left < 0 else max(0, m0 + offset - left)
@@ -81,7 +83,8 @@ def test_ordered_dq_turns_are_each_taken_once_in_launch_order(bn):
     """Over lengths around the tile sizes, both causal alignments, windows (one-sided too) and no
     mask: at every query tile the key blocks that reach it (their query_range) hold the turns
     0 .. count - 1, one each; the block with turn r + 1 starts after the one with turn r (bwd_block:
-    it waits only for blocks already started); every (pair, key block) is launched once.  Also with
+    it waits only for blocks already started: a smaller ticket); every (pair, key block) is
+    launched once.  Also with
     fewer key blocks launched than the keys need (a packed key sequence longer than max_seqlen_k:
     an error the kernels report, which must not leave a turn to a block never launched)."""
     bm = 64
@@ -104,3 +107,44 @@ def test_ordered_dq_turns_are_each_taken_once_in_launch_order(bn):
         for pr in range(pairs):  # a pair's key blocks start from the last (turn 0 at every tile)
             order = [n for n, q in seen if q == pr]
             assert order == list(range(blocks - 1, -1, -1))
+
+
+def _dq_order_counter(b, h, m0, slot, *, nheads_q, seqlen_q, cu_seqlens_q=None, total_q=0):
+    """dq_order_counter(p, seq, b, h, m0, slot) on dq_tile_offset's rows (index 0: the ticket)."""
+    if cu_seqlens_q is not None:
+        row = h * (total_q + 64 * (len(cu_seqlens_q) - 1)) + cu_seqlens_q[b] + 64 * b + m0
+    else:
+        row = (b * nheads_q + h) * (-(-seqlen_q // 64) * 64) + m0
+    return 1 + row // 64 * 2 + slot
+
+
+def _dq_order_size(*, batch, nheads_q, seqlen_q, cu_seqlens_q=None, total_q=0):
+    """The int32s _gpu._launch_attention_bwd zeroes for an ordered launch."""
+    rows = nheads_q * (total_q + 64 * batch) if cu_seqlens_q is not None else batch * nheads_q * -(-seqlen_q // 64) * 64
+    return 1 + 2 * (rows // 64 + 1)
+
+
+def test_ordered_dq_counters_are_one_per_tile_and_slot_inside_the_scratch():
+    """Every (sequence, query head, 64-row tile, slot) of padded and packed layouts (sequences of 0, 1,
+    63, 64, 65 and random lengths, trailing rows no sequence owns) has a counter of its own, past
+    the ticket at index 0 and inside the scratch the host zeroes.  Packed tiles are not 64-row
+    aligned: row / 64 stays unique because each sequence's tiles start 64 rows past the previous
+    sequence's end (dq_tile_offset's 64 b)."""
+    import random
+
+    rng = random.Random(2)
+    for _ in range(3000):
+        batch, heads = rng.randint(1, 5), rng.randint(1, 4)
+        if rng.random() < 0.5:
+            lens = [rng.choice([0, 1, 63, 64, 65, rng.randint(0, 300)]) for _ in range(batch)]
+            cu = list(itertools.accumulate(lens, initial=0))
+            layout = dict(nheads_q=heads, seqlen_q=max(lens), cu_seqlens_q=cu, total_q=cu[-1] + rng.randint(0, 70))
+        else:
+            lens = [rng.randint(1, 300)] * batch
+            layout = dict(nheads_q=heads, seqlen_q=lens[0])
+        size, seen = _dq_order_size(batch=batch, **layout), set()
+        for b, h in itertools.product(range(batch), range(heads)):
+            for m0, slot in itertools.product(range(0, lens[b], 64), (0, 1)):
+                c = _dq_order_counter(b, h, m0, slot, **layout)
+                assert 1 <= c < size and c not in seen, (lens, layout, b, h, m0, slot)
+                seen.add(c)
