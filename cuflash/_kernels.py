@@ -347,10 +347,11 @@ def sm90_overlap() -> bool:
 
 
 def sm90_ordered_dq() -> bool:
-    """CUFLASH_SM90_ORDERED_DQ=1 runs ``deterministic=True`` on the Hopper backward's one-pass kernel
-    with dQ's additions in a fixed order (flash_bwd_sm90.cu's kDqOrdered, docs/perf-notes.md b16)
-    instead of its _dq + _dkdv pair (and of flash_bwd.cu at head dims above 128): the switch under
-    which that form is verified on a GPU before it replaces them, not a setting for users."""
+    """CUFLASH_SM90_ORDERED_DQ=1 runs ``deterministic=True`` at head dims up to 64 on the Hopper
+    backward's one-pass kernel with dQ's additions in a fixed order too (flash_bwd_sm90.cu's
+    kDqOrdered, docs/perf-notes.md b16), as every larger head dim does, instead of the _dq + _dkdv
+    pair, which is faster there (b16's measurement): the switch for measuring that form at d64, not
+    a setting for users."""
     return os.environ.get("CUFLASH_SM90_ORDERED_DQ", "") not in ("", "0")
 
 
@@ -359,7 +360,7 @@ def sm90_ordered_dq() -> bool:
 # columns).  Head dim 256 (and the buckets 160-224,
 # zero-padded to it): the two warpgroups of a _dkdv_dq block share 64 key rows and split the
 # columns of dK and dV, which do not fit in one warpgroup's registers (CUFLASH_COL_SPLIT,
-# perf-notes b5); deterministic d256 stays with flash_bwd.cu.  Measured: docs/perf-notes.md, h2.
+# perf-notes b5).  Measured: docs/perf-notes.md, h2.
 SM90_BWD_TILES = {64: (64, 1, 3), 128: (64, 2, 1), 256: (64, 2, 1)}
 # ... with a producer warpgroup (flash_bwd_sm90.cu's CUFLASH_PRODUCER; sm90_bwd_variant says where):
 # d64's 128 keys a block, each consumer adding its keys' part of the whole dQ tile
@@ -372,17 +373,21 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
     """The wgmma backward kernels for ``headdim``'s bucket: ``<name>_dkdv_dq`` +
     ``<name>_dq_convert`` (fp32 dQ added by the copy engine), or with ``deterministic`` ``<name>_dq`` +
     ``<name>_dkdv`` (a module of their own, so a first call compiles only what it launches; the
-    D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves.  ``ordered`` (with
-    ``deterministic``; :func:`sm90_ordered_dq`): ``_dkdv_dq`` + ``_dq_convert`` with dQ's additions
-    in a fixed order (CUFLASH_DQ_ORDER, names ending ``_ord``), at every head-dim bucket."""
+    D pre-pass is :func:`dsum_variant`), or None where only flash_bwd.cu serves.  With
+    ``deterministic`` above the bucket 64, and at 64 too with ``ordered`` (:func:`sm90_ordered_dq`):
+    ``_dkdv_dq`` + ``_dq_convert`` with dQ's additions in a fixed order (CUFLASH_DQ_ORDER, names
+    ending ``_ord``)."""
     d = headdim_bucket(headdim)
     if d > 128:
         d = 256  # (the columns past the head dim are zero in the tiles)
     elif d > 64:
         d = 128  # (65-96 too: padded, it ran 2x the sm_80 kernel's 137-140 TF/s, perf-notes b6)
-    ordered = ordered and deterministic
+    # deterministic=True: dQ's additions in a fixed order above the bucket 64 (b16, measured in bf16:
+    # 0.66-0.95 of the default at d96/d128 where _dq + _dkdv ran 0.74-0.78, 0.45-0.74 at d192/d256
+    # where flash_bwd.cu ran 0.22-0.46); at 64 the pair (0.80-0.94; the ordered form 0.65-0.81)
+    ordered = deterministic and (ordered or d > 64)
     split = deterministic and not ordered  # (_dq + _dkdv)
-    if d not in SM90_BWD_TILES or (d > 128 and split):
+    if d not in SM90_BWD_TILES:
         return None
     # _dkdv_dq with a producer warpgroup (Q/dO copies and the dQ reductions off the consumers,
     # perf-notes b13, b15): one block an SM, 384 threads; not with bias/mask/dropout, whose
@@ -616,7 +621,8 @@ def all_variants(smem_limit: int = DEFAULT_SMEM_LIMIT) -> list[Variant]:
                     hopper += [sm90_bwd_variant(dtype, d, softcap=softcap, alibi=alibi, deterministic=det, mods=mods,
                                                 ordered=ordered)
                                for det, ordered in ((False, False), (True, False), (True, True)) for mods in (0, 1, 2)
-                               if d in SM90_BWD_TILES]  # (96 runs the 128 kernel, 160-224 the 256 one)
+                               if d in SM90_BWD_TILES  # (96 runs the 128 kernel, 160-224 the 256 one)
+                               and (d == 64 or not (det and not ordered))]  # (ordered above 64 either way)
                     out += [v for v in hopper if v is not None]
         out.append(dsum_variant(dtype))
     # float32/float64: four score forms without modifiers; one modifier form (_mods_form) without

@@ -361,10 +361,12 @@ def attention_backward(
         compute capability 9.0) forms dQ inside the dK/dV kernel and adds it to an
         fp32 buffer of B·H·Sq·D floats with the copy engine's bulk reductions, and the
         float32/float64 backward on any GPU with atomics (a buffer in the input's dtype), so dq
-        may differ in the last bits from run to run; ``True`` computes dQ in a kernel of its own
-        instead (no atomics, no buffer; on an H200 6–27 % slower at head dims up to 128 and 2–5×
-        slower at 129–256, which then run the sm_80 kernels, see BENCHMARKS.md session 35;
-        float32/float64 slower still: S and dP are formed twice).  The CPU path and the other GPU kernels are always repeatable;
+        may differ in the last bits from run to run; ``True`` makes the Hopper kernel add dQ's
+        parts to each query tile in a fixed order above head dim 64 (the key blocks in turn, as
+        FlashAttention-3's deterministic mode; on an H200 5–34 % slower at 65–128, 26–55 % at
+        129–256) and computes dQ in a kernel of its own elsewhere (no atomics, no buffer; 6–20 %
+        slower at 33–64, see BENCHMARKS.md session 37; float32/float64 slower still: S and dP are
+        formed twice).  The CPU path and the other GPU kernels are always repeatable;
         the GPU's ``dbias`` too, by summing a full-size float32 dS (float64 for float64 inputs) over the
         bias's broadcast axes afterwards (4 or 8 bytes per score; without ``deterministic`` atomics sum
         them in place).

@@ -278,21 +278,22 @@ def test_sources_are_found_and_includes_inlined():
 def test_hopper_variants_cover_the_panel_buckets():
     names = [v.name for v in VARIANTS if v.arch == "90a" and "_sm90_" in v.name]  # attention kernels
     # dtypes x (forward 64/128/192/256 with and without the overlap, and with bias/mask and with
-    # bias/mask/dropout (overlapped only), backward 64/128 in both dQ schemes and 256 in the atomic
-    # one, and 64/128/256 with ordered dQ (CUFLASH_SM90_ORDERED_DQ), each plain, with bias/mask and
-    # with bias/mask/dropout) x (softcap, alibi), and the forwards with bias/mask or
-    # bias/mask/dropout in their raw-score form (no softcap, no ALiBi), and d64's long-row tile
-    # (plain, with and without the overlap)
-    assert len(names) == 2 * (4 * 4 + (2 * 2 + 1 + 3) * 3) * 4 + 2 * 4 * 2 + 2 * 2
+    # bias/mask/dropout (overlapped only), backward 64/128/256 with dQ added in any order, 64 with
+    # _dq + _dkdv, and 64/128/256 with ordered dQ (deterministic=True above 64; at 64 under
+    # CUFLASH_SM90_ORDERED_DQ), each plain, with bias/mask and with bias/mask/dropout) x (softcap,
+    # alibi), and the forwards with bias/mask or bias/mask/dropout in their raw-score form (no
+    # softcap, no ALiBi), and d64's long-row tile (plain, with and without the overlap)
+    assert len(names) == 2 * (4 * 4 + (3 + 1 + 3) * 3) * 4 + 2 * 4 * 2 + 2 * 2
     assert _kernels.sm90_fwd_variant("bfloat16", 64, softcap=False, alibi=False, long_rows=True).name.endswith("_d64_bm192_bn96_st2")
     assert "_bm128_" in _kernels.sm90_fwd_variant("bfloat16", 64, softcap=True, alibi=False, long_rows=True).name
     assert "_bn64_" in _kernels.sm90_fwd_variant("bfloat16", 256, softcap=False, alibi=False, mods=1).name
     assert "_bn80_" in _kernels.sm90_fwd_variant("bfloat16", 256, softcap=False, alibi=False).name
     v = _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False)
     assert v.name.startswith("cuflash_bwd_sm90_bf16_d256_") and dict(v.defines)["CUFLASH_COL_SPLIT"] == 1
-    assert _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False, deterministic=True) is None
-    assert "_d256_" in _kernels.sm90_bwd_variant("bfloat16", 200, softcap=False, alibi=False, deterministic=True,
-                                                 ordered=True).name
+    for d, ordered in ((72, False), (128, False), (200, False), (64, True)):  # deterministic: ordered dQ above 64
+        assert _kernels.sm90_bwd_variant("bfloat16", d, softcap=False, alibi=False, deterministic=True,
+                                         ordered=ordered).name.endswith("_ord")
+    assert _kernels.sm90_bwd_variant("bfloat16", 64, softcap=False, alibi=False, deterministic=True).name.endswith("_det")
     for d in (72, 96):  # the bucket 96 runs the 128 kernel, its columns past the head dim zero
         assert _kernels.sm90_bwd_variant("bfloat16", d, softcap=False, alibi=False).name.startswith("cuflash_bwd_sm90_bf16_d128_")
     assert _kernels.sm90_bwd_variant("bfloat16", 32, softcap=False, alibi=False) is None  # MiniLM's: flash_bwd.cu
@@ -355,8 +356,8 @@ def test_backward_module_holds_only_the_kernels_its_scheme_launches(deterministi
     """Issue 20: the atomic-dQ and the deterministic Hopper backward are modules of their own, so
     that a first call compiles two kernels, not four; the float32/float64 ones (flash_bwd.cu) too."""
     _nvrtc_or_skip()
-    if dtype == "bfloat16":
-        v = _kernels.sm90_bwd_variant(dtype, 128, softcap=False, alibi=False, deterministic=deterministic)
+    if dtype == "bfloat16":  # (d64: above it deterministic=True is the one-pass kernel, dQ ordered)
+        v = _kernels.sm90_bwd_variant(dtype, 64, softcap=False, alibi=False, deterministic=deterministic)
     else:
         v = _kernels.bwd_variant(dtype, 64, softcap=False, alibi=False, deterministic=deterministic)
     cubin = _kernels.compile_for_arch(v, "90")
@@ -417,7 +418,8 @@ def test_sm90_backward_producer_form_where_chosen():
     warpgroup copies Q/dO and adds dQ, perf-notes b13/b15) serves d64 and d128 (and the buckets padded
     to them) without deterministic and without bias/mask/dropout; its two consumer warpgroups are what
     the grids count (Variant.threads 256, 128 keys a block); _dkdv_dq launches with the producer's 128
-    more (Variant.threads_of).  The deterministic, modifier and d256 forms keep their tiles."""
+    more (Variant.threads_of).  deterministic=True takes it too above d64 (dQ ordered, _p_ord); the
+    d64 deterministic, modifier and d256 forms keep their tiles."""
     from cuflash import _gpu
 
     for dtype in ("bfloat16", "float16"):
@@ -427,7 +429,11 @@ def test_sm90_backward_producer_form_where_chosen():
             assert defs["CUFLASH_PRODUCER"] == 1 and defs["CUFLASH_WARPGROUPS"] == 2, v.name
             assert v.threads == 256 and _gpu.bwd_tiles(v) == (128, 128) and v.name.endswith("_p"), v.name
             assert (v.threads_of("_dkdv_dq"), v.threads_of("_dq_convert")) == (384, 256), v.name
+            det = _kernels.sm90_bwd_variant(dtype, d, softcap=False, alibi=False, deterministic=True)
+            assert dict(det.defines)["CUFLASH_PRODUCER"] == (d > 64) and det.name.endswith("_p_ord" if d > 64 else "_det")
             for other in (dict(deterministic=True), dict(mods=1), dict(mods=2)):
+                if other.get("deterministic") and d > 64:
+                    continue
                 w = _kernels.sm90_bwd_variant(dtype, d, softcap=False, alibi=False, **other)
                 assert dict(w.defines)["CUFLASH_PRODUCER"] == 0 and not w.name.endswith("_p"), w.name
                 assert all(w.threads_of(suffix) == w.threads for suffix in ("_dkdv_dq", "_dq", "_dkdv")), w.name
@@ -439,11 +445,11 @@ def test_sm90_backward_producer_form_where_chosen():
 
 
 def test_sm90_backward_ordered_dq_form(monkeypatch):
-    """deterministic=True with ordered dQ additions (flash_bwd_sm90.cu's kDqOrdered, under
-    CUFLASH_SM90_ORDERED_DQ=1 until verified on a GPU): the default form's kernels and tiles
+    """deterministic=True with ordered dQ additions (flash_bwd_sm90.cu's kDqOrdered; above the head-dim
+    bucket 64, and at 64 too under CUFLASH_SM90_ORDERED_DQ=1): the default form's kernels and tiles
     (producer form included) at every head-dim bucket, d256 too, with CUFLASH_DQ_ORDER; a one-axis
     grid of key blocks x pairs in sections that leave about 8 key blocks of a pair among the resident
-    blocks; without the switch the dispatcher keeps _dq + _dkdv."""
+    blocks; without the switch d64 keeps _dq + _dkdv."""
     from cuflash import _gpu
 
     for dtype in ("bfloat16", "float16"):

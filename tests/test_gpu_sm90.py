@@ -255,9 +255,10 @@ def test_wgmma_repeated_calls_are_bitwise_identical(rng):
 
 @pytest.fixture(params=["sm90", "sm90-deterministic", "sm90-ordered", "sm80"])
 def backward_kernels(request, monkeypatch):
-    """The Hopper backward in its forms (atomic dQ by default; _dq + _dkdv with
-    deterministic=True; the one-pass kernel with ordered dQ additions under
-    CUFLASH_SM90_ORDERED_DQ=1) and the sm_80 kernels; yields the deterministic flag to pass."""
+    """The Hopper backward in its forms (dQ added in any order by default; with deterministic=True
+    the one-pass kernel with ordered dQ additions above head dim 64 and _dq + _dkdv up to it, or
+    the ordered form at every head dim under CUFLASH_SM90_ORDERED_DQ=1) and the sm_80 kernels;
+    yields the deterministic flag to pass."""
     if request.param == "sm80":
         monkeypatch.setenv("CUFLASH_DISABLE_SM90", "1")
     if request.param == "sm90-ordered":
@@ -307,8 +308,8 @@ def test_both_backward_kernels_options(rng, backward_kernels, dtype, headdim, op
 @pytest.mark.parametrize("case", ["bias+mask", "dropout+bias", "softcap+bias"])
 def test_both_backward_kernels_with_bias_mask_dropout(rng, backward_kernels, headdim, case):
     """Bias (with its gradient), mask and dropout in the Hopper backward (CUFLASH_MODS of
-    flash_bwd_sm90.cu, every dQ scheme; d200: the column-split kernel, whose deterministic form is
-    flash_bwd.cu's unless dQ is ordered) and in the sm_80 one, against the float64 reference: GQA,
+    flash_bwd_sm90.cu, every dQ scheme; d200: the column-split kernel, whose deterministic form adds
+    dQ in order) and in the sm_80 one, against the float64 reference: GQA,
     causal, tails."""
     cp = _arrays.cupy_module()
     b, sq, sk, hq, hk = 2, 130, 257, 4, 2
