@@ -448,8 +448,8 @@ def test_sm90_backward_ordered_dq_form(monkeypatch):
     """deterministic=True with ordered dQ additions (flash_bwd_sm90.cu's kDqOrdered; above the head-dim
     bucket 64, and at 64 too under CUFLASH_SM90_ORDERED_DQ=1): the default form's kernels and tiles
     (producer form included) at every head-dim bucket, d256 too, with CUFLASH_DQ_ORDER; a one-axis
-    grid of key blocks x pairs in sections that leave about 8 key blocks of a pair among the resident
-    blocks; without the switch d64 keeps _dq + _dkdv."""
+    grid of key blocks x pairs in sections of as many pairs as one wave of resident blocks holds
+    whole; without the switch d64 keeps _dq + _dkdv."""
     from cuflash import _gpu
 
     for dtype in ("bfloat16", "float16"):
@@ -465,10 +465,12 @@ def test_sm90_backward_ordered_dq_form(monkeypatch):
                 assert v in _kernels.all_variants()
     monkeypatch.setattr(_gpu, "_sm_resources", lambda device: (132, 233472))
     p = _kernels.sm90_bwd_variant("bfloat16", 128, softcap=False, alibi=False, deterministic=True, ordered=True)
-    assert _gpu._ordered_bwd_grid(0, p, 40, 32) == (17, (1280, 1, 1))  # 132 SMs / 8
-    assert _gpu._ordered_bwd_grid(0, p, 4, 64) == (4, (256, 1, 1))  # (no more sections than pairs)
+    assert _gpu._ordered_bwd_grid(0, p, 40, 32) == (4, (1280, 1, 1))  # the pairs a wave of 132 blocks holds
+    assert _gpu._ordered_bwd_grid(0, p, 40, 128) == (1, (5120, 1, 1))
+    assert _gpu._ordered_bwd_grid(0, p, 3, 300) == (1, (900, 1, 1))  # (at least one pair)
+    assert _gpu._ordered_bwd_grid(0, p, 4, 8) == (4, (32, 1, 1))  # (no more sections than pairs)
     m = _kernels.sm90_bwd_variant("bfloat16", 64, softcap=False, alibi=False, mods=1, deterministic=True, ordered=True)
-    assert _gpu._ordered_bwd_grid(0, m, 100, 8)[0] == 33  # two blocks an SM
+    assert _gpu._ordered_bwd_grid(0, m, 100, 8)[0] == 33  # two blocks an SM: 264 resident
     monkeypatch.delenv("CUFLASH_SM90_ORDERED_DQ", raising=False)
     assert not _kernels.sm90_ordered_dq()
     monkeypatch.setenv("CUFLASH_SM90_ORDERED_DQ", "1")
