@@ -382,9 +382,9 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
         d = 256  # (the columns past the head dim are zero in the tiles)
     elif d > 64:
         d = 128  # (65-96 too: padded, it ran 2x the sm_80 kernel's 137-140 TF/s, perf-notes b6)
-    # deterministic=True: dQ's additions in a fixed order above the bucket 64 (b16, measured in bf16:
-    # 0.66-0.95 of the default at d96/d128 where _dq + _dkdv ran 0.74-0.78, 0.45-0.74 at d192/d256
-    # where flash_bwd.cu ran 0.22-0.46); at 64 the pair (0.80-0.94; the ordered form 0.65-0.81)
+    # deterministic=True: dQ's additions in a fixed order above the bucket 64 (b16, H200, bf16/fp16:
+    # 0.90-1.00 of the default at d96/d128 where _dq + _dkdv ran 0.74-0.78, 0.68-0.77 at d192/d256
+    # where flash_bwd.cu ran 0.22-0.46); at 64 the pair (0.79-0.87; the ordered form 0.79-0.82)
     ordered = deterministic and (ordered or d > 64)
     split = deterministic and not ordered  # (_dq + _dkdv)
     if d not in SM90_BWD_TILES:

@@ -363,8 +363,8 @@ def attention_backward(
         float32/float64 backward on any GPU with atomics (a buffer in the input's dtype), so dq
         may differ in the last bits from run to run; ``True`` makes the Hopper kernel add dQ's
         parts to each query tile in a fixed order above head dim 64 (the key blocks in turn, as
-        FlashAttention-3's deterministic mode; on an H200 5–34 % slower at 65–128, 26–55 % at
-        129–256) and computes dQ in a kernel of its own elsewhere (no atomics, no buffer; 6–20 %
+        FlashAttention-3's deterministic mode; on an H200 0–10 % slower at 65–128, 23–32 % at
+        129–256) and computes dQ in a kernel of its own elsewhere (no atomics, no buffer; 13–21 %
         slower at 33–64, see BENCHMARKS.md session 37; float32/float64 slower still: S and dP are
         formed twice).  The CPU path and the other GPU kernels are always repeatable;
         the GPU's ``dbias`` too, by summing a full-size float32 dS (float64 for float64 inputs) over the
