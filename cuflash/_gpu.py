@@ -734,7 +734,7 @@ def _launch_attention_bwd(p, dout, q, k, v, out, lse, grads, *, packed, cu_q=Non
             if main.filename == "flash_bwd_sm90.cu":
                 rows = (prm.nheads_q * (prm.total_q + 64 * prm.batch) if prm.cu_seqlens_q
                         else prm.batch * prm.nheads_q * -(-prm.seqlen_q // 64) * 64)
-            dq_accum = cp.zeros(rows * dict(main.defines)["CUFLASH_HEADDIM"], dtype=lse.dtype)
+            dq_accum = cp.zeros(rows * dict(main.defines)["CUFLASH_HEADDIM"] * _kernels.dq_accum_copies(main), dtype=lse.dtype)
             prm.dq_accum = dq_accum.data.ptr
             if dict(main.defines).get("CUFLASH_DQ_ORDER"):  # deterministic: the key blocks add to a dQ tile in turn
                 # (the blocks' ticket counter, then a turn counter per dQ tile and panel owner)

@@ -418,6 +418,16 @@ def sm90_bwd_variant(dtype: str, headdim: int, *, softcap: bool, alibi: bool,
                    entry_threads=(("_dkdv_dq", 128 * wgs + 128),) if producer else ())
 
 
+def dq_accum_copies(variant: Variant) -> int:
+    """Copies of dq_accum a backward variant adds dQ into (sm90_bwd_epilogue.cuh's dq_accum_copies):
+    2 for the Hopper kernel whose two consumers each form a whole dQ tile over their own keys (d64's
+    producer form) with dQ's additions ordered, one copy per consumer, summed by _dq_convert; else 1."""
+    defs = dict(variant.defines)
+    ordered, split = defs.get("CUFLASH_DQ_ORDER", 0), defs.get("CUFLASH_COL_SPLIT", 0)
+    wgs = defs.get("CUFLASH_WARPGROUPS", 1)
+    return 2 if variant.filename == "flash_bwd_sm90.cu" and ordered and not split and defs["CUFLASH_HEADDIM"] // wgs < 64 else 1
+
+
 def bwd_warps(headdim: int, smem_limit: int = DEFAULT_SMEM_LIMIT) -> int:
     """Warps of the backward kernels; each owns 16 query rows (dq) or key rows (dkdv)."""
     for warps in (4, 2):

@@ -252,8 +252,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     constexpr bool kRangeMask = kD == 128 && !kSoftcap && !kColSplit && !kMods;
     // kDqByKeys (d64 with two warpgroups, whose shares of dQ's columns would be 32 wide): each
     // warpgroup forms all of the tile's dQ over its own 64 keys, and both panels are added to the same
-    // tile; a warpgroup then reads only the dSᵀ rows it staged itself.
+    // tile (kDqOrdered: each to a copy of dq_accum of its own, kDqCopies); a warpgroup then reads only
+    // the dSᵀ rows it staged itself.
     constexpr bool kDqByKeys = kDqAtomic && !kColSplit && kD / kWG < 64;
+    constexpr int kDqCopies = dq_accum_copies(kD, kWG, kColSplit, kDqOrdered);  // (2: kDqByKeys ordered)
     constexpr int kDqCols = kDqByKeys ? kD : kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
     constexpr int kDqSlice = dq_panel_cols(kD, kWG, kColSplit);  // ... in slices (dq_tile_offset's panels) of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");
@@ -270,7 +272,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     static_assert(!kColSplit || (kDqAtomic && kQW % 16 == 0), "the column split: _dkdv_dq, whole 16-query steps per warpgroup");
     static_assert(!kProducer || (kDqAtomic && !kColSplit && kWG == 2 && kDqCols == kDqSlice), "the producer form: two consumers, a dQ panel each");
     static_assert(!(kProducer && kMods), "the producer form walks every step (no tile-map skips in the producer or writer)");
-    static_assert(!kDqOrdered || (kDqAtomic && (kProducer || !kDqByKeys)), "ordered dQ: _dkdv_dq; one turn a tile for both panels in the writer only");
+    static_assert(!kDqOrdered || (kDqAtomic && (kProducer || !kDqByKeys)), "ordered dQ: _dkdv_dq; kDqByKeys (a dq_accum copy per consumer) in the producer form only");
     constexpr int kDsBufs = kProducer ? 2 : 1;  // dSᵀ buffers (the producer form: one a step, in turn)
     extern __shared__ unsigned char smem_raw[];
     unsigned char* sK = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);  // (kBN, kD), reused to stage dK
@@ -359,7 +361,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             if (warp == 0)
                 bwd_load_steps<kBM, kD, kMods>(p, maps, seq, b, walk, sQ, sdO, sLse2, sDsum, stage_full, stage_empty, lane);
             else if (warp == 1)
-                bwd_write_dq<kBM * kDqSlice, kDqOrdered, kDqOrdered && kDqByKeys>(p.dq_accum, sdQ, dq_dst, dq_empty, lane,
+                bwd_write_dq<kBM * kDqSlice, kDqOrdered>(p.dq_accum, sdQ, dq_dst, dq_empty, lane,
                                                                                p.split_counters, dq_order);
             return;
         }
@@ -430,7 +432,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
         const int launched = static_cast<int>(gridDim.x / static_cast<unsigned>(p.batch * p.nheads_k));
         return min((hi - 1) / kBN, launched - 1) - n0 / kBN;
     };
-    const int dq_slot = kDqByKeys ? 0 : wg;
+    const int dq_slot = wg;  // (kDqByKeys with kDqOrdered: each consumer's own copy of dq_accum)
     int turn_held = -1;
     auto pass_turn = [&] {  // (thread 0 of a warpgroup) its reductions are done: the next key block's turn
         bulk_wait<0>();
@@ -674,7 +676,10 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 for (int nt = 0; nt < kDqSlice / 8; ++nt)
                     *reinterpret_cast<float4*>(panel + (nt * 128 + tid % 128) * 4) = make_float4(dq[nt][0], dq[nt][1], dq[nt][2], dq[nt][3]);
                 // where the panel goes in dq_accum (computed by the thread that passes it on)
-                auto dst = [&] { return dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice; };
+                auto dst = [&] {
+                    return dq_tile_offset(p, seq, b, h, m0, kD) + (c0 / kDqSlice) * kBM * kDqSlice
+                           + (kDqCopies == 2 ? wg * dq_accum_rows(p) * kD : 0);  // (consumer w's copy)
+                };
                 fence_async_smem();
                 if constexpr (kProducer) {  // handed to the writer warp
                     if (tid % 128 == 0) dq_dst[wg] = dst();
@@ -755,6 +760,7 @@ extern "C" __global__ void __launch_bounds__((CUFLASH_WARPGROUPS + CUFLASH_PRODU
 // sequence (dq_convert_tiles).
 extern "C" __global__ void __launch_bounds__(CUFLASH_WARPGROUPS * 128) CUFLASH_CAT(CUFLASH_KERNEL_NAME, _dq_convert)(const __grid_constant__ FlashParams p) {
     dq_convert_tiles<CUFLASH_DTYPE, CUFLASH_HEADDIM, dq_panel_cols(CUFLASH_HEADDIM, CUFLASH_WARPGROUPS, CUFLASH_COL_SPLIT != 0),
-                     64 * CUFLASH_WARPGROUPS, 128 * CUFLASH_WARPGROUPS>(p);
+                     64 * CUFLASH_WARPGROUPS, 128 * CUFLASH_WARPGROUPS,
+                     dq_accum_copies(CUFLASH_HEADDIM, CUFLASH_WARPGROUPS, CUFLASH_COL_SPLIT != 0, CUFLASH_DQ_ORDER != 0)>(p);
 }
 #endif  // CUFLASH_DETERMINISTIC

@@ -23,6 +23,12 @@ __device__ __forceinline__ int wg_row(int tid) { return ((tid / 32) % 4) * 16 + 
 // Tiles do not overlap: padded batches round each head's rows up to 64, packed sequences keep 64
 // rows apart (dq_accum holds nheads_q * (total_q + 64 batch) rows then).
 constexpr int dq_panel_cols(int d, int warpgroups, bool col_split) { return col_split || d / warpgroups < 64 ? 64 : d / warpgroups; }
+// The copies of dq_accum: 2 where dQ's additions are ordered and each consumer forms all of a dQ tile
+// over its own keys (flash_bwd_dkdv_sm90's kDqByKeys, d64's producer form): consumer w adds to copy w,
+// the two under turns of their own, and _dq_convert sums copy 0 and copy 1 in that order; else 1.
+constexpr int dq_accum_copies(int d, int warpgroups, bool col_split, bool ordered) {
+    return ordered && !col_split && d / warpgroups < 64 ? 2 : 1;
+}
 __device__ __forceinline__ long long dq_tile_offset(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, int kD) {
     const long long row = p.cu_seqlens_q ? h * (p.total_q + 64 * p.batch) + seq.q_start + 64ll * b + m0
                                          : (b * p.nheads_q + h) * ((p.seqlen_q + 63) / 64 * 64) + m0;
@@ -35,6 +41,10 @@ __device__ __forceinline__ long long dq_tile_offset(const FlashParams& p, const 
 // int, bwd_block's ticket).
 __device__ __forceinline__ int dq_order_counter(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, int slot) {
     return static_cast<int>(1 + dq_tile_offset(p, seq, b, h, m0, 1) / 64 * 2 + slot);
+}
+// The rows of one copy of dq_accum (dq_tile_offset's layout; the host allocates as many)
+__device__ __forceinline__ long long dq_accum_rows(const FlashParams& p) {
+    return p.cu_seqlens_q ? p.nheads_q * (p.total_q + 64 * p.batch) : p.batch * p.nheads_q * ((p.seqlen_q + 63) / 64 * 64);
 }
 
 // Scale a (64 x kAccD) accumulator of this warpgroup by `mul`, round to 16 bits, stage it in the
@@ -68,7 +78,8 @@ __device__ __forceinline__ void store_tile(const float (&acc)[kAccD / 8][4], flo
 // The atomic-dQ form's last pass: dq = softmax_scale * dq_accum for the 64-row query tiles of one
 // (64 * warpgroups)-row block of a sequence, read in dq_tile_offset's fragment order (a float4 a
 // thread: two adjacent columns of two rows 8 apart); rows no key reached are 0, a bad sequence's NaN.
-template <class T, int kD, int kSlice, int kRows, int kThreads>
+// kCopies 2 (dq_accum_copies): the sum of the two copies, the first plus the second.
+template <class T, int kD, int kSlice, int kRows, int kThreads, int kCopies = 1>
 __device__ __forceinline__ void dq_convert_tiles(const FlashParams& p) {
     const long long bh = static_cast<long long>(blockIdx.z) * gridDim.y + blockIdx.y;
     if (bh >= p.batch * p.nheads_q) return;
@@ -85,7 +96,11 @@ __device__ __forceinline__ void dq_convert_tiles(const FlashParams& p) {
             const int panel = f / (16 * kSlice), g = f % (16 * kSlice), nt = g / 128, t = g % 128;
             const int r = wg_row(t), c = panel * kSlice + nt * 8 + (t % 4) * 2;
             if (c >= cols) continue;
-            const float4 v = acc[f];
+            float4 v = acc[f];
+            if constexpr (kCopies == 2) {
+                const float4 w = acc[dq_accum_rows(p) * kD / 4 + f];
+                v = make_float4(v.x + w.x, v.y + w.y, v.z + w.z, v.w + w.w);
+            }
             if (r < rows_valid) *reinterpret_cast<u32*>(gdQ + r * p.dq_row_stride + c) = pack2<T>(v.x * scale, v.y * scale);
             if (r + 8 < rows_valid) *reinterpret_cast<u32*>(gdQ + (r + 8) * p.dq_row_stride + c) = pack2<T>(v.z * scale, v.w * scale);
         }

@@ -107,13 +107,12 @@ __device__ __forceinline__ void bwd_load_steps(const FlashParams& p, const BwdMa
 // it stages its next panel.  Both consumers hand over once a step, so the writer takes them in turn.
 // kOrdered (deterministic dQ): consumer w also puts in turn[w] the counter of its panel's tile
 // (its index in `counters`) and this block's turn there; lane 0 waits for the turn before the
-// reduction and passes it on once the reduction is done.  kOneTurn: both panels go to the same
-// tile (flash_bwd_dkdv_sm90's kDqByKeys) under one turn, the second added once the first is done.
-template <int kPanelFloats, bool kOrdered = false, bool kOneTurn = false>
+// reduction and passes it on once the reduction is done (d64's two panels of one tile go to two
+// copies of dq_accum, each under turns of its own: dq_accum_copies).
+template <int kPanelFloats, bool kOrdered = false>
 __device__ __forceinline__ void bwd_write_dq(float* dq_accum, const float* panels, const volatile long long* dst,
                                              u64 (&empty)[2], int lane, int* counters = nullptr,
                                              const volatile int2* turn = nullptr) {
-    static_assert(kOrdered || !kOneTurn, "one turn for both panels: ordered additions only");
     for (;;) {
         named_barrier_sync<bwd_ws::kDqFullBarrier>(bwd_ws::kDqFullThreads);
         const long long off0 = dst[0];
@@ -132,28 +131,21 @@ __device__ __forceinline__ void bwd_write_dq(float* dq_accum, const float* panel
         if (lane == 0) {
             // (lane 0 alone reads dst[1]: its own arrival on empty[1] below lets consumer 1 rewrite it)
             const long long off1 = dst[1];
-            const int counter1 = kOrdered && !kOneTurn ? turn[1].x : 0;
-            if constexpr (kOneTurn) {  // the second panel's sums after the first's
-                bulk_wait<0>();
-                mbar_arrive(&empty[0]);
-            } else if constexpr (kOrdered) {
-                sem_wait_eq(counters + counter1, turn[1].y);
-            }
+            const int counter1 = kOrdered ? turn[1].x : 0;
+            if constexpr (kOrdered) sem_wait_eq(counters + counter1, turn[1].y);
             bulk_reduce_add(dq_accum + off1, panels + kPanelFloats, kPanelFloats * 4);
             bulk_commit();
-            if constexpr (!kOneTurn) {
-                bulk_wait_read<1>();
-                mbar_arrive(&empty[0]);
-                if constexpr (kOrdered) {  // panel 0's sums done: the next key block's turn there
-                    bulk_wait<1>();        // (not held until panel 1's are: slot 0's order waits on slot 1's less)
-                    sem_release_add(counters + counter0);
-                }
+            bulk_wait_read<1>();
+            mbar_arrive(&empty[0]);
+            if constexpr (kOrdered) {  // panel 0's sums done: the next key block's turn there
+                bulk_wait<1>();        // (not held until panel 1's are: slot 0's order waits on slot 1's less)
+                sem_release_add(counters + counter0);
             }
             bulk_wait_read<0>();
             mbar_arrive(&empty[1]);
             if constexpr (kOrdered) {  // the last sums done: the next key block's turn
                 bulk_wait<0>();
-                sem_release_add(counters + (kOneTurn ? counter0 : counter1));
+                sem_release_add(counters + counter1);
             }
         }
         __syncwarp();

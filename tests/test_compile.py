@@ -471,6 +471,14 @@ def test_sm90_backward_ordered_dq_form(monkeypatch):
     assert _gpu._ordered_bwd_grid(0, p, 4, 8) == (4, (32, 1, 1))  # (no more sections than pairs)
     m = _kernels.sm90_bwd_variant("bfloat16", 64, softcap=False, alibi=False, mods=1, deterministic=True, ordered=True)
     assert _gpu._ordered_bwd_grid(0, m, 100, 8)[0] == 33  # two blocks an SM: 264 resident
+    # d64's producer form ordered: a dq_accum copy per consumer (sm90_bwd_epilogue.cuh's dq_accum_copies)
+    for d, mods, copies in ((64, 0, 2), (64, 1, 1), (128, 0, 1), (256, 0, 1)):
+        for det, ordered in ((False, False), (True, False), (True, True)):
+            v = _kernels.sm90_bwd_variant("bfloat16", d, softcap=False, alibi=False, mods=mods, deterministic=det,
+                                          ordered=ordered)
+            want = copies if v.name.endswith("_ord") else 1
+            assert _kernels.dq_accum_copies(v) == want, v.name
+    assert _kernels.dq_accum_copies(_kernels.bwd_variant("bfloat16", 64, softcap=False, alibi=False)) == 1
     monkeypatch.delenv("CUFLASH_SM90_ORDERED_DQ", raising=False)
     assert not _kernels.sm90_ordered_dq()
     monkeypatch.setenv("CUFLASH_SM90_ORDERED_DQ", "1")
