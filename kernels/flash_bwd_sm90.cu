@@ -256,6 +256,7 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
     // the dSᵀ rows it staged itself.
     constexpr bool kDqByKeys = kDqAtomic && !kColSplit && kD / kWG < 64;
     constexpr int kDqCopies = dq_accum_copies(kD, kWG, kColSplit, kDqOrdered);  // (2: kDqByKeys ordered)
+    static_assert(kDqCopies == 1 || (kDqByKeys && kProducer && kDqOrdered), "a dq_accum copy per consumer: d64's ordered producer form");
     constexpr int kDqCols = kDqByKeys ? kD : kD / kWG;  // kDqAtomic: the head-dim columns of dQ each warpgroup forms
     constexpr int kDqSlice = dq_panel_cols(kD, kWG, kColSplit);  // ... in slices (dq_tile_offset's panels) of this many columns
     static_assert(!kDqAtomic || (kBM == 64 && (kDqSlice == 64 || kDqSlice == 128)), "dQ = dS K: 64 query rows, whole 64-column panels");

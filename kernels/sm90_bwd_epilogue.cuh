@@ -36,7 +36,8 @@ __device__ __forceinline__ long long dq_tile_offset(const FlashParams& p, const 
 }
 // Deterministic dQ (flash_bwd_sm90.cu's kDqOrdered): the index in p.split_counters (zeroed per
 // call) of the counter that orders the additions to query tile m0 of head h of the panels of
-// `slot`: 0, or a warpgroup's own columns (1 for the second).  Tiles are 64 rows apart in
+// `slot`: the warpgroup whose columns the panels hold (d64's kDqByKeys: whose copy of dq_accum,
+// dq_accum_copies).  Tiles are 64 rows apart in
 // dq_accum, so row / 64 numbers them (the host allocates 2 (rows / 64 + 1) counters after the first
 // int, bwd_block's ticket).
 __device__ __forceinline__ int dq_order_counter(const FlashParams& p, const SeqInfo& seq, int b, int h, int m0, int slot) {
