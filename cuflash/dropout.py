@@ -198,16 +198,16 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
 
     xp = _arrays.module_of(like) if like is not None else np
     batch, heads, sq, sk = shape
-    memory = _memory_of(xp)
-    if memory is not None and math.prod(shape) > memory:
-        raise ValueError(f"shape {shape} asks for a keep-mask of {math.prod(shape) / 2**30:.3g} GiB (one byte an element), "
+    elements, memory = math.prod(shape), _memory_of(xp)  # (a bool mask: one byte an element)
+    if memory is not None and elements > memory:
+        raise ValueError(f"shape {shape} asks for a keep-mask of {elements / 2**30:.3g} GiB (one byte an element), "
                          f"more than the {memory / 2**30:.3g} GiB of {'memory' if xp is np else 'free GPU memory'} here")
     try:
         keep = xp.empty(shape, dtype=bool)
     except ValueError as e:  # (NumPy: "array is too big")
-        raise ValueError(f"shape {shape} has {math.prod(shape)} elements, more than an array can hold ({e})") from None
+        raise ValueError(f"shape {shape} has {elements} elements, more than an array can hold ({e})") from None
     except MemoryError as e:
-        raise MemoryError(f"a keep-mask of shape {shape} needs {math.prod(shape) / 2**30:.1f} GiB, which could not be "
+        raise MemoryError(f"a keep-mask of shape {shape} needs {elements / 2**30:.1f} GiB, which could not be "
                           f"allocated ({type(e).__name__})") from None
     if keep.size == 0:
         return keep

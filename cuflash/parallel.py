@@ -474,12 +474,20 @@ def _check_ring(comm, q, k, v, scheme, options):
     if scheme == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"zig-zag shards hold two equal pieces; got a local length of {q.shape[1]}")
     mine = repr((scheme, tuple(q.shape), tuple(k.shape), tuple(v.shape), sorted(options.items())))
-    everyone = comm.allgather(mine)
-    if any(o != mine for o in everyone):
-        bad = next(r for r, o in enumerate(everyone) if o != mine)
-        raise ValueError(f"rank {comm.rank}: rank {bad} called with other shapes or options ({everyone[bad]}) "
-                         f"than this rank ({mine})")
+    _called_alike(comm, mine, "shapes or options")
     return options["causal"]
+
+
+def _called_alike(comm, mine: str, what: str, extra=None) -> list:
+    """Every rank's ``extra``, gathered with ``mine`` (the repr of this rank's shapes and options),
+    after checking that every rank passed the same ``mine``: else a ValueError naming the first
+    rank that did not (``what`` says what it compares)."""
+    everyone = comm.allgather((extra, mine))
+    bad = next((r for r, (_, o) in enumerate(everyone) if o != mine), None)
+    if bad is not None:
+        raise ValueError(f"rank {comm.rank}: rank {bad} called with other {what} ({everyone[bad][1]}) than this "
+                         f"rank ({mine})")
+    return [e for e, _ in everyone]
 
 
 def ring_attention(q, k, v, comm, *, causal=False, softmax_scale=None, softcap=0.0, scheme="zigzag",
@@ -731,12 +739,7 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     # the capacity, lengths (where on the host), new tokens and options.
     mine = repr((tuple(q.shape), str(q.dtype), tuple(k_cache.shape[2:]), tuple(v_cache.shape[2:]),
                  None if host is None else host.tolist(), new, softmax_scale, softcap, return_lse))
-    everyone = comm.allgather((int(k_cache.shape[1]), mine))
-    if any(o != mine for _, o in everyone):
-        bad = next(r for r, (_, o) in enumerate(everyone) if o != mine)
-        raise ValueError(f"rank {comm.rank}: rank {bad} called with other shapes, lengths or options "
-                         f"({everyone[bad][1]}) than this rank ({mine})")
-    caps = [int(c) for c, _ in everyone]
+    caps = [int(c) for c in _called_alike(comm, mine, "shapes, lengths or options", int(k_cache.shape[1]))]
     start, cap, total = sum(caps[:comm.rank]), caps[comm.rank], sum(caps)
     if host is not None and host.size and (int(host.min()) < 0 or int(host.max()) > total):
         raise ValueError(f"cache_seqlens values must lie in [0, {total}] (the whole cache capacity, ranks' capacities "

@@ -25,11 +25,11 @@
 // Head dims 64 and 128 in the form above; 256 (and the buckets between 128 and 256, their columns
 // past the head dim zero) with the warpgroups of a _dkdv_dq block splitting the columns of dK and
 // dV (whole, they do not fit in one warpgroup's registers; each forms Sᵀ, dPᵀ of half the queries
-// and shares Pᵀ, dSᵀ through shared memory): CUFLASH_COL_SPLIT.  Deterministic
-// d256 stays with flash_bwd.cu (its _dq kernel's tiles do not fit in shared memory), unless dQ's
-// additions are ordered: CUFLASH_DQ_ORDER builds _dkdv_dq with the key blocks adding to each query
-// tile in turn (bitwise repeatable at every head dim, one pass; to replace _dq + _dkdv once
-// verified on a GPU: cuflash/_kernels.py's sm90_ordered_dq).
+// and shares Pᵀ, dSᵀ through shared memory): CUFLASH_COL_SPLIT.  Deterministic (bitwise
+// repeatable) dQ: CUFLASH_DQ_ORDER builds _dkdv_dq with the key blocks adding to each query tile in
+// turn, one pass, at every head dim (the dispatch above 64, and at 64 under
+// CUFLASH_SM90_ORDERED_DQ: cuflash/_kernels.py's sm90_bwd_variant); CUFLASH_DETERMINISTIC builds
+// _dq + _dkdv, which deterministic=True runs at 64 (at 256 its _dq tiles do not fit in shared memory).
 // CUFLASH_MODS as flash_bwd.cu's (score_mods.cuh): 1 bias and mask in P (natural units, against the
 // forward's LSE), the bias gradient added by the dK/dV kernel (in both dQ schemes it visits every
 // (query, key) pair once); 2 also dropout: dV += (P ∘ Z)ᵀ dO, dS = P ∘ (dP ∘ Z - D).
