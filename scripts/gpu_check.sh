@@ -115,7 +115,7 @@ for stage in $stages; do
         >"$OUT/ring.log" 2>&1
       rc=$?; summary+=("ring rc=$rc ($(elapsed))")
       cat "$OUT/ring.md" 2>/dev/null || tail -n 20 "$OUT/ring.log" ;;
-    ncu)  # Nsight Compute on single forward/backward calls (scripts/ncu_case.py): NCU_CASES "D:SEQLEN[:causal][:varlen][:backward][:mask|:bias|:dropout][:fp32|:fp64] ..."
+    ncu)  # Nsight Compute on single forward/backward calls (scripts/ncu_case.py): NCU_CASES "D:SEQLEN[:causal][:varlen][:backward[:det]][:mask|:bias|:dropout][:fp32|:fp64] ..."
       : >"$OUT/ncu.txt"
       for case in ${NCU_CASES:-128:16384 128:16384:causal 64:16384 64:512:causal:varlen}; do
         IFS=: read -r d s flags <<<"$case"
@@ -125,6 +125,7 @@ for stage in $stages; do
         for m in mask bias dropout; do [[ $flags == *$m* ]] && args+=" --mods $m"; done
         kernel=cuflash_fwd_sm90
         [[ $flags == *backward* ]] && args+=" --backward" && kernel='cuflash_bwd_sm90.*dkdv'
+        [[ $flags == *det* ]] && args+=" --deterministic"
         for t in fp32 fp64; do  # the float32/float64 kernels (sm_80 forms): both backward kernels
           [[ $flags == *$t* ]] && args+=" --dtype $t" && kernel="cuflash_fwd_$t" && [[ $flags == *backward* ]] && kernel="cuflash_bwd_$t"
         done

@@ -1,7 +1,7 @@
 """One attention call of the standard sweep's shape, for Nsight Compute to profile.
 
     ncu --clock-control none -k regex:cuflash_fwd_sm90 --launch-skip 2 --launch-count 1 --set full \\
-        python scripts/ncu_case.py --headdim 128 --seqlen 16384 [--causal] [--varlen] [--backward] [--mods mask]
+        python scripts/ncu_case.py --headdim 128 --seqlen 16384 [--causal] [--varlen] [--backward [--deterministic]] [--mods mask]
 
 bf16 (or --dtype fp16/fp32/fp64), batch * seqlen = 16k tokens, nheads * headdim = 2048 (the shape of scripts/bench.py and
 scripts/ab_compare.py).  The call runs three times (the first compiles and plans, the second is
@@ -29,6 +29,7 @@ def main(argv=None):
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--varlen", action="store_true")
     ap.add_argument("--backward", action="store_true")
+    ap.add_argument("--deterministic", action="store_true", help="with --backward: deterministic=True")
     ap.add_argument("--mods", choices=("mask", "bias", "dropout"))
     ap.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp64"), default="bf16")
     args = ap.parse_args(argv)
@@ -51,7 +52,8 @@ def main(argv=None):
         cu = cp.arange(0, batch * s + 1, s, dtype=cp.int32)
         opts = dict(max_seqlen_q=s, max_seqlen_k=s, causal=args.causal)
         fwd = lambda: cuflash.attention_varlen(q, k, v, cu, cu, return_lse=True, **opts)  # noqa: E731
-        bwd = lambda out, lse: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu, **opts)  # noqa: E731
+        bwd = lambda out, lse: cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu, cu,  # noqa: E731
+                                                                 deterministic=args.deterministic, **opts)
     else:
         q, k, v, dout = (rand((batch, s, heads, d)) for _ in range(4))
         mods = {}
@@ -62,7 +64,8 @@ def main(argv=None):
             mods, _, _ = _modifier_inputs(case, batch, heads, s, args.causal, rng)
             mods.pop("causal")
         fwd = lambda: cuflash.attention(q, k, v, causal=args.causal, return_lse=True, **mods)  # noqa: E731
-        bwd = lambda out, lse: cuflash.attention_backward(dout, q, k, v, out, lse, causal=args.causal, **mods)  # noqa: E731
+        bwd = lambda out, lse: cuflash.attention_backward(dout, q, k, v, out, lse, causal=args.causal,  # noqa: E731
+                                                          deterministic=args.deterministic, **mods)
     for _ in range(3):
         out, lse = fwd()
         if args.backward:
