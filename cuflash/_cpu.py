@@ -90,6 +90,11 @@ class _Band:
         self.seqlen_q = p.seqlen_q
         self.masked = self.left != -1 or self.right != -1 or p.seqlens_k is not None
 
+    def stored_keys(self, x):
+        """The (B, Sk, Hkv, d) keys or values up to the longest valid length: rows past every sk are
+        never read (a padded cache of a million rows attended to over 4 keys converts 4 of them)."""
+        return x[:, :int(self.sk.max()) if self.sk.size else 0]
+
     def zero_invalid_keys(self, x):
         """(B, Hkv, Sk, d) keys or values with the rows past each sk zeroed (they are never
         visible, but a tile multiplies their weight 0 by whatever they hold, NaN included)."""
@@ -296,7 +301,7 @@ def forward(p, q, k, v, out, lse, *, block_m=BLOCK_M, block_n=BLOCK_N):
     """
     acc = _acc_dtype(p.dtype)
     heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), operand_rounding(p.precision)
-    k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(x, acc))) for x in (k, v))  # (B, Hkv, Sk, d)
+    k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(band.stored_keys(x), acc))) for x in (k, v))  # (B, Hkv, Sk', d)
     for i0, i1 in _blocks(0, p.seqlen_q, block_m):
         q_t = rnd(heads.queries(q[:, i0:i1], acc))  # (B, Hkv, G, m, D)
         row_shape = q_t.shape[:-1] + (1,)
@@ -357,10 +362,12 @@ def backward(p, dout, q, k, v, out, lse, dq, dk, dv, *, deterministic=False,
     del deterministic  # one thread, fixed loop order: always repeatable
     acc = _acc_dtype(p.dtype)
     heads, band, slopes, mods, rnd = _Heads(p), _Band(p), _slopes(p, acc), _modifiers(p, acc), operand_rounding(p.precision)
-    k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(x, acc))) for x in (k, v))  # (B, Hkv, Sk, d)
+    # (B, Hkv, Sk', d): the keys up to the longest valid length; dk, dv are 0 past it
+    k_all, v_all = (rnd(band.zero_invalid_keys(heads.keys(band.stored_keys(x), acc))) for x in (k, v))
     q_all, do_all = rnd(heads.queries(q, acc)), rnd(heads.queries(dout, acc))  # (B, Hkv, G, Sq, d)
     key_tiles = [(j0, j1, k_all[..., j0:j1, :], v_all[..., j0:j1, :])  # (B, Hkv, n, d) views
-                 for j0, j1 in _blocks(0, p.seqlen_k, block_n)]
+                 for j0, j1 in _blocks(0, k_all.shape[2], block_n)]
+    dk[:, k_all.shape[2]:], dv[:, k_all.shape[2]:] = 0, 0
 
     def query_tiles(j0, j1, k_t):  # (i0, i1, scores, tanh) of the query tiles that see keys [j0, j1)
         for i0, i1 in _blocks(*band.query_range(j0, j1), block_m):

@@ -438,7 +438,7 @@ def check_output_buffer(out, name: str, shape: tuple, dtype, like, inputs=()):
         raise ValueError(f"{name} has elements that share memory (a zero or overlapping stride); pass a buffer "
                          "whose elements are distinct")
     for input_name, x in inputs:
-        if x is not None and x.size and out.size and shares_memory(out, x):
+        if x is not None and x.size and out.size and _arrays.same_kind(out, x) and shares_memory(out, x):
             raise ValueError(f"{name} overlaps {input_name}; the output must not share memory with the inputs")
     return out
 

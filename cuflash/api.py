@@ -63,11 +63,12 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         mask per tile of the attention kernel: tiles where it is all False are skipped, tiles
         where it is all True read no mask (a key-padding mask then runs near the speed of
         ``seqlens_k``).
-    dropout_p : float in [0, 1), default 0.0
+    dropout_p : float in [0, 1 - 2^-10], default 0.0
         Dropout on the attention probabilities after the row statistics, kept values scaled by
         1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.  An
         element is kept when its 16-bit draw is below round((1 - dropout_p) 2^16), so the keep
-        rate is 1 - dropout_p to within 2^-17 (FlashAttention 2 draws 8 bits).
+        rate is 1 - dropout_p to within 2^-17 (FlashAttention 2 draws 8 bits); above
+        1 - 2^-10 that is more than 0.8 % of 1 - dropout_p, and such rates are refused.
     dropout_seed : int, (int, int) or integer array of shape (2,), optional
         Seed, or (seed, offset), of the keep-mask, a pure function of the seed and of the
         element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10;
@@ -202,7 +203,7 @@ def attention(
         Inconsistent shapes, nheads not a multiple of nheads_k, a ``window_size`` of other than
         two entries or with an entry below -1, softcap outside
         0 or [1e-30, 1e30], seqlens_k outside [0, seqlen_k] (NumPy ``seqlens_k``), an ``out``
-        that is read-only or overlaps q, k or v.
+        that is read-only or overlaps q, k, v, bias, mask or seqlens_k.
     InvalidIndexError
         A ``ValueError``: a GPU ``seqlens_k`` entry outside [0, seqlen_k].  GPU index values are
         checked by the kernels, without a copy to the host: the call returns NaN for the rows
@@ -263,7 +264,9 @@ def attention(
     if layout == "bhsd":
         out_shape = (p.batch, p.nheads_q, p.seqlen_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")
-    inputs = (("q", q), ("k", k), ("v", v)) + tuple((n, x) for n, x in (("bias", p.bias), ("mask", p.mask)) if x is not None)
+    inputs = (("q", q), ("k", k), ("v", v)) + tuple((n, x) for n, x in (("bias", p.bias), ("mask", p.mask),
+                                                                        ("seqlens_k", _given_array(seqlens_k)))
+                                                 if x is not None)
     out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, inputs)
     out_given = out is not None
     if out is None:
@@ -466,7 +469,7 @@ def attention_backward(
     xp = _arrays.module_of(q)
     grads = []
     inputs = (("dout", dout), ("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("bias", bias),
-              ("mask", mask), ("dlse", dlse))
+              ("mask", mask), ("dlse", dlse), ("seqlens_k", _given_array(seqlens_k)))
     inputs = tuple((name, x) for name, x in inputs if x is not None)
     for name, given, like in (("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         given = V.check_output_buffer(given, name, like.shape, like.dtype, q, inputs)
@@ -601,7 +604,8 @@ def attention_varlen(
     TypeError, ValueError
         As :func:`attention`; offsets that do not start at 0, decrease or pass the number of
         packed tokens, checked on the host for NumPy offsets (and GPU offsets copied there by
-        ``max_seqlen_*=None``, or with ``CUFLASH_DEBUG=1``); more than 2**31 - 1 packed rows.
+        ``max_seqlen_*=None``, or with ``CUFLASH_DEBUG=1``); more than 2**31 - 1 packed rows; an
+        ``out`` that overlaps q, k, v or the offsets.
     InvalidIndexError
         A ``ValueError``: GPU offsets that break those rules, or a sequence longer than
         ``max_seqlen_q``/``max_seqlen_k``, found by the kernels (no copy to the host): every
@@ -643,7 +647,8 @@ def attention_varlen(
     xp = _arrays.module_of(q)
     out_shape = (q.shape[0], p.nheads_q, p.headdim_v)
     return_lse = V.check_bool(return_lse, "return_lse")
-    out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, (("q", q), ("k", k), ("v", v)))
+    out = V.check_output_buffer(out, "out", out_shape, q.dtype, q, (("q", q), ("k", k), ("v", v),
+                                                                     ("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)))
     out_given = out is not None
     if out is None:
         out = xp.empty(out_shape, dtype=q.dtype)
@@ -753,6 +758,12 @@ def attention_varlen_backward(
         _run("backward_varlen", _cpu.backward_varlen, p, dout, q, k, v, out, lse, *grads, cu_q, cu_k,
              deterministic=deterministic)
     return tuple(grads)
+
+
+def _given_array(x):
+    """An index argument as the caller passed it, when it is an array (its values may have been
+    copied since; an output must not overwrite the caller's copy either), else None."""
+    return x if _arrays.is_array(x) else None
 
 
 def _check_unbatched(layout, **arrays):

@@ -148,7 +148,7 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     shape : tuple of 4 ints
         (batch, nheads, seqlen_q, seqlen_k) of the attention probabilities.
     dropout_p : float
-        Dropout probability in [0, 1).
+        Dropout probability in [0, 1 - 2**-10] (the rates cuflash.attention accepts).
     like : array, optional
         A CuPy array puts the result on its GPU (computed there); otherwise NumPy.
 
@@ -160,10 +160,10 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     Raises
     ------
     TypeError
-        A seed that is neither an int nor a pair of ints.
+        A seed that is neither an int nor a pair of ints; ``like`` not an array.
     ValueError
         A shape that is not 4 non-negative ints, or of more elements than an array can hold,
-        ``dropout_p`` outside [0, 1), a seed or offset outside [0, 2**64).
+        ``dropout_p`` outside [0, 1 - 2**-10], a seed or offset outside [0, 2**64).
         Also a mask (one byte an element) larger than the machine's memory (the GPU's free
         memory with a CuPy ``like``).
     MemoryError
@@ -196,6 +196,9 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     shape = tuple(int(n) for n in dims)
     from . import _arrays
 
+    if like is not None and not (isinstance(like, np.ndarray) or _arrays.is_gpu(like)):
+        raise TypeError(f"like must be a NumPy or CuPy array (a CuPy one puts the mask on its GPU), or None; "
+                        f"got {type(like).__name__}")
     xp = _arrays.module_of(like) if like is not None else np
     batch, heads, sq, sk = shape
     elements, memory = math.prod(shape), _memory_of(xp)  # (a bool mask: one byte an element)
@@ -224,11 +227,23 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     return keep
 
 
+MAX_DROPOUT_P = 1.0 - 2.0**-10  # keep rates below 2^-10 are off 1 - p by more than 2^-7 (keep_threshold's rounding)
+
+
 def check_dropout_p(dropout_p) -> float:
-    """dropout_p as a float in [0, 1), else the ValueError/TypeError naming it."""
+    """dropout_p as a float in [0, MAX_DROPOUT_P], else the ValueError/TypeError naming it."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
         raise TypeError(f"dropout_p must be a float in [0, 1); got {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout_p must lie in [0, 1); got {p}")
+    if p > MAX_DROPOUT_P:  # an element is kept where a 16-bit draw is below round((1 - p) 2^16)
+        raise ValueError(f"dropout_p must be at most 1 - 2**-10 = {MAX_DROPOUT_P:.6f}; got {p}: the 16-bit draws keep "
+                         f"{keep_threshold(p)} in 65536 elements, {_keep_error(p):.1%} off 1 - p, so the scaled output "
+                         f"would be biased (at 1 - p < 2**-17 it keeps none)")
     return p
+
+
+def _keep_error(p: float) -> float:
+    """|keep rate / (1 - p) - 1| of keep_threshold's rounding."""
+    return abs(keep_threshold(p) / 2.0**16 / (1.0 - p) - 1.0)

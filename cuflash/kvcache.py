@@ -373,6 +373,7 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
             f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}{where}; got max length {longest}"
         )
     if table is not None:
+        table = table[:, :-(-longest // page_size)]  # (the pages some sequence uses: a wide table is not scanned)
         bad = _pages_read(table, lengths.astype(np.int64) + new, page_size) & ((table < 0) | (table >= num_rows))
         if bad.any():
             b, j = np.argwhere(bad)[0]
@@ -430,7 +431,7 @@ def _check_append_targets(c: _Call):
 
 def _page_slots(xp, table, pos, page_size):
     """(page, slot in the page) of position pos[b, t] of sequence b, through its block_table row."""
-    return xp.take_along_axis(table.astype(np.int64), pos // page_size, axis=1), pos % page_size
+    return xp.take_along_axis(table, pos // page_size, axis=1).astype(np.int64), pos % page_size
 
 
 def _pages_read(table, ends, page_size):
@@ -447,6 +448,7 @@ def _check_shared_pages(table, ends, page_size, pages, pos):
     (r, i) of page P reads its slots below ``reach = min(ends[r] - i * page_size, page_size)``, so
     slot o of P has as many readers as P's entries of reach > o; the writer's own entry is one of
     them when it reads the position it writes."""
+    table = table[:, :-(-int(ends.max(initial=0)) // page_size)]  # (the entries some position uses)
     owner, index = np.nonzero(_pages_read(table, ends, page_size))  # every (sequence, page entry) read
     page = table[owner, index].astype(np.int64)
     reach = np.minimum(ends[owner] - index * page_size, page_size)

@@ -95,19 +95,26 @@ def _check_timeout(timeout) -> float:
 # --- in-process communicators (tests, examples, one GPU) ---------------------------------------
 
 
+MAX_LOCAL_WORLD = 1024  # run_local's ranks: one thread each
+
+
 class _Hub:
     """Mailboxes between the ranks of one process: a queue per (source, destination, kind)."""
 
     def __init__(self, size: int, timeout: float):
         self.size, self.timeout = size, timeout
-        self.boxes = {(s, d, kind): queue.Queue() for s in range(size) for d in range(size) for kind in ("p2p", "all")}
+        self._boxes, self._lock = {}, threading.Lock()  # made as first used: world² of them would not fit
         self.failed = threading.Event()  # a rank raised: the others stop waiting
+
+    def box(self, source, dest, kind) -> queue.Queue:
+        with self._lock:
+            return self._boxes.setdefault((source, dest, kind), queue.Queue())
 
     def get(self, source, dest, kind):
         waited = 0.0
         while True:
             try:
-                return self.boxes[(source, dest, kind)].get(timeout=0.05)
+                return self.box(source, dest, kind).get(timeout=0.05)
             except queue.Empty:
                 waited += 0.05
                 if self.failed.is_set():
@@ -143,7 +150,7 @@ class LocalComm:
         self._hub, self.rank, self.size = hub, rank, hub.size
 
     def start_sendrecv(self, arrays, dest, source):
-        self._hub.boxes[(self.rank, dest, "p2p")].put(_ready(arrays))  # sent at once; received when waited for
+        self._hub.box(self.rank, dest, "p2p").put(_ready(arrays))  # sent at once; received when waited for
         return _Done(lambda: _use(self._hub.get(source, self.rank, "p2p")))
 
     def sendrecv(self, arrays, dest, source):
@@ -152,7 +159,7 @@ class LocalComm:
     def allgather(self, obj):
         message = _ready(obj)
         for d in range(self.size):
-            self._hub.boxes[(self.rank, d, "all")].put(message)
+            self._hub.box(self.rank, d, "all").put(message)
         return [_use(self._hub.get(s, self.rank, "all")) for s in range(self.size)]
 
 
@@ -163,7 +170,7 @@ def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs)
     Parameters
     ----------
     world : int
-        Number of ranks, >= 1.
+        Number of ranks, 1 to MAX_LOCAL_WORLD (1024): one thread each.
     fn : callable
         Called as ``fn(comm, *args, **kwargs)``; ``comm.rank`` tells it which rank it is.
     timeout : float
@@ -177,7 +184,7 @@ def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs)
     Raises
     ------
     TypeError, ValueError
-        ``world`` not an integer >= 1, ``timeout`` not a finite number of seconds > 0.
+        ``world`` not an integer in [1, MAX_LOCAL_WORLD], ``timeout`` not a finite number of seconds > 0.
     Exception
         The first exception a rank raised (the other ranks stop waiting for it).
 
@@ -189,8 +196,9 @@ def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs)
     """
     if isinstance(world, (bool, np.bool_)) or not isinstance(world, (int, np.integer)):
         raise TypeError(f"world must be an integer >= 1; got {world!r}")
-    if world < 1:
-        raise ValueError(f"world must be an integer >= 1; got {world!r}")
+    if not 1 <= world <= MAX_LOCAL_WORLD:
+        raise ValueError(f"world must be an integer in [1, {MAX_LOCAL_WORLD}] (one thread per rank); got {world!r}; "
+                         "for more ranks run one process per rank with NcclComm")
     hub = _Hub(int(world), _check_timeout(timeout))
     results, errors = [None] * world, [None] * world
 
@@ -459,9 +467,7 @@ def _check_ring(comm, q, k, v, scheme, options):
     """The checks of :func:`cuflash.attention` on this rank's shards and options (``causal`` a bool
     here), the ring's own, and that every rank was called alike; returns ``causal``."""
     _check_scheme(scheme)
-    if not (hasattr(comm, "rank") and hasattr(comm, "size") and hasattr(comm, "sendrecv")):
-        raise TypeError(f"comm must be a cuflash.parallel communicator (rank, size, sendrecv, allgather); "
-                        f"got {type(comm).__name__}")
+    _check_comm(comm, ("sendrecv", "allgather"))
     causal = options["causal"]
     if not isinstance(causal, (bool, np.bool_)):  # (the whole sequence's diagonal: no alignment to choose)
         raise TypeError(f"causal must be a bool; got {causal!r}")
@@ -473,9 +479,33 @@ def _check_ring(comm, q, k, v, scheme, options):
                          f"length; got {q.shape[1]} and {k.shape[1]}")
     if scheme == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"zig-zag shards hold two equal pieces; got a local length of {q.shape[1]}")
-    mine = repr((scheme, tuple(q.shape), tuple(k.shape), tuple(v.shape), sorted(options.items())))
+    mine = repr((scheme, tuple(q.shape), tuple(k.shape), tuple(v.shape), sorted(_plain(options).items())))
     _called_alike(comm, mine, "shapes or options")
     return options["causal"]
+
+
+def _check_comm(comm, methods):
+    """``comm`` has the communicator's rank, size and ``methods``, with 0 <= rank < size."""
+    missing = [m for m in ("rank", "size", *methods) if not hasattr(comm, m)]
+    if missing:
+        raise TypeError(f"comm must be a cuflash.parallel communicator (rank, size, {', '.join(methods)}); "
+                        f"{type(comm).__name__} has no {', '.join(missing)}")
+    rank, size = comm.rank, comm.size
+    for name, x in (("rank", rank), ("size", size)):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise TypeError(f"comm.{name} must be an integer; got {x!r}")
+    if not 0 <= rank < size:
+        raise ValueError(f"comm.rank must lie in [0, comm.size) with comm.size >= 1; got rank {rank}, size {size}")
+
+
+def _plain(x):
+    """Options with NumPy scalars as Python numbers (so that 0.5 and np.float64(0.5) compare alike
+    in _called_alike's repr), through dicts, tuples and lists."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (tuple, list)):
+        return type(x)(_plain(v) for v in x)
+    return x.item() if isinstance(x, np.generic) else x
 
 
 def _called_alike(comm, mine: str, what: str, extra=None) -> list:
@@ -713,8 +743,7 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
         from . import _gpu
 
         _gpu._check_gpu_dtype(q, None)
-    if not (hasattr(comm, "rank") and hasattr(comm, "allgather")):
-        raise TypeError(f"comm must be a cuflash.parallel communicator; got {type(comm).__name__}")
+    _check_comm(comm, ("allgather",))
     return_lse = V.check_bool(return_lse, "return_lse")
     xp = _arrays.module_of(q)
     batch, seqlen_q, nheads_q, headdim = q.shape
@@ -738,7 +767,7 @@ def decode_with_sharded_cache(q, k_cache, v_cache, cache_seqlens, comm, k=None, 
     # Every rank's capacity (its start), and that the ranks were called alike: the same shapes but
     # the capacity, lengths (where on the host), new tokens and options.
     mine = repr((tuple(q.shape), str(q.dtype), tuple(k_cache.shape[2:]), tuple(v_cache.shape[2:]),
-                 None if host is None else host.tolist(), new, softmax_scale, softcap, return_lse))
+                 None if host is None else host.tolist(), new, *_plain((softmax_scale, softcap)), return_lse))
     caps = [int(c) for c in _called_alike(comm, mine, "shapes, lengths or options", int(k_cache.shape[1]))]
     start, cap, total = sum(caps[:comm.rank]), caps[comm.rank], sum(caps)
     if host is not None and host.size and (int(host.min()) < 0 or int(host.max()) > total):

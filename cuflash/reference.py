@@ -58,7 +58,19 @@ def _host(x):
 
 
 def _f64(x):
-    return _host(x).astype(np.float64)
+    x = _host(x)
+    if np.iscomplexobj(x):  # (astype would drop the imaginary part with a warning only)
+        raise TypeError(f"the reference takes real arrays; got dtype {x.dtype}")
+    return x.astype(np.float64)
+
+
+def _count(x, name: str) -> int:
+    """An integer >= 0 (a length)."""
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer >= 0; got {x!r}")
+    if x < 0:
+        raise ValueError(f"{name} must be an integer >= 0; got {x!r}")
+    return int(x)
 
 
 def _one_result(x, name):
@@ -92,12 +104,17 @@ class _Options:
                 raise ValueError("head dim 0 has no default softmax_scale (1/sqrt(0))")
             softmax_scale = 1.0 / math.sqrt(headdim)
         self.scale = float(softmax_scale)
+        if not math.isfinite(self.scale):
+            raise ValueError(f"softmax_scale must be finite; got {softmax_scale!r}")
         if isinstance(causal, (bool, np.bool_)):
             is_causal, self.top_left = bool(causal), False
         elif isinstance(causal, str) and causal in ("bottom_right", "top_left"):
             is_causal, self.top_left = True, causal == "top_left"
         else:
             raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
+        if window_size is not None and (len(window_size) != 2 or any(
+                isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) for w in window_size)):
+            raise TypeError(f"window_size must be two integers (left, right), -1 for unbounded; got {window_size!r}")
         left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
         if left < -1 or right < -1:
             raise ValueError(f"window_size entries must be >= -1; got {window_size!r}")
@@ -178,9 +195,12 @@ def visible_mask(seqlen_q, seqlen_k, *, causal=False, window_size=(-1, -1), vali
     array([[1, 1, 1, 1, 0],
            [1, 1, 1, 1, 1]])
     """
+    seqlen_q, seqlen_k = _count(seqlen_q, "seqlen_q"), _count(seqlen_k, "seqlen_k")
+    if valid_k is not None and _count(valid_k, "valid_k") > seqlen_k:
+        raise ValueError(f"valid_k must lie in [0, seqlen_k = {seqlen_k}]; got {valid_k}")
     seqlens = None if valid_k is None else np.array([valid_k])
     opts = _Options(1, 1, 1, 1, causal=causal, window_size=window_size, seqlens_k=seqlens)
-    return _offsets_and_visibility(1, seqlen_q, seqlen_k, opts)[1][0, 0]
+    return np.broadcast_to(_offsets_and_visibility(1, seqlen_q, seqlen_k, opts)[1][0, 0], (seqlen_q, seqlen_k)).copy()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,6 +435,9 @@ def _sequences(cu_seqlens_q, cu_seqlens_k):
     if cu_q.shape != cu_k.shape or cu_q.ndim != 1 or cu_q.size < 1:
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must be 1-D of equal length >= 1; got "
                          f"{cu_q.shape} and {cu_k.shape}")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+        if cu[0] != 0 or (np.diff(cu) < 0).any():
+            raise ValueError(f"{name} must start at 0 and never decrease; got {cu.tolist()}")
     return [(b, cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]) for b in range(cu_q.size - 1)]
 
 

@@ -1313,3 +1313,134 @@ def test_defect_key_padding_of_batch_size_seqlen_q_is_not_read_as_seqlen_q(rng, 
     # where the first axis cannot be batch (its size differs, or batch is 1) nothing is ambiguous
     cuflash.attention(q[:1], k[:1], v[:1], **{name: x2[:3]})
     cuflash.attention(rnd(rng, B, 4, B, 4), k, v, **{name: np.broadcast_to(x2[:1], (4, 5))})
+
+
+# --- session 38's hostile review -------------------------------------------------------------------
+
+
+def test_defect_seqlens_k_reads_only_the_valid_keys_on_the_cpu():
+    """seqlens_k's promise, "keys past it are never read", on the NumPy path: a padded K/V of a
+    million rows (a broadcast view, as a preallocated cache may be) attended to over 4 keys
+    converts those 4, not the million (it took 12 GB); the gradients past the longest length are 0."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    n = 1_000_000
+    k = np.broadcast_to(rng.standard_normal((1, 1, 2, 16)).astype(np.float32), (1, n, 2, 16))
+    q = rng.standard_normal((1, 3, 2, 16)).astype(np.float32)
+    tracemalloc.start()
+    try:
+        out = cuflash.attention(q, k, k, seqlens_k=np.array([4]))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50e6, f"{peak / 1e6:.0f} MB for 4 keys"
+    small = np.ascontiguousarray(k[:, :4])
+    assert max_error_ratio(out, attention_ref(q, small, small)[0], naive_attention(q, small, small)) <= 1
+    kk = rng.standard_normal((2, 40, 2, 16)).astype(np.float32)
+    vv = rng.standard_normal((2, 40, 2, 16)).astype(np.float32)
+    qq = rng.standard_normal((2, 5, 2, 16)).astype(np.float32)
+    kk[:, 30:], vv[:, 30:] = np.nan, np.nan  # past every length: never read
+    lens = np.array([30, 7])
+    out, lse = cuflash.attention(qq, kk, vv, seqlens_k=lens, return_lse=True)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    dq, dk, dv = cuflash.attention_backward(dout, qq, kk, vv, out, lse, seqlens_k=lens)
+    assert np.isfinite(dq).all() and (dk[:, 30:] == 0).all() and (dv[:, 30:] == 0).all()
+    refs = attention_backward_ref(dout, qq, kk, vv, seqlens_k=lens)
+    for g, r in zip((dq, dk, dv), refs):
+        assert np.allclose(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_defect_run_local_refuses_a_world_it_cannot_hold():
+    """run_local's ranks are threads: 10**12 of them (or 2·world² queues made up front, 8 GB at
+    world 1000) ran out of memory; the queues are now made as first used and the world is
+    bounded, with the way to more ranks in the message."""
+    from cuflash import parallel
+
+    with pytest.raises(ValueError, match="NcclComm"):
+        parallel.run_local(10**12, lambda comm: None)
+    assert parallel.run_local(300, lambda comm: comm.rank)[-1] == 299
+
+
+def test_defect_varlen_out_sharing_memory_with_the_offsets_is_refused():
+    """An out that shares memory with cu_seqlens_q was zero-filled before the offsets were read:
+    every row came back 0 and the offsets were destroyed.  Refused, naming both."""
+    buf = np.zeros(27, np.int32)
+    out = buf[:24].view(np.float32).reshape(6, 1, 4)
+    cu = buf[21:24]
+    cu[:] = [0, 3, 6]
+    q = np.ones((6, 1, 4), np.float32)
+    with pytest.raises(ValueError, match="out overlaps cu_seqlens_q"):
+        cuflash.attention_varlen(q, q, q, cu, cu, out=out)
+    assert cu.tolist() == [0, 3, 6]
+    lens = np.zeros(32, np.int64)
+    lens[31] = 3
+    out = lens.view(np.float32).reshape(1, 4, 1, 16)  # (its last row holds seqlens_k's bytes)
+    with pytest.raises(ValueError, match="out overlaps seqlens_k"):
+        cuflash.attention(np.ones((1, 4, 1, 16), np.float32), np.ones((1, 3, 1, 16), np.float32),
+                          np.ones((1, 3, 1, 16), np.float32), seqlens_k=lens[31:], out=out)
+
+
+def test_defect_visible_mask_has_seqlen_q_rows_and_checks_its_arguments():
+    from cuflash.reference import visible_mask
+
+    assert visible_mask(3, 4).shape == (3, 4) and visible_mask(3, 4).all()
+    assert visible_mask(3, 4, valid_k=2).tolist() == [[True, True, False, False]] * 3
+    for args, kwargs, error in (((-1, 4), {}, ValueError), ((2.5, 4), {}, TypeError), ((3, 4), {"valid_k": 5}, ValueError),
+                                ((3, 4), {"window_size": (0.5, 0)}, TypeError)):
+        with pytest.raises(error):
+            visible_mask(*args, **kwargs)
+    q = np.ones((1, 2, 1, 8))
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        attention_ref(q, q, q, softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="real arrays"):
+        attention_ref(q.astype(complex), q, q)
+    with pytest.raises(ValueError, match="never decrease"):
+        attention_varlen_ref(q[0], q[0], q[0], np.array([0, 2, 1]), np.array([0, 1, 2]))
+
+
+def test_defect_parallel_helpers_check_the_communicator():
+    """A communicator without allgather, of size 0 or a string, or with a rank past its size got
+    AttributeError, TypeError on None, IndexError or no error at all; now TypeError/ValueError
+    naming comm.  Ranks passing 0.5 and np.float64(0.5) are called alike."""
+    from cuflash import parallel
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 4, 1, 8)).astype(np.float32)
+
+    class Comm:
+        def __init__(self, rank, size, gather=True):
+            self.rank, self.size = rank, size
+            if gather:
+                self.allgather = lambda obj: [obj] * (size if isinstance(size, int) else 1)
+            self.sendrecv = lambda *a: None
+
+    for comm, error, match in ((Comm(0, 1, gather=False), TypeError, "has no allgather"),
+                               (Comm(0, 0), ValueError, "comm.rank must lie"),
+                               (Comm(0, "2"), TypeError, "comm.size must be an integer"),
+                               (Comm(5, 2), ValueError, "comm.rank must lie")):
+        with pytest.raises(error, match=match):
+            parallel.ring_attention(q, q, q, comm)
+        with pytest.raises(error, match=match):
+            parallel.decode_with_sharded_cache(q[:, :1], q, q, np.array([4]), comm)
+
+    def step(comm):
+        scale = 0.5 if comm.rank == 0 else np.float64(0.5)
+        return parallel.ring_attention(*(parallel.shard(x, comm.rank, 2) for x in (q, q, q)), comm, softmax_scale=scale)
+
+    assert parallel.run_local(2, step)[0].shape == (1, 2, 1, 8)
+
+
+def test_defect_dropout_rates_too_close_to_one_are_refused():
+    """Above 1 - 2**-10 the 16-bit keep threshold round((1 - p) 2^16) is more than 0.8 % off
+    1 - p: at 0.9999 the scaled output was 1.085x too large on average, at 0.999995 all zero.
+    Refused with the bound; 1 - 2**-10 itself is accepted.  dropout_mask's like must be an array."""
+    q = np.ones((1, 2, 1, 8), np.float32)
+    for p in (0.9999, 0.99999, 0.999995):
+        with pytest.raises(ValueError, match=r"at most 1 - 2\*\*-10"):
+            cuflash.attention(q, q, q, dropout_p=p, dropout_seed=1)
+        with pytest.raises(ValueError, match=r"at most 1 - 2\*\*-10"):
+            cuflash.dropout_mask(1, (1, 1, 2, 2), p)
+    cuflash.attention(q, q, q, dropout_p=1 - 2**-10, dropout_seed=1)
+    with pytest.raises(TypeError, match="like must be a NumPy or CuPy array"):
+        cuflash.dropout_mask(1, (1, 1, 2, 2), 0.1, like="cupy")
