@@ -411,8 +411,8 @@ def unshard(shards, *, scheme: str = "zigzag", axis: int = 1):
     TypeError
         ``shards`` not a sequence of arrays; ``axis`` not an int.
     ValueError
-        No shards, shards of different ranks or lengths, a zig-zag shard of odd length, a bad axis
-        or scheme.
+        No shards, shards of different ranks, shapes, dtypes or array kinds, a zig-zag shard of
+        odd length, a bad axis or scheme.
 
     Notes
     -----
@@ -433,6 +433,11 @@ def unshard(shards, *, scheme: str = "zigzag", axis: int = 1):
     n = shards[0].shape[axis]
     if any(s.shape[axis] != n for s in shards):
         raise ValueError(f"shards must all have {n} positions along axis {axis}; got {[s.shape[axis] for s in shards]}")
+    for i, x in enumerate(shards[1:], 1):  # (concatenate's own error names no argument; it would upcast dtypes)
+        if x.shape != shards[0].shape or x.dtype != shards[0].dtype or not _arrays.same_kind(x, shards[0]):
+            raise ValueError(f"shards[{i}] ({type(x).__name__} {tuple(x.shape)} {x.dtype}) differs from shards[0] "
+                             f"({type(shards[0]).__name__} {tuple(shards[0].shape)} {shards[0].dtype}); every rank's "
+                             "shard has the same shape, dtype and array kind")
     if scheme == "contiguous":
         return xp.concatenate(list(shards), axis=axis)
     if n % 2:

@@ -1444,3 +1444,15 @@ def test_defect_dropout_rates_too_close_to_one_are_refused():
     cuflash.attention(q, q, q, dropout_p=1 - 2**-10, dropout_seed=1)
     with pytest.raises(TypeError, match="like must be a NumPy or CuPy array"):
         cuflash.dropout_mask(1, (1, 1, 2, 2), 0.1, like="cupy")
+
+
+def test_defect_unshard_names_the_shard_that_differs():
+    """Shards that differ off the sequence axis raised NumPy's concatenate error (naming no
+    argument), and float32 with float64 shards were upcast in silence."""
+    from cuflash import parallel
+
+    a = np.zeros((1, 4, 2, 8), np.float32)
+    for other in (np.zeros((1, 4, 3, 8), np.float32), a.astype(np.float64)):
+        for scheme in ("zigzag", "contiguous"):
+            with pytest.raises(ValueError, match=r"shards\[1\] .* differs from shards\[0\]"):
+                parallel.unshard([a, other], scheme=scheme)
