@@ -85,7 +85,15 @@ def as_array(x, name: str, *, written: str | None = None):
         try:
             return np.from_dlpack(x)
         except Exception as exc:  # whatever the exporter raises, named as this argument's problem
-            raise TypeError(f"{name} ({type(x).__name__}) is a CPU array NumPy cannot take through DLPack: {exc}") from exc
+            # (NumPy's DLPack has no bfloat16: JAX's CPU bfloat16 arrays still convert through
+            # __array__, as ml_dtypes arrays; a copy, so not where the call writes)
+            if written is None and hasattr(x, "__array__"):
+                try:
+                    return np.asarray(x)
+                except Exception:  # noqa: BLE001 - the DLPack error below says more
+                    pass
+            raise TypeError(f"{name} ({type(x).__name__}) is a CPU array NumPy cannot take through DLPack: {exc}; "
+                            f"pass np.asarray({name})" + (f" (and write back: {written})" if written else "")) from exc
     if hasattr(x, "__dlpack__") or hasattr(x, "__cuda_array_interface__"):
         cp = cupy_module()
         if cp is None:

@@ -278,8 +278,17 @@ def why_fast(m: IOModel) -> str:
         f"block of {m.block_rows} query row{'s' * (m.block_rows != 1)}: {format_bytes(m.tiled_hbm_bytes)}, "
         + ("about as much: at this size there is little score matrix to save." if 0.95 < m.hbm_ratio < 1.05 else
            f"{m.hbm_ratio:.1f}x less." if m.hbm_ratio >= 1 else
-           f"{1 / m.hbm_ratio:.1f}x more: at this size the score matrix is small next to K and V re-read per block.")
+           f"{1 / m.hbm_ratio:.1f}x more: " + (
+               f"on-chip memory of {m.sram_elems} elements holds only {m.block_rows} query row"
+               f"{'s' * (m.block_rows != 1)} a block, so K and V are re-read {times(m.query_blocks)}."
+               if m.score_bytes > m.tiled_hbm_bytes / m.query_blocks else
+               "at this size the score matrix is small next to K and V re-read per block."))
     )
+
+
+def ratio(r: float) -> str:
+    """A ratio with 3 significant digits ('0.0159x', '1.5x', '12x'): one decimal would print 0.0."""
+    return f"{r:.1f}x" if 1 <= r < 1e4 else f"{r:.3g}x"
 
 
 def attention_flops(batch, nheads, seqlen_q, seqlen_k, headdim, causal, backward=False) -> float:

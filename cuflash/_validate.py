@@ -256,9 +256,10 @@ def finish_problem(
         hint = ("axis 1 of packed (total_tokens, nheads, headdim)" if packed else
                 "axis 2 of (batch, seqlen, nheads, headdim); arrays in (batch, nheads, seqlen, headdim) order, as "
                 "torch's, need layout='bhsd'" if k_name == "k" else
-                f"axis 2 of (batch, capacity, nheads, headdim); a {k_name} in (batch, nheads, capacity, headdim) "
-                "order needs .swapaxes(1, 2)")
-        raise ValueError(f"{k_name} has {nheads_k} heads; q's {nheads_q} heads must be a multiple of it ({hint})")
+                f"axis 2 of (batch, seqlen, nheads, headdim) for q and of (batch, capacity, nheads, headdim) for "
+                f"{k_name}; either in (batch, nheads, seqlen, headdim) order needs .swapaxes(1, 2)")
+        heads = lambda n: f"{n} head" + "s" * (n != 1)  # noqa: E731
+        raise ValueError(f"{k_name} has {heads(nheads_k)}; q's {heads(nheads_q)} must be a multiple of it ({hint})")
     if headdim_qk == 0 or headdim_v == 0:
         raise ValueError(f"head dims must be >= 1; got q/k {headdim_qk}, v {headdim_v}")
     left, right, top_left = normalize_mask_options(causal, window_size)

@@ -280,7 +280,7 @@ def io_report(m: _io_model.IOModel) -> list[str]:
     lines += [
         row(f"tiled, block_m = {m.block_m}", m.kernel_hbm_bytes,
             f"K and V read {_io_model.times(m.kernel_query_blocks)}"),
-        f"  {'standard / tiled':<30} {m.hbm_ratio:>11.1f}x",
+        f"  {'standard / tiled':<30} {_io_model.ratio(m.hbm_ratio):>12}",
         "",
         _io_model.why_fast(m),
     ]

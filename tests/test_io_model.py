@@ -150,6 +150,19 @@ def test_why_fast_quotes_the_model():
         assert format_bytes(value) in line
 
 
+def test_why_tiling_loses_names_the_cause():
+    """Fresh-user report (session 38): `cuflash io --dtype fp32 --sram-kib 1` printed "standard /
+    tiled 0.0x" and blamed a small score matrix, whereas 1 KiB of on-chip memory holds one query
+    row a block and K and V are re-read per row."""
+    from cuflash._io_model import ratio
+
+    m = io_model(dtype="float32", sram_bytes=1024)
+    assert m.hbm_ratio < 0.05 and ratio(m.hbm_ratio) == f"{m.hbm_ratio:.3g}x" != "0.0x"
+    line = why_fast(m)
+    assert "holds only 1 query row a block" in line and "score matrix is small" not in line
+    assert ratio(3.46) == "3.5x" and ratio(20000.0) == "2e+04x"
+
+
 def test_attention_flops_convention():
     from cuflash._io_model import attention_flops
 

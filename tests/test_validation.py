@@ -150,6 +150,31 @@ def test_cpu_dlpack_inputs_take_the_numpy_path():
     np.testing.assert_array_equal(out, cuflash.attention(q, k, v, causal=True))
 
 
+class _Bf16CpuArray(_CpuDLPack):
+    """A CPU bfloat16 array whose DLPack export NumPy refuses (JAX's: NumPy's DLPack has no
+    bfloat16), and which converts through __array__ (to an ml_dtypes array)."""
+
+    def __dlpack__(self, **kwargs):
+        raise BufferError("Unsupported dtype in DLTensor")
+
+    def __array__(self, dtype=None, copy=None):
+        return self.a.copy()
+
+
+def test_cpu_bfloat16_arrays_numpy_dlpack_refuses_take_the_numpy_path():
+    """Fresh-user report (session 38): a JAX CPU bfloat16 array got "NumPy cannot take [it] through
+    DLPack", with no way out named; it now converts through __array__ (a copy), and where the call
+    would write into it the message says to pass np.asarray and write back."""
+    q, k, v = (x.astype(ml_dtypes.bfloat16) for x in make())
+    out = cuflash.attention(*(_Bf16CpuArray(x) for x in (q, k, v)))
+    np.testing.assert_array_equal(out, cuflash.attention(q, k, v))
+    assert out.dtype == ml_dtypes.bfloat16
+    from cuflash import _arrays
+
+    with pytest.raises(TypeError, match=r"pass np.asarray\(k_cache\) \(and write back"):
+        _arrays.as_array(_Bf16CpuArray(q), "k_cache", written="(the new tokens are appended there)")
+
+
 @pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # np.matrix's own
 def test_numpy_subclasses_are_taken_as_plain_arrays():
     """Session 6's hostile inputs: softmax of an np.matrix failed inside np.matrix.max."""
@@ -219,7 +244,7 @@ def test_batch_mismatch(which):
 @pytest.mark.parametrize("hq, hk", [(33, 2), (3, 2), (4, 3), (1, 2)])
 def test_query_heads_not_a_multiple_of_key_heads(hq, hk):
     q, k, v = make(hq=hq, hk=hk)
-    with pytest.raises(ValueError, match=rf"k has {hk} heads; q's {hq} heads must be a multiple of it .*layout='bhsd'"):
+    with pytest.raises(ValueError, match=rf"k has {hk} heads?; q's {hq} heads? must be a multiple of it .*layout='bhsd'"):
         cuflash.attention(q, k, v)
 
 
@@ -871,3 +896,14 @@ def test_first_contact_messages_say_what_to_do():
 
     assert cuflash.NotAvailableOnGPU is _gpu.NotAvailableOnGPU and issubclass(cuflash.NotAvailableOnGPU, TypeError)
     assert "NotAvailableOnGPU" in cuflash.__all__
+
+
+def test_kvcache_heads_message_names_q_too():
+    """Fresh-user report (session 38): q passed in (batch, nheads, seqlen, headdim) order to
+    attention_with_kvcache got "k_cache has 4 heads; q's 1 heads ..., a k_cache in ... order needs
+    .swapaxes(1, 2)": the cache was right, q was not.  The hint now names both, and "1 head"."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 4, 8)).astype(np.float32)  # (batch, seqlen 1, nheads 4, headdim)
+    kc = rng.standard_normal((2, 6, 4, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"k_cache has 4 heads; q's 1 head must .* for q and .* \.swapaxes\(1, 2\)"):
+        cuflash.attention_with_kvcache(q.transpose(0, 2, 1, 3), kc, kc, cache_seqlens=[3, 3])
