@@ -616,7 +616,10 @@ def attention_varlen(
     Notes
     -----
 {method}
-    Causal and window rules apply per sequence with that sequence's own Sq and Sk.
+    Causal and window rules apply per sequence with that sequence's own Sq and Sk.  So do
+    dropout's positions: sequence b is batch entry b, its queries and keys counted from its own
+    first row, so its keep-mask is ``dropout_mask(dropout_seed, (batch, nheads, max_seqlen_q,
+    max_seqlen_k), dropout_p)[b, :, :len_q, :len_k]`` (the backward draws the same).
     """
     fast_key = None
     if _arrays.is_gpu(q):  # warm calls replay an earlier launch (cuflash._fastpath)
@@ -828,7 +831,8 @@ def merge_states(*args, layout="bshd"):
     ValueError
         Shapes that do not match, or a wrong number of arguments.
     TypeError
-        Non-array arguments, mixed array kinds, integer dtypes.
+        Arguments that are not arrays, lists of arrays or nested lists of numbers (these are
+        taken as NumPy takes them), mixed array kinds, integer dtypes.
 
     Notes
     -----

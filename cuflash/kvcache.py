@@ -251,6 +251,8 @@ def check_cache_pair(k_cache, v_cache, headdim: int):
 def check_cache_seqlens(cache_seqlens, q, batch: int):
     """``cache_seqlens`` (an int for every sequence, or an index array of ``batch`` entries) as
     (array on q's side, host values or None): V.check_index_array's.  Also cuflash.parallel's."""
+    if isinstance(cache_seqlens, np.ndarray) and cache_seqlens.ndim == 0 and cache_seqlens.dtype.kind in "iu":
+        cache_seqlens = cache_seqlens[()]  # a 0-d NumPy integer array: the int it holds
     if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
         if not -(2**63) <= int(cache_seqlens) < 2**63:
             raise ValueError(f"cache_seqlens must be >= 0 and within the cache capacity; got {int(cache_seqlens)}")

@@ -707,7 +707,7 @@ def assert_exact(actual, ref64, naive, name="result"):
     allowed = 2.0 * np.where(np.isfinite(naive_err), naive_err, 0.0).max() + ABS_FLOOR
     raise AssertionError(
         f"{name}: error ratio {ratio:.3g} > 1; max |actual - ref| = {err.max():.3g} at index "
-        f"{tuple(int(i) for i in where)} (actual {a[where]!r}, ref {r[where]!r}); allowed "
+        f"{tuple(int(i) for i in where)} (actual {float(a[where])!r}, ref {float(r[where])!r}); allowed "
         f"{allowed:.3g} = 2 * max naive error + {ABS_FLOOR:g}; "
         f"NaN count {int(np.isnan(a).sum())}, shape {a.shape}"
     )

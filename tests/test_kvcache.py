@@ -321,3 +321,14 @@ def test_bad_index_values_with_appends_leave_the_cache_untouched(case):
     with pytest.raises(ValueError, match=pattern):
         cuflash.attention_with_kvcache(q, k=k, v=2 * k, **args)
     assert not (kc.any() or vc.any() or pool_k.any() or pool_v.any())
+
+
+def test_cache_seqlens_as_a_zero_dimensional_array_is_the_int_it_holds():
+    """Fresh-user report (session 38): 3 and np.int64(3) were taken for every sequence, np.array(3)
+    was refused ("must have 1 dimension(s)")."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 1, 2, 8)).astype(np.float32)
+    kc, vc = (rng.standard_normal((2, 6, 2, 8)).astype(np.float32) for _ in range(2))
+    want = cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=3)
+    for lens in (np.array(3), np.array(3, np.uint32)):
+        np.testing.assert_array_equal(cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens), want)
