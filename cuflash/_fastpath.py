@@ -70,7 +70,7 @@ class Plan:
         self.fields = fields
         self.out_shape, self.lse_shape, self.dtype = out.shape, lse_shape, out.dtype
         self.lse_dtype = np.float64 if out.dtype == np.float64 else np.float32  # (api.lse_dtype)
-        self.spans = tuple(_span(a) for a in inputs[:3])
+        self.spans = tuple(0 if a is None else _span(a) for a in inputs)  # (index arrays too: out must miss them)
         self.out_span = _span(out) if out_given else None
         self.scratch_lse = None  # written, never read, by calls that do not return the LSE
         self.has_maps = any(len(launch) > 4 for launch in self.launches)
@@ -87,7 +87,8 @@ class Plan:
         else:
             op = out.data.ptr
             end = op + self.out_span
-            if op % 16 or any(op < p + n and p < end for p, n in zip((qp, kp, vp), self.spans)):
+            if op % 16 or any(a is not None and op < a.data.ptr + n and a.data.ptr < end
+                              for a, n in zip(inputs, self.spans)):
                 return None  # the full path explains the problem
         if need_lse or _guard.capturing():  # a captured call keeps its own LSE buffer for the graph
             lse = cp.empty(self.lse_shape, dtype=self.lse_dtype)

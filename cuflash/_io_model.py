@@ -287,7 +287,8 @@ def why_fast(m: IOModel) -> str:
 
 
 def ratio(r: float) -> str:
-    """A ratio with 3 significant digits ('0.0159x', '1.5x', '12x'): one decimal would print 0.0."""
+    """A ratio with one decimal from 1 to 10^4 ('1.5x', '12.0x'), else 3 significant digits
+    ('0.0159x', '2e+04x'): one decimal would print 0.0x."""
     return f"{r:.1f}x" if 1 <= r < 1e4 else f"{r:.3g}x"
 
 

@@ -227,23 +227,17 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     return keep
 
 
-MAX_DROPOUT_P = 1.0 - 2.0**-10  # keep rates below 2^-10 are off 1 - p by more than 2^-7 (keep_threshold's rounding)
+MAX_DROPOUT_P = 1.0 - 2.0**-10  # the keep rate's rounding (keep_threshold) is up to 2^-17 / (1 - p) relative: 0.8 % here
 
 
 def check_dropout_p(dropout_p) -> float:
     """dropout_p as a float in [0, MAX_DROPOUT_P], else the ValueError/TypeError naming it."""
     if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
-        raise TypeError(f"dropout_p must be a float in [0, 1); got {dropout_p!r}")
+        raise TypeError(f"dropout_p must be a float in [0, 1 - 2**-10]; got {dropout_p!r}")
     p = float(dropout_p)
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must lie in [0, 1); got {p}")
-    if p > MAX_DROPOUT_P:  # an element is kept where a 16-bit draw is below round((1 - p) 2^16)
-        raise ValueError(f"dropout_p must be at most 1 - 2**-10 = {MAX_DROPOUT_P:.6f}; got {p}: the 16-bit draws keep "
-                         f"{keep_threshold(p)} in 65536 elements, {_keep_error(p):.1%} off 1 - p, so the scaled output "
-                         f"would be biased (at 1 - p < 2**-17 it keeps none)")
+    if not 0.0 <= p <= MAX_DROPOUT_P:  # (NaN too)
+        raise ValueError(f"dropout_p must lie in [0, 1 - 2**-10 = {MAX_DROPOUT_P:.6f}]; got {p}" + (
+            "" if not MAX_DROPOUT_P < p < 1.0 else
+            ": an element is kept where its 16-bit draw is below round((1 - p) 2^16), a keep rate that may be off "
+            "1 - p by up to 2^-17 / (1 - p) of it, more than 0.8 % above the bound (below 1 - p = 2**-17 it keeps none)"))
     return p
-
-
-def _keep_error(p: float) -> float:
-    """|keep rate / (1 - p) - 1| of keep_threshold's rounding."""
-    return abs(keep_threshold(p) / 2.0**16 / (1.0 - p) - 1.0)

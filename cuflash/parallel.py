@@ -95,7 +95,7 @@ def _check_timeout(timeout) -> float:
 # --- in-process communicators (tests, examples, one GPU) ---------------------------------------
 
 
-MAX_LOCAL_WORLD = 1024  # run_local's ranks: one thread each
+MAX_LOCAL_WORLD = 256  # run_local's ranks: one thread each (an allgather fills world² mailboxes)
 
 
 class _Hub:
@@ -107,8 +107,15 @@ class _Hub:
         self.failed = threading.Event()  # a rank raised: the others stop waiting
 
     def box(self, source, dest, kind) -> queue.Queue:
-        with self._lock:
-            return self._boxes.setdefault((source, dest, kind), queue.Queue())
+        for name, r in (("source", source), ("dest", dest)):
+            if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
+                raise ValueError(f"{name} must be a rank in [0, {self.size}); got {r!r}")
+        key = (int(source), int(dest), kind)
+        box = self._boxes.get(key)
+        if box is None:
+            with self._lock:
+                box = self._boxes.setdefault(key, queue.Queue())
+        return box
 
     def get(self, source, dest, kind):
         waited = 0.0
@@ -170,7 +177,7 @@ def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs)
     Parameters
     ----------
     world : int
-        Number of ranks, 1 to MAX_LOCAL_WORLD (1024): one thread each.
+        Number of ranks, 1 to MAX_LOCAL_WORLD (256): one thread each.
     fn : callable
         Called as ``fn(comm, *args, **kwargs)``; ``comm.rank`` tells it which rank it is.
     timeout : float

@@ -112,8 +112,10 @@ class _Options:
             is_causal, self.top_left = True, causal == "top_left"
         else:
             raise ValueError(f"causal must be False, True, 'bottom_right' or 'top_left'; got {causal!r}")
-        if window_size is not None and (len(window_size) != 2 or any(
-                isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) for w in window_size)):
+        if window_size is not None and len(window_size) != 2:
+            raise ValueError(f"window_size must be two integers (left, right), -1 for unbounded; got {window_size!r}")
+        if window_size is not None and any(
+                isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) for w in window_size):
             raise TypeError(f"window_size must be two integers (left, right), -1 for unbounded; got {window_size!r}")
         left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
         if left < -1 or right < -1:

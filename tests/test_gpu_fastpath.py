@@ -94,6 +94,20 @@ def test_overlapping_out_still_raises_after_warm_calls(rng):
         cuflash.attention(q, k, v, out=qkv[:, :, 2])  # same signature as the plan, but it is v's memory
 
 
+def test_out_overlapping_seqlens_k_still_raises_after_warm_calls(rng):
+    """Session 38's review: the replay compared out with q, k and v only, so an out over
+    seqlens_k (refused by the full path) was launched once a plan existed."""
+    cp = _cp()
+    q, k, v = (cp.asarray(_rand(rng, (1, 4, 1, 64), np.float16)) for _ in range(3))
+    for _ in range(2):
+        cuflash.attention(q, k, v, seqlens_k=cp.array([3], cp.int32), out=cp.empty((1, 4, 1, 64), np.float16))
+    buf = cp.zeros(256, np.float16)
+    out, lens = buf.reshape(1, 4, 1, 64), buf[254:].view(cp.int32)  # lens: the last 4 bytes of out
+    lens[...] = 3
+    with pytest.raises(ValueError, match="out overlaps seqlens_k"):
+        cuflash.attention(q, k, v, seqlens_k=lens, out=out)
+
+
 def test_option_types_are_part_of_the_signature(rng):
     cp = _cp()
     q = cp.asarray(_rand(rng, (1, 9, 2, 64), np.float16))

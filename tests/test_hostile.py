@@ -1359,7 +1359,10 @@ def test_defect_run_local_refuses_a_world_it_cannot_hold():
 
     with pytest.raises(ValueError, match="NcclComm"):
         parallel.run_local(10**12, lambda comm: None)
-    assert parallel.run_local(300, lambda comm: comm.rank)[-1] == 299
+    assert parallel.run_local(parallel.MAX_LOCAL_WORLD, lambda comm: comm.rank)[-1] == parallel.MAX_LOCAL_WORLD - 1
+    # a peer outside the ranks is an error at once (the lazy mailboxes would wait out the timeout)
+    with pytest.raises(ValueError, match=r"source must be a rank in \[0, 2\); got -1"):
+        parallel.run_local(2, lambda c: c.sendrecv(np.zeros(1), dest=(c.rank + 1) % 2, source=c.rank - 1))
 
 
 def test_defect_varlen_out_sharing_memory_with_the_offsets_is_refused():
@@ -1437,9 +1440,9 @@ def test_defect_dropout_rates_too_close_to_one_are_refused():
     Refused with the bound; 1 - 2**-10 itself is accepted.  dropout_mask's like must be an array."""
     q = np.ones((1, 2, 1, 8), np.float32)
     for p in (0.9999, 0.99999, 0.999995):
-        with pytest.raises(ValueError, match=r"at most 1 - 2\*\*-10"):
+        with pytest.raises(ValueError, match=r"must lie in \[0, 1 - 2\*\*-10 = 0.999023\]; got"):
             cuflash.attention(q, q, q, dropout_p=p, dropout_seed=1)
-        with pytest.raises(ValueError, match=r"at most 1 - 2\*\*-10"):
+        with pytest.raises(ValueError, match=r"must lie in \[0, 1 - 2\*\*-10 = 0.999023\]; got"):
             cuflash.dropout_mask(1, (1, 1, 2, 2), p)
     cuflash.attention(q, q, q, dropout_p=1 - 2**-10, dropout_seed=1)
     with pytest.raises(TypeError, match="like must be a NumPy or CuPy array"):
