@@ -67,8 +67,8 @@ _MODIFIERS_DOC = """    bias : float array broadcastable to (batch, nheads, seql
         Dropout on the attention probabilities after the row statistics, kept values scaled by
         1 / (1 - dropout_p); the LSE does not depend on it.  0.0 is exactly no dropout.  An
         element is kept when its 16-bit draw is below round((1 - dropout_p) 2^16), so the keep
-        rate is 1 - dropout_p to within 2^-17 (FlashAttention 2 draws 8 bits); above
-        1 - 2^-10 that is more than 0.8 % of 1 - dropout_p, and such rates are refused.
+        rate is 1 - dropout_p to within 2^-17 (FlashAttention 2 draws 8 bits): up to 0.8 % of
+        1 - dropout_p at 1 - 2^-10, the largest rate accepted.
     dropout_seed : int, (int, int) or integer array of shape (2,), optional
         Seed, or (seed, offset), of the keep-mask, a pure function of the seed and of the
         element's (batch, head, query, key) position (:func:`cuflash.dropout_mask`, Philox4x32-10;

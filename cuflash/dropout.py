@@ -236,8 +236,8 @@ def check_dropout_p(dropout_p) -> float:
         raise TypeError(f"dropout_p must be a float in [0, 1 - 2**-10]; got {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p <= MAX_DROPOUT_P:  # (NaN too)
-        raise ValueError(f"dropout_p must lie in [0, 1 - 2**-10 = {MAX_DROPOUT_P:.6f}]; got {p}" + (
-            "" if not MAX_DROPOUT_P < p < 1.0 else
-            ": an element is kept where its 16-bit draw is below round((1 - p) 2^16), a keep rate that may be off "
-            "1 - p by up to 2^-17 / (1 - p) of it, more than 0.8 % above the bound (below 1 - p = 2**-17 it keeps none)"))
+        why = (": an element is kept where its 16-bit draw is below round((1 - p) 2^16), a keep rate that may be off "
+               "1 - p by up to 2^-17 / (1 - p) of it, more than 0.8 % above the bound (below 1 - p = 2**-17 it keeps none)"
+               if MAX_DROPOUT_P < p < 1.0 else "")
+        raise ValueError(f"dropout_p must lie in [0, 1 - 2**-10 = {MAX_DROPOUT_P:.6f}]; got {p}{why}")
     return p

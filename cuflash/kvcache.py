@@ -375,8 +375,8 @@ def _check_ranges(lengths, new, capacity, page_size, table, num_rows, rows):
             f"cache_seqlens + {new} new tokens exceed the cache capacity {capacity}{where}; got max length {longest}"
         )
     if table is not None:
-        table = table[:, :-(-longest // page_size)]  # (the pages some sequence uses: a wide table is not scanned)
-        bad = _pages_read(table, lengths.astype(np.int64) + new, page_size) & ((table < 0) | (table >= num_rows))
+        table, used = _pages_read(table, lengths.astype(np.int64) + new, page_size)
+        bad = used & ((table < 0) | (table >= num_rows))
         if bad.any():
             b, j = np.argwhere(bad)[0]
             pages = f"0..{num_rows - 1}" if num_rows else "it has no pages"
@@ -437,8 +437,10 @@ def _page_slots(xp, table, pos, page_size):
 
 
 def _pages_read(table, ends, page_size):
-    """(batch, max_pages) mask of the block_table entries that positions [0, ends[b]) use."""
-    return np.arange(table.shape[1])[None, :] < -(-ends[:, None] // page_size)  # ceil
+    """The block_table columns that positions [0, ends[b]) of some sequence use (a wide table is
+    not scanned past them), and the (batch, those columns) mask of the entries each one uses."""
+    table = table[:, :-(-int(ends.max(initial=0)) // page_size)]
+    return table, np.arange(table.shape[1])[None, :] < -(-ends[:, None] // page_size)  # ceil
 
 
 def _check_shared_pages(table, ends, page_size, pages, pos):
@@ -450,8 +452,8 @@ def _check_shared_pages(table, ends, page_size, pages, pos):
     (r, i) of page P reads its slots below ``reach = min(ends[r] - i * page_size, page_size)``, so
     slot o of P has as many readers as P's entries of reach > o; the writer's own entry is one of
     them when it reads the position it writes."""
-    table = table[:, :-(-int(ends.max(initial=0)) // page_size)]  # (the entries some position uses)
-    owner, index = np.nonzero(_pages_read(table, ends, page_size))  # every (sequence, page entry) read
+    table, used = _pages_read(table, ends, page_size)
+    owner, index = np.nonzero(used)  # every (sequence, page entry) read
     page = table[owner, index].astype(np.int64)
     reach = np.minimum(ends[owner] - index * page_size, page_size)
     keys = np.sort(page * (page_size + 1) + reach)

@@ -118,10 +118,10 @@ class _Hub:
         return box
 
     def get(self, source, dest, kind):
-        waited = 0.0
+        box, waited = self.box(source, dest, kind), 0.0
         while True:
             try:
-                return self.box(source, dest, kind).get(timeout=0.05)
+                return box.get(timeout=0.05)
             except queue.Empty:
                 waited += 0.05
                 if self.failed.is_set():
