@@ -41,6 +41,17 @@ def no_gpu_reason() -> str:
     return "no GPU visible to CuPy"
 
 
+def is_integer(x) -> bool:
+    """Whether x is a Python or NumPy integer; a bool is not one (True as a length, an axis or a rank
+    is a mistake to report, not the number 1)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def is_real(x) -> bool:
+    """Whether x is a Python or NumPy integer or float, bools excluded (as in is_integer)."""
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
 def is_gpu(x) -> bool:
     cp = cupy_module()
     return cp is not None and isinstance(x, cp.ndarray)
@@ -113,7 +124,7 @@ def as_array(x, name: str, *, written: str | None = None):
             except failure as exc:
                 error = exc
         raise TypeError(f"{name} ({type(x).__name__}) could not be taken as a GPU array: {error}") from error
-    if isinstance(x, (list, tuple, int, float, np.number)) and not isinstance(x, (bool, np.bool_)):
+    if isinstance(x, (list, tuple, np.number)) or is_real(x):
         if written is not None:
             raise TypeError(f"{name} must be a writable array (NumPy, or CuPy with GPU inputs) {written}; got "
                             f"{type(x).__name__}")

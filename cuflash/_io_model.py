@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import _arrays
+
 #: Bytes per element of the dtypes the model accepts.
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
@@ -123,7 +125,7 @@ class IOModel:
 
 
 def _positive(value, name: str) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not _arrays.is_integer(value):
         raise TypeError(f"{name} must be an integer; got {value!r}")
     if value < 1:
         raise ValueError(f"{name} must be >= 1; got {value}")

@@ -121,7 +121,7 @@ def to_bshd(x, layout: str):
 
 
 def _check_int(value, name: str, *, minimum: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    if not _arrays.is_integer(value):
         raise TypeError(f"{name} must be an integer; got {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
@@ -156,7 +156,7 @@ def normalize_mask_options(causal, window_size) -> tuple[int, int, bool]:
 def check_scalar(value, name: str, default=None) -> float:
     if value is None:
         return default
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+    if not _arrays.is_real(value):
         raise TypeError(f"{name} must be a real number; got {value!r}")
     try:
         value = float(value)

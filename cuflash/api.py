@@ -967,7 +967,7 @@ def softmax(x, axis=-1):
         if not axes and axis is not None:
             raise ValueError("axis must name at least one axis; got ()")
         for a in axes:
-            if isinstance(a, (bool, np.bool_)) or not isinstance(a, (int, np.integer)):
+            if not _arrays.is_integer(a):
                 raise TypeError(f"axis must be an integer, a tuple of integers or None; got {axis!r}")
         axes = tuple(normalize_axis_index(int(a), x.ndim) for a in axes)
         if len(set(axes)) != len(axes):
@@ -978,7 +978,7 @@ def softmax(x, axis=-1):
         moved = xp.moveaxis(x, axes, tuple(range(kept, x.ndim)))
         flat = softmax(moved.reshape(moved.shape[:kept] + (-1,)), axis=-1)
         return xp.moveaxis(flat.reshape(moved.shape), tuple(range(kept, x.ndim)), axes)
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+    if not _arrays.is_integer(axis):
         raise TypeError(f"axis must be an integer, a tuple of integers or None; got {axis!r}")
     if x.ndim == 0:
         raise ValueError(f"x must have at least one dimension (the softmax runs along an axis); got a scalar {x!r}")

@@ -28,6 +28,8 @@ import os
 
 import numpy as np
 
+from . import _arrays
+
 _M0, _M1 = 0xD2511F53, 0xCD9E8D57  # Philox4x32 multipliers
 _W0, _W1 = 0x9E3779B9, 0xBB67AE85  # Weyl key increments
 _MASK32 = 0xFFFFFFFF
@@ -71,8 +73,6 @@ def device_seed(dropout_seed, name: str = "dropout_seed"):
     """The seed when it is a GPU array (checked: a contiguous int64 or uint64 array of shape (2,),
     (seed, offset), whose 64 bits the kernels read as unsigned on the device, so that the replays
     of a captured graph see the values written there since), else None."""
-    from . import _arrays
-
     if not _arrays.is_gpu(dropout_seed):
         return None
     if np.dtype(dropout_seed.dtype).name not in ("int64", "uint64"):
@@ -103,7 +103,7 @@ def seed_and_offset(dropout_seed, name: str = "dropout_seed"):
     if isinstance(dropout_seed, (int, np.integer)):
         seed, offset = int(dropout_seed), 0
     elif isinstance(dropout_seed, (tuple, list)) and len(dropout_seed) == 2 and all(
-            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in dropout_seed):
+            _arrays.is_integer(x) for x in dropout_seed):
         seed, offset = (int(x) for x in dropout_seed)
     else:
         raise TypeError(f"{name} must be an int or a (seed, offset) pair of ints; got {dropout_seed!r}")
@@ -190,12 +190,10 @@ def dropout_mask(dropout_seed, shape, dropout_p, *, like=None):
     p = check_dropout_p(dropout_p)
     dims = list(shape) if isinstance(shape, (tuple, list, np.ndarray)) else None
     if not (dims is not None and len(dims) == 4
-            and all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in dims)):
+            and all(_arrays.is_integer(n) and n >= 0 for n in dims)):
         raise ValueError(f"shape must be 4 non-negative ints (batch, nheads, seqlen_q, seqlen_k), the shape of the "
                          f"attention probabilities (not of q); got {shape!r}")
     shape = tuple(int(n) for n in dims)
-    from . import _arrays
-
     if like is not None and not (isinstance(like, np.ndarray) or _arrays.is_gpu(like)):
         raise TypeError(f"like must be a NumPy or CuPy array (a CuPy one puts the mask on its GPU), or None; "
                         f"got {type(like).__name__}")
@@ -232,7 +230,7 @@ MAX_DROPOUT_P = 1.0 - 2.0**-10  # the keep rate's rounding (keep_threshold) is u
 
 def check_dropout_p(dropout_p) -> float:
     """dropout_p as a float in [0, MAX_DROPOUT_P], else the ValueError/TypeError naming it."""
-    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, (int, float, np.integer, np.floating)):
+    if not _arrays.is_real(dropout_p):
         raise TypeError(f"dropout_p must be a float in [0, 1 - 2**-10]; got {dropout_p!r}")
     p = float(dropout_p)
     if not 0.0 <= p <= MAX_DROPOUT_P:  # (NaN too)

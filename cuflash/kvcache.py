@@ -202,7 +202,7 @@ def _check(q, k_cache, v_cache, k, v, cache_seqlens, block_table, cache_batch_id
         _gpu._check_gpu_dtype(q, None)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together (new tokens to append) or both omitted")
-    if isinstance(num_splits, (bool, np.bool_)) or not isinstance(num_splits, (int, np.integer)):
+    if not _arrays.is_integer(num_splits):
         raise TypeError(f"num_splits must be an integer >= 0 (0 = automatic); got {num_splits!r}")
     if num_splits < 0:
         raise ValueError(f"num_splits must be an integer >= 0 (0 = automatic); got {num_splits!r}")
@@ -253,7 +253,7 @@ def check_cache_seqlens(cache_seqlens, q, batch: int):
     (array on q's side, host values or None): V.check_index_array's.  Also cuflash.parallel's."""
     if isinstance(cache_seqlens, np.ndarray) and cache_seqlens.ndim == 0 and cache_seqlens.dtype.kind in "iu":
         cache_seqlens = cache_seqlens[()]  # a 0-d NumPy integer array: the int it holds
-    if isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, (bool, np.bool_)):
+    if _arrays.is_integer(cache_seqlens):
         if not -(2**63) <= int(cache_seqlens) < 2**63:
             raise ValueError(f"cache_seqlens must be >= 0 and within the cache capacity; got {int(cache_seqlens)}")
         cache_seqlens = np.full(batch, int(cache_seqlens), dtype=np.int64)

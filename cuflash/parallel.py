@@ -108,7 +108,7 @@ class _Hub:
 
     def box(self, source, dest, kind) -> queue.Queue:
         for name, r in (("source", source), ("dest", dest)):
-            if isinstance(r, (bool, np.bool_)) or not isinstance(r, (int, np.integer)) or not 0 <= r < self.size:
+            if not _arrays.is_integer(r) or not 0 <= r < self.size:
                 raise ValueError(f"{name} must be a rank in [0, {self.size}); got {r!r}")
         key = (int(source), int(dest), kind)
         box = self._boxes.get(key)
@@ -201,7 +201,7 @@ def run_local(world: int, fn, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs)
     GPU); the arrays never leave the process (Liu et al. 2023's ring of FlashAttention calls,
     with its ranks as threads).
     """
-    if isinstance(world, (bool, np.bool_)) or not isinstance(world, (int, np.integer)):
+    if not _arrays.is_integer(world):
         raise TypeError(f"world must be an integer >= 1; got {world!r}")
     if not 1 <= world <= MAX_LOCAL_WORLD:
         raise ValueError(f"world must be an integer in [1, {MAX_LOCAL_WORLD}] (one thread per rank); got {world!r}; "
@@ -504,7 +504,7 @@ def _check_comm(comm, methods):
                         f"{type(comm).__name__} has no {', '.join(missing)}")
     rank, size = comm.rank, comm.size
     for name, x in (("rank", rank), ("size", size)):
-        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        if not _arrays.is_integer(x):
             raise TypeError(f"comm.{name} must be an integer; got {x!r}")
     if not 0 <= rank < size:
         raise ValueError(f"comm.rank must lie in [0, comm.size) with comm.size >= 1; got rank {rank}, size {size}")

@@ -27,6 +27,7 @@ import math
 
 import numpy as np
 
+from ._arrays import is_integer
 from ._precision import check_precision, operand_rounding
 
 __all__ = [
@@ -66,7 +67,7 @@ def _f64(x):
 
 def _count(x, name: str) -> int:
     """An integer >= 0 (a length)."""
-    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+    if not is_integer(x):
         raise TypeError(f"{name} must be an integer >= 0; got {x!r}")
     if x < 0:
         raise ValueError(f"{name} must be an integer >= 0; got {x!r}")
@@ -115,7 +116,7 @@ class _Options:
         if window_size is not None and len(window_size) != 2:
             raise ValueError(f"window_size must be two integers (left, right), -1 for unbounded; got {window_size!r}")
         if window_size is not None and any(
-                isinstance(w, (bool, np.bool_)) or not isinstance(w, (int, np.integer)) for w in window_size):
+                not is_integer(w) for w in window_size):
             raise TypeError(f"window_size must be two integers (left, right), -1 for unbounded; got {window_size!r}")
         left, right = (-1, -1) if window_size is None else (int(w) for w in window_size)
         if left < -1 or right < -1:
