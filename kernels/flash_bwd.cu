@@ -415,12 +415,18 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                     gemm_abt<T, kTf32Terms, kD, kQT, kStride, kSwz>(dpt, sV + warp * 16 * kStride, sdO, lane);  // dPᵀ = V dOᵀ
                 }
                 const bool masked = !seq.tile_all_visible(m0, m0 + kQT, n0, n0 + kT);
-                unsigned keep[2] = {~0u, ~0u};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
+                // dropout: the draws of queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator
+                // call each (shared with lane ^ 4); 0 (kept) where the call has none
+                unsigned words[2][2] = {{0u, 0u}, {0u, 0u}};
                 const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
+                const unsigned limit = ScoreMods::pair_limit(draw);
                 const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
 #pragma unroll
                 for (int nt = 0; nt < kQT / 8; ++nt) {
-                    if (drop && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, keep);
+                    if (drop && nt % 2 == 0) ScoreMods::keep_words_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, words);
+                    bool kept[2][2];  // [query i + e % 2][key j + 8 (e / 2)]
+#pragma unroll
+                    for (int q = 0; q < 2; ++q) DropoutKey::kept_pair(words[q][nt % 2], limit, kept[q][0], kept[q][1]);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         if (kShare && !own_slot<kColSplit>(nt, e, tid / 32)) continue;  // (another warp of the slab forms it)
@@ -430,7 +436,7 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                         if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], bm[nt][e], dcap);
                         else pr = prob<kSoftcap, kAlibi>(st[nt][e], scale, softcap, slope, i, j, seq.offset, sLse2[c], dcap);
                         if (masked && !seq.visible(i, j)) pr = 0;
-                        const A z = kDropout ? mods.template keep_scale<A>(keep[e % 2], i, j) : A(1);
+                        const A z = kDropout ? mods.template keep_scale<A>(kept[e % 2][e / 2]) : A(1);
                         st[nt][e] = pr * z;  // (dropout: the P the forward multiplied V by)
                         const A ds = pr * (dpt[nt][e] * z - sDsum[c]);  // d(loss)/d(final score)
                         if constexpr (kMods && kAtomicDq)  // (the ordered kernels: _dq adds it)

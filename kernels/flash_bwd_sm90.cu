@@ -560,18 +560,23 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
                 wgmma_wait<0>();
             }
             wgmma_pin(dpt_flat);
-            unsigned keep[2] = {0, 0};  // dropout: queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
+            // dropout: the draws of queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
+            unsigned words[2][2] = {{0u, 0u}, {0u, 0u}};
             const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
+            const unsigned limit = ScoreMods::pair_limit(draw);
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-                if (kDropout && nt % 2 == 0) ScoreMods::keep_bits_pair(draw, m0 + q_off + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, keep);
+                if (kDropout && nt % 2 == 0) ScoreMods::keep_words_pair(draw, m0 + q_off + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, words);
+                bool kept[2][2];  // [query i + e % 2][key j + 8 (e / 2)]
+#pragma unroll
+                for (int q = 0; q < 2; ++q) DropoutKey::kept_pair(words[q][nt % 2], limit, kept[q][0], kept[q][1]);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dcap = 1.f;
                     if constexpr (!kPDuringDp) st[nt][e] = prob_at(nt, e, dcap);
                     if constexpr (kMods) {
                         const int j = n0 + r_lo + 8 * (e / 2), i = m0 + q_off + nt * 8 + (lane % 4) * 2 + e % 2;
-                        const float z = kDropout ? mods.keep_scale(keep[e % 2], i, j) : 1.f;
+                        const float z = kDropout ? mods.keep_scale(kept[e % 2][e / 2]) : 1.f;
                         const float ds = st[nt][e] * (dpt[nt][e] * z - dsum_at(nt, e));  // d(loss)/d(final score)
                         mods.add_dbias(i, j, ds);
                         dpt[nt][e] = ds * dcap;  // dSᵀ, without the softmax scale

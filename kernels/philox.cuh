@@ -66,6 +66,27 @@ struct DropoutKey {
         return bits;
     }
     CUFLASH_HOST_DEVICE unsigned keep_bits(const PhiloxWords& w) const { return kept_bits(w, static_cast<unsigned>(threshold)); }
+    // The keep decisions of word w's two elements, its low and high 16-bit draws (elements n and n + 1
+    // of keep_bits, n even), without forming the bits: draw < threshold is draw <= threshold - 1, and
+    // with limit = (threshold - 1) 2^16 + 0xffff (pair_limit; threshold in [1, 2^16]: dropout_p <=
+    // 1 - 2^-10 makes it >= 64) a 32-bit compare tests each half: w <= limit the high one, (w << 16)
+    // <= limit the low one (two ISETPs and a shift; sm_90's VIMNMX.U16x2 with two predicate
+    // outputs came with two PRMTs from NVRTC 13.0 and saved nothing).
+    CUFLASH_HOST_DEVICE static void kept_pair(unsigned w, unsigned limit, bool& lo, bool& hi) {
+        lo = (w << 16) <= limit;
+        hi = w <= limit;
+    }
+    CUFLASH_HOST_DEVICE static unsigned pair_limit(unsigned threshold) { return ((threshold - 1u) << 16) | 0xffffu; }
+    // Half h (0 low, 1 high) of words 2r and 2r + 1, side by side (low, high): with rows i, i + 8 and
+    // keys j, j + 1, j + 8, j + 9 drawn, the draws of row i + 8r at keys j + h and j + 8 + h, as
+    // kept_pair takes them (one PRMT).
+    CUFLASH_HOST_DEVICE static unsigned row_halves(const PhiloxWords& w, int r, unsigned h) {
+#if defined(__CUDA_ARCH__)
+        return __byte_perm(w.w[2 * r], w.w[2 * r + 1], h ? 0x7632u : 0x5410u);
+#else
+        return h ? (w.w[2 * r] >> 16) | (w.w[2 * r + 1] & 0xffff0000u) : (w.w[2 * r] & 0xffffu) | (w.w[2 * r + 1] << 16);
+#endif
+    }
     // Element (i, j)'s bit in keep_bits.
     CUFLASH_HOST_DEVICE static int bit(unsigned long long i, unsigned long long j) {
         return static_cast<int>(4 * ((i >> 3) & 1) + 2 * ((j >> 3) & 1) + (j & 1));

@@ -95,19 +95,31 @@ struct ScoreMods {
     // dropout_first_batch), element (i', j')'s in bit DropoutKey::bit(i', j') (kept()): the words of
     // DropoutKey::words and the bits of DropoutKey::keep_bits, from the shared part `d`.
     __device__ __forceinline__ static unsigned keep_bits(const Draw& d, int i, int j) {
-        return DropoutKey::kept_bits(DropoutKey::draw(d.bh, d.offset, d.k0, d.k1, static_cast<unsigned>(i), static_cast<unsigned>(j)),
-                                     d.threshold);
+        return DropoutKey::kept_bits(draw_words(d, i, j), d.threshold);
     }
+    // The words of that call themselves, for a caller that tests each pair of draws where it applies
+    // them (DropoutKey::kept_pair, with pair_limit(d)): no bits formed and read back.
+    __device__ __forceinline__ static PhiloxWords draw_words(const Draw& d, int i, int j) {
+        return DropoutKey::draw(d.bh, d.offset, d.k0, d.k1, static_cast<unsigned>(i), static_cast<unsigned>(j));
+    }
+    __device__ __forceinline__ static unsigned pair_limit(const Draw& d) { return DropoutKey::pair_limit(d.threshold); }
     __device__ __forceinline__ static bool kept(unsigned bits, int i, int j) { return (bits >> DropoutKey::bit(i, j)) & 1; }
     // The transposed tiles of the dK/dV kernels: lanes lane and lane ^ 4 hold keys j and j ^ 1 (j & 1 =
     // bit 2 of lane) of the same queries i, i + 1 (i even), so the two generator calls those queries
-    // need are the same for both lanes: each draws one and they swap (half the Philox work of two
-    // calls per lane).  keep[q]: the bits of the call of query i + q.  Every lane of the warp calls it.
-    __device__ __forceinline__ static void keep_bits_pair(const Draw& d, int i, int j, int lane, unsigned (&keep)[2]) {
-        const int odd = (lane >> 2) & 1;
-        const unsigned mine = keep_bits(d, i + odd, j), other = __shfl_xor_sync(0xffffffffu, mine, 4);
-        keep[0] = odd ? other : mine;
-        keep[1] = odd ? mine : other;
+    // need are the same for both lanes: each draws one and sends its partner the halves of the words
+    // the partner tests (DropoutKey::row_halves: two words a call; half the Philox work of two calls
+    // per lane).  words[q][r]: the draws of query i + q + 8 r at key j (low half) and j + 8 (high
+    // half), for DropoutKey::kept_pair with pair_limit(d).  Every lane of the warp calls it.
+    __device__ __forceinline__ static void keep_words_pair(const Draw& d, int i, int j, int lane, unsigned (&words)[2][2]) {
+        const unsigned odd = (lane >> 2) & 1;
+        const PhiloxWords w = draw_words(d, i + static_cast<int>(odd), j);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const unsigned mine = DropoutKey::row_halves(w, r, odd);
+            const unsigned other = __shfl_xor_sync(0xffffffffu, DropoutKey::row_halves(w, r, odd ^ 1u), 4);
+            words[0][r] = odd ? other : mine;
+            words[1][r] = odd ? mine : other;
+        }
     }
     // Kept probabilities are multiplied by 1 / (1 - p): the forward applies it with 1 / l at the end
     // (so that P stays in [0, 1] in 16 bits), the backward with the keep-mask (keep_scale).  A: the
@@ -116,8 +128,10 @@ struct ScoreMods {
     __device__ __forceinline__ A out_scale() const { return p.dropout_scale > 0.0 ? static_cast<A>(p.dropout_scale) : A(1); }
     template <class A = float>
     __device__ __forceinline__ A keep_scale(unsigned bits, int i, int j) const { return kept(bits, i, j) ? out_scale<A>() : A(0); }
+    template <class A = float>
+    __device__ __forceinline__ A keep_scale(bool kept) const { return kept ? out_scale<A>() : A(0); }
     // Whether the call has dropout: the float32/float64 kernels have one modifier form (CUFLASH_MODS
-    // 2) for calls with and without it, and skip the generator when it is off (the keep bits of
+    // 2) for calls with and without it, and skip the generator when it is off (the draws or keep bits of
     // their callers then start as all kept, and out_scale is 1).
     __device__ __forceinline__ bool dropout_on() const { return p.dropout_scale > 0.0; }
     // The bias gradient: dS at (i, j) added to the accumulator of dbias (p.dbias: float32, float64

@@ -161,14 +161,22 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
     if constexpr (kDropout) {  // after the row sums (the LSE ignores dropout): one generator call per 8 probabilities
         if (Elem<T>::kWide && !mods->dropout_on()) return;  // (the float32/float64 modifier form without dropout: P as it is)
         const ScoreMods::Draw draw = mods->dropout_draw();
+        const unsigned limit = ScoreMods::pair_limit(draw);
 #pragma unroll
         for (int q = 0; q < kNT / 2; ++q) {
-            const int j = n0 + q * 16 + (lane % 4) * 2;  // keys j, j + 1 (tile 2q), j + 8, j + 9 (tile 2q + 1)
-            const unsigned keep = ScoreMods::keep_bits(draw, qpos[0], j);
+            // Rows qpos[0] (bit 3 clear: 16-row warp tiles, no packed rows with dropout) and qpos[1] =
+            // qpos[0] + 8, keys j, j + 1 (tile 2q) and j + 8, j + 9 (tile 2q + 1): the call's eight
+            // elements.  Elements e, e + 1 (e even: keys j', j' + 1 of one row) are the low and high
+            // draws of one word, tested together.
+            const int j = n0 + q * 16 + (lane % 4) * 2;
+            const PhiloxWords w = ScoreMods::draw_words(draw, qpos[0], j);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                A& x = s[2 * q + e / 4][e % 4];
-                x = ScoreMods::kept(keep, qpos[(e % 4) / 2], j + 8 * (e / 4) + e % 2) ? x : A(0);
+            for (int e = 0; e < 8; e += 2) {
+                bool lo, hi;
+                DropoutKey::kept_pair(w.w[DropoutKey::bit(8 * ((e % 4) / 2), 8 * (e / 4)) >> 1], limit, lo, hi);
+                A(&x)[4] = s[2 * q + e / 4];
+                x[e % 4] = lo ? x[e % 4] : A(0);
+                x[e % 4 + 1] = hi ? x[e % 4 + 1] : A(0);
             }
         }
         if constexpr (!kKeepFp32) pack_probs<T, kNT>(s, pk);
