@@ -290,12 +290,15 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         gemm_abt<T, kTf32Terms, kD, kT, kStride, kSwz>(s, sQ + warp * 16 * kStride, sK, lane);    // S = Q Kᵀ
         gemm_abt<T, kTf32Terms, kD, kT, kStride, kSwz>(dp, sdO + warp * 16 * kStride, sV, lane);  // dP = dO Vᵀ
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
-        unsigned keep = ~0u;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
+        PhiloxWords words{};  // dropout: the draws of tiles nt, nt + 1 (nt even) from one generator call; 0 (kept) where the call has none
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
+        const unsigned limit = ScoreMods::pair_limit(draw);
         const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
 #pragma unroll
         for (int nt = 0; nt < kT / 8; ++nt) {
-            if (drop && nt % 2 == 0) keep = ScoreMods::keep_bits(draw, m0 + warp * 16 + lane / 4, n0 + nt * 8 + (lane % 4) * 2);
+            if (drop && nt % 2 == 0) words = ScoreMods::draw_words(draw, m0 + warp * 16 + lane / 4, n0 + nt * 8 + (lane % 4) * 2);
+            bool kept[4];
+            DropoutKey::kept_in_tile(words, nt % 2, limit, kept);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -303,7 +306,7 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
                 if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                 else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                 if (masked && !seq.visible(i, j)) pr = 0;
-                const A dpz = kDropout ? dp[nt][e] * mods.template keep_scale<A>(keep, i, j) : dp[nt][e];
+                const A dpz = kDropout ? dp[nt][e] * mods.template keep_scale<A>(kept[e]) : dp[nt][e];
                 const A ds = pr * (dpz - dsum[e / 2]);  // d(loss)/d(final score)
                 if constexpr (kMods)
                     if (col0 == 0) mods.add_dbias(i, j, ds);  // (a column split: the slab's first warp)

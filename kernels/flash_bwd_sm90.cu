@@ -185,10 +185,13 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
 
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
-            unsigned keep = 0;  // dropout: the keep-mask of tiles nt, nt + 1 (nt even) from one generator call
+            PhiloxWords words{};  // dropout: the draws of tiles nt, nt + 1 (nt even) from one generator call
+            const unsigned limit = ScoreMods::pair_limit(draw);
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
-                if (kDropout && nt % 2 == 0) keep = ScoreMods::keep_bits(draw, m0 + r_lo, n0 + nt * 8 + (lane % 4) * 2);
+                if (kDropout && nt % 2 == 0) words = ScoreMods::draw_words(draw, m0 + r_lo, n0 + nt * 8 + (lane % 4) * 2);
+                bool kept[4];
+                DropoutKey::kept_in_tile(words, nt % 2, limit, kept);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -196,7 +199,7 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
                     if constexpr (kMods) pr = prob_mods<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], bm[nt][e], dcap);
                     else pr = prob<kSoftcap, kAlibi>(s[nt][e], scale, softcap, slope, i, j, seq.offset, lse2[e / 2], dcap);
                     if (decltype(tile)::value && !seq.visible(i, j)) pr = 0.f;
-                    const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(keep, i, j) : dp[nt][e];
+                    const float dpz = kDropout ? dp[nt][e] * mods.keep_scale(kept[e]) : dp[nt][e];
                     s[nt][e] = pr * (dpz - dsum[e / 2]) * dcap;  // dS, without the softmax scale
                 }
             }

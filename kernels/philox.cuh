@@ -77,6 +77,15 @@ struct DropoutKey {
         hi = w <= limit;
     }
     CUFLASH_HOST_DEVICE static unsigned pair_limit(unsigned threshold) { return ((threshold - 1u) << 16) | 0xffffu; }
+    // The C-fragment layout's decisions (mma.cuh's, which wgmma's accumulators share; the forwards and
+    // the dQ kernels): a thread holds rows i, i + 8 (i with bit 3 clear) and keys j, j + 1 of 8-key
+    // tiles (j with bits 0 and 3 clear), and the call drawn with (i, j) serves tiles t = 0 (keys j,
+    // j + 1) and t = 1 (keys j + 8, j + 9).  kept[e]: element e of tile t's fragment, row i + 8 (e / 2),
+    // key j + 8 t + e % 2.
+    CUFLASH_HOST_DEVICE static void kept_in_tile(const PhiloxWords& w, int t, unsigned limit, bool (&kept)[4]) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) kept_pair(w.w[bit(8 * r, 8 * t) >> 1], limit, kept[2 * r], kept[2 * r + 1]);
+    }
     // Half h (0 low, 1 high) of words 2r and 2r + 1, side by side (low, high): with rows i, i + 8 and
     // keys j, j + 1, j + 8, j + 9 drawn, the draws of row i + 8r at keys j + h and j + 8 + h, as
     // kept_pair takes them (one PRMT).

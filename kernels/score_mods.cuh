@@ -90,20 +90,15 @@ struct ScoreMods {
             return {};
         }
     }
-    // The keep decisions of the eight elements drawn with (i, j) by one generator call (philox.cuh:
-    // rows i & ~8, | 8, keys j & ~9, | 1, | 8, | 9 of this problem; batch entries numbered from
-    // dropout_first_batch), element (i', j')'s in bit DropoutKey::bit(i', j') (kept()): the words of
-    // DropoutKey::words and the bits of DropoutKey::keep_bits, from the shared part `d`.
-    __device__ __forceinline__ static unsigned keep_bits(const Draw& d, int i, int j) {
-        return DropoutKey::kept_bits(draw_words(d, i, j), d.threshold);
-    }
-    // The words of that call themselves, for a caller that tests each pair of draws where it applies
-    // them (DropoutKey::kept_pair, with pair_limit(d)): no bits formed and read back.
+    // The words of the eight elements drawn with (i, j) by one generator call (philox.cuh: rows i & ~8,
+    // | 8, keys j & ~9, | 1, | 8, | 9 of this problem; batch entries numbered from dropout_first_batch),
+    // DropoutKey::words' from the shared part `d`.  Each pair of draws is tested where it is applied
+    // (DropoutKey::kept_pair with pair_limit(d)), never gathered into bits (DropoutKey::keep_bits:
+    // the host's form).
     __device__ __forceinline__ static PhiloxWords draw_words(const Draw& d, int i, int j) {
         return DropoutKey::draw(d.bh, d.offset, d.k0, d.k1, static_cast<unsigned>(i), static_cast<unsigned>(j));
     }
     __device__ __forceinline__ static unsigned pair_limit(const Draw& d) { return DropoutKey::pair_limit(d.threshold); }
-    __device__ __forceinline__ static bool kept(unsigned bits, int i, int j) { return (bits >> DropoutKey::bit(i, j)) & 1; }
     // The transposed tiles of the dK/dV kernels: lanes lane and lane ^ 4 hold keys j and j ^ 1 (j & 1 =
     // bit 2 of lane) of the same queries i, i + 1 (i even), so the two generator calls those queries
     // need are the same for both lanes: each draws one and sends its partner the halves of the words
@@ -126,8 +121,6 @@ struct ScoreMods {
     // kernel's accumulator type (float, or double in the float64 kernels).
     template <class A = float>
     __device__ __forceinline__ A out_scale() const { return p.dropout_scale > 0.0 ? static_cast<A>(p.dropout_scale) : A(1); }
-    template <class A = float>
-    __device__ __forceinline__ A keep_scale(unsigned bits, int i, int j) const { return kept(bits, i, j) ? out_scale<A>() : A(0); }
     template <class A = float>
     __device__ __forceinline__ A keep_scale(bool kept) const { return kept ? out_scale<A>() : A(0); }
     // Whether the call has dropout: the float32/float64 kernels have one modifier form (CUFLASH_MODS

@@ -165,18 +165,15 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
 #pragma unroll
         for (int q = 0; q < kNT / 2; ++q) {
             // Rows qpos[0] (bit 3 clear: 16-row warp tiles, no packed rows with dropout) and qpos[1] =
-            // qpos[0] + 8, keys j, j + 1 (tile 2q) and j + 8, j + 9 (tile 2q + 1): the call's eight
-            // elements.  Elements e, e + 1 (e even: keys j', j' + 1 of one row) are the low and high
-            // draws of one word, tested together.
+            // qpos[0] + 8, keys j, j + 1 (tile 2q) and j + 8, j + 9 (tile 2q + 1): the call's eight elements.
             const int j = n0 + q * 16 + (lane % 4) * 2;
             const PhiloxWords w = ScoreMods::draw_words(draw, qpos[0], j);
 #pragma unroll
-            for (int e = 0; e < 8; e += 2) {
-                bool lo, hi;
-                DropoutKey::kept_pair(w.w[DropoutKey::bit(8 * ((e % 4) / 2), 8 * (e / 4)) >> 1], limit, lo, hi);
-                A(&x)[4] = s[2 * q + e / 4];
-                x[e % 4] = lo ? x[e % 4] : A(0);
-                x[e % 4 + 1] = hi ? x[e % 4 + 1] : A(0);
+            for (int t = 0; t < 2; ++t) {
+                bool kept[4];
+                DropoutKey::kept_in_tile(w, t, limit, kept);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) s[2 * q + t][e] = kept[e] ? s[2 * q + t][e] : A(0);
             }
         }
         if constexpr (!kKeepFp32) pack_probs<T, kNT>(s, pk);

@@ -27,8 +27,11 @@ int main() {
         bool lo2, hi2;
         DropoutKey::kept_pair(DropoutKey::row_halves(w, static_cast<int>((i >> 3) & 1), static_cast<unsigned>(j & 1)),
                               DropoutKey::pair_limit(static_cast<unsigned>(threshold)), lo2, hi2);
-        std::printf("%u %u %u %u %d %d %d\n", w.w[0], w.w[1], w.w[2], w.w[3], key.keep(bh, i, j) ? 1 : 0, (n & 1 ? hi : lo) ? 1 : 0,
-                    ((j >> 3) & 1 ? hi2 : lo2) ? 1 : 0);
+        // the forwards' and dQ kernels' form: element (i, j) of its C fragment, tile (j >> 3) & 1
+        bool frag[4];
+        DropoutKey::kept_in_tile(w, static_cast<int>((j >> 3) & 1), DropoutKey::pair_limit(static_cast<unsigned>(threshold)), frag);
+        std::printf("%u %u %u %u %d %d %d %d\n", w.w[0], w.w[1], w.w[2], w.w[3], key.keep(bh, i, j) ? 1 : 0, (n & 1 ? hi : lo) ? 1 : 0,
+                    ((j >> 3) & 1 ? hi2 : lo2) ? 1 : 0, frag[2 * ((i >> 3) & 1) + (j & 1)] ? 1 : 0);
     }
     return 0;
 }
@@ -58,12 +61,12 @@ def test_words_and_keep_mask_equal_the_numpy_generator(program):
     lines = "".join(f"{s} {o} {D.keep_threshold(p)} {bh} {i} {j}\n" for s, o, p, bh, i, j in cases)
     got = subprocess.run([str(program)], input=lines, capture_output=True, text=True, check=True).stdout.split("\n")
     for (seed, offset, p, bh, i, j), line in zip(cases, got):
-        *words, keep, keep_pair, keep_halves = (int(x) for x in line.split())
+        *words, keep, keep_pair, keep_halves, keep_frag = (int(x) for x in line.split())
         key = (seed & 0xFFFFFFFF, ((seed >> 32) + (offset >> 32)) & 0xFFFFFFFF)
         want = D.philox4x32_10((j & ~9, i & ~8, bh, offset & 0xFFFFFFFF), key)
         assert words == [int(w) for w in want], (seed, offset, bh, i, j)
         mask = D.keep_mask_block(seed, offset, p, np.uint64(bh), np.uint64(i), np.uint64(j))
-        assert bool(keep) == bool(mask) == bool(keep_pair) == bool(keep_halves), (seed, offset, p, bh, i, j)
+        assert bool(keep) == bool(mask) == bool(keep_pair) == bool(keep_halves) == bool(keep_frag), (seed, offset, p, bh, i, j)
     assert len(got) >= len(cases)
 
 
@@ -73,14 +76,13 @@ def test_a_draw_equal_to_the_threshold_is_dropped(program):
     draw = int(D.philox4x32_10((5 & ~9, 9 & ~8, 3, 0), (77, 0))[2]) >> 16
     lines = f"77 0 {draw} 3 9 5\n77 0 {draw + 1} 3 9 5\n"
     got = subprocess.run([str(program)], input=lines, capture_output=True, text=True, check=True).stdout.split()
-    assert (int(got[4]), int(got[11])) == (0, 1)
-    assert (int(got[5]), int(got[12])) == (0, 1)  # kept_pair's high half alike
-    assert (int(got[6]), int(got[13])) == (0, 1)  # and row_halves' word
+    assert [int(got[k]) for k in (4, 5, 6, 7)] == [0] * 4  # keep_bits, kept_pair, row_halves, kept_in_tile
+    assert [int(got[k]) for k in (12, 13, 14, 15)] == [1] * 4
 
 
 @pytest.mark.parametrize("threshold", [64, 65535, 65536])
 def test_kept_pair_at_the_thresholds_ends(program, threshold):
-    """kept_pair's 32-bit compares (on words and on row_halves' words) at both halves where the limit is smallest (dropout_p = 1 - 2^-10)
+    """kept_pair's 32-bit compares (on words, on row_halves' words and in kept_in_tile) at both halves where the limit is smallest (dropout_p = 1 - 2^-10)
     and largest (2^16: every draw kept; the limit's shift must not wrap), for draws at the threshold
     and one below: an element (i, j) whose draw sits in each half of its word."""
     lines, want = "", []
@@ -98,3 +100,4 @@ def test_kept_pair_at_the_thresholds_ends(program, threshold):
     assert [r[4] for r in rows] == want
     assert [r[5] for r in rows] == want
     assert [r[6] for r in rows] == want
+    assert [r[7] for r in rows] == want

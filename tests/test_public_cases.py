@@ -570,3 +570,177 @@ def test_padding_past_seqlens_k_is_never_read(xp, rng, dtype):
     check_forward(xp, q, k, v, seqlens_k=xp.asarray(lengths), causal=True)
     dq, dk, dv = check_backward(xp, q, k, v, rng=rng, seqlens_k=xp.asarray(lengths), causal=True)
     assert not np.any(dk[0, 33:]) and not np.any(dv[0, 33:])
+
+
+# ---------------------------------------------------------------------------------------------
+# B28: merging empty partitions
+# ---------------------------------------------------------------------------------------------
+
+
+def _merge_parts(rng, dtype, n, shape=(37, 32, 128)):
+    """n partial states of packed (total, heads, dim) outputs: outputs in dtype, finite LSEs (float32)."""
+    outs = np.stack([rand(rng, shape, dtype) for _ in range(n)])
+    lses = rng.uniform(-5.0, 5.0, (n, shape[1], shape[0])).astype(np.float32)
+    return outs, lses
+
+
+def _merge_ref(outs, lses):
+    """The merge in float64: rows where every part is -inf give 0 and -inf."""
+    lses = lses.astype(np.float64)
+    top = np.max(lses, axis=0)
+    live = np.isfinite(top)
+    w = np.where(live, np.exp(lses - np.where(live, top, 0.0)), 0.0)  # (n, heads, total)
+    total = w.sum(0)
+    lse = np.where(live, top + np.log(np.where(live, total, 1.0)), -np.inf)
+    w = w / np.where(live, total, 1.0)
+    out = np.einsum("nht,nthd->thd", w, outs.astype(np.float64))
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32], ids=["fp16", "bf16", "fp32"])
+def test_b28_merge_of_empty_partitions(xp, rng, dtype):
+    """Both parts empty give (0, -inf) with no NaN; one part empty gives the other bitwise; a mixed
+    batch (a quarter of the rows empty in both parts, a tenth in one) gives each row its own case;
+    equal very negative finite LSEs give the outputs' mean and LSE + ln 2."""
+    (o1, o2), (l1, l2) = _merge_parts(rng, dtype, 2)
+    ninf = np.full_like(l1, -np.inf)
+    out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, ninf, o2, ninf)))
+    assert not np.isnan(out.astype(np.float64)).any() and (out == 0).all() and np.isneginf(lse).all()
+    out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, l1, o2, ninf)))
+    assert np.array_equal(out.view(np.uint8), o1.view(np.uint8)) and np.array_equal(lse, l1)
+    out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, ninf, o2, l2)))
+    assert np.array_equal(out.view(np.uint8), o2.view(np.uint8)) and np.array_equal(lse, l2)
+
+    kind = rng.uniform(size=l1.shape)  # (heads, total): < 0.25 both empty, < 0.35 the first empty
+    m1, m2 = np.where(kind < 0.35, -np.inf, l1), np.where(kind < 0.25, -np.inf, l2)
+    out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, m1, o2, m2)))
+    both, first = (kind < 0.25).T, ((kind >= 0.25) & (kind < 0.35)).T  # (total, heads)
+    assert not np.isnan(out.astype(np.float64)).any()
+    assert (out[both] == 0).all() and np.isneginf(lse.T[both]).all()
+    assert np.array_equal(out[first].view(np.uint8), o2[first].view(np.uint8)) and np.array_equal(lse.T[first], l2.T[first])
+    ref, ref_lse = _merge_ref(np.stack([o1, o2]), np.stack([m1, m2]))
+    rest = ~(both | first)
+    tol = float(np.finfo(dtype).eps) * 4
+    np.testing.assert_allclose(out[rest].astype(np.float64), ref[rest], atol=tol * np.abs(ref[rest]).max())
+    np.testing.assert_allclose(lse.T[rest], ref_lse.T[rest], rtol=1e-6, atol=2e-6)
+
+    far = np.full_like(l1, -1e30)
+    out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, far, o2, far)))
+    mean = (o1.astype(np.float64) + o2.astype(np.float64)) / 2
+    np.testing.assert_allclose(out.astype(np.float64), mean, atol=tol * np.abs(mean).max())
+    np.testing.assert_allclose(lse.astype(np.float64), -1e30 + np.log(2.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 5])
+def test_b28_n_way_merge_with_rows_empty_in_every_part(xp, rng, parts):
+    """A stacked merge of 1, 2 or 5 parts where some rows are empty in all of them (0, -inf)
+    and others in some: each row as the float64 merge of its live parts."""
+    outs, lses = _merge_parts(rng, np.float16, parts, shape=(37, 8, 64))
+    dead = rng.uniform(size=lses.shape[1:]) < 0.2  # (heads, total): empty in every part
+    some = rng.uniform(size=lses.shape) < 0.3
+    lses = np.where(dead[None] | some, -np.inf, lses)
+    out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, outs, lses)))
+    assert not np.isnan(out.astype(np.float64)).any()
+    ref, ref_lse = _merge_ref(outs, lses)
+    empty = np.isneginf(ref_lse)
+    assert (out[empty.T] == 0).all() and np.isneginf(lse[empty]).all()
+    np.testing.assert_allclose(out.astype(np.float64), ref, atol=4e-3 * np.abs(ref).max())
+    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-6, atol=2e-6)
+
+
+def test_b28_merging_a_call_without_keys_changes_nothing(xp, rng):
+    q, k, v = make_qkv(rng, BF16, 2, 37, 90, 4, 4, 64)
+    full, full_lse = (np_(x) for x in cuflash.attention(*run(xp, q, k, v), return_lse=True))
+    empty, empty_lse = cuflash.attention(*run(xp, q, k[:, :0], v[:, :0]), return_lse=True)
+    assert np.isneginf(np_(empty_lse)).all() and not np_(empty).astype(np.float64).any()
+    for args in ((full, full_lse, empty, empty_lse), (empty, empty_lse, full, full_lse)):
+        out, lse = (np_(x) for x in cuflash.merge_states(*(xp.asarray(a) for a in args)))
+        assert np.array_equal(out.view(np.uint16), full.view(np.uint16)) and np.array_equal(lse, full_lse)
+
+
+# ---------------------------------------------------------------------------------------------
+# B31: backward with Dv != Dqk and with padded head dims
+# ---------------------------------------------------------------------------------------------
+
+B31_DIMS = [(128, 96), (128, 64), (128, 40), (192, 128), (64, 128), (96, 64), (72, 72), (104, 104), (80, 80),
+            (40, 40), (8, 8)]
+
+
+def _columns_scaled(rng, shape, dtype):
+    """dO with column c scaled by (1 + c / Dv): a gradient column written to the wrong place shows."""
+    return (rng.standard_normal(shape) * (1.0 + np.arange(shape[-1]) / shape[-1])).astype(dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dims", B31_DIMS, ids=[f"{a}-{b}" for a, b in B31_DIMS])
+def test_b31_value_and_padded_head_dims_backward(xp, rng, dims, heads, causal):
+    """out (..., Dv), dq and dk (..., Dqk), dv (..., Dv) into NaN-poisoned buffers against the
+    float64 backward, bf16 and fp16 alternating over the cases, GQA 8/2 summing its groups."""
+    dqk, dv = dims
+    dtype = BF16 if (dqk // 8 + heads[1] + causal) % 2 else np.float16
+    q, k, v = make_qkv(rng, dtype, 2, 113, 203, *heads, dqk, dv)
+    check_forward(xp, q, k, v, causal=causal)
+    check_backward(xp, q, k, v, _columns_scaled(rng, q.shape[:3] + (dv,), dtype), causal=causal)
+
+
+@pytest.mark.parametrize("dims", [(128, 96), (72, 72)], ids=["128-96", "72-72"])
+def test_b31_square_512_and_varlen(xp, rng, dims):
+    dqk, dv = dims
+    q, k, v = make_qkv(rng, np.float16, 2, 512, 512, 8, 2, dqk, dv)
+    check_backward(xp, q, k, v, _columns_scaled(rng, q.shape[:3] + (dv,), np.float16), causal=True)
+    for lens in ([512], [113, 203]):
+        qv, kv, vv, cu_q, cu_k = varlen_inputs(rng, BF16, lens, lens, 4, 2, dqk, dv)
+        dout = _columns_scaled(rng, qv.shape[:2] + (dv,), BF16)
+        check_varlen(xp, qv, kv, vv, cu_q, cu_k, dout=dout, causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# B34: ALiBi's anchor when Sq != Sk, and decode against the full call
+# ---------------------------------------------------------------------------------------------
+
+ALIBI_8 = np.array([2.0 ** (-8 * (h + 1) / 8) for h in range(8)], dtype=np.float32)
+
+
+@pytest.mark.parametrize("sizes", [(3, 9), (113, 203), (1, 147)])
+def test_b34_causal_alibi_lse_has_no_offset(xp, rng, sizes):
+    """The LSE of causal ALiBi with Sq != Sk is the oracle's, whose bias is -slope |i + Sk - Sq - j|
+    (a bias of +slope j would give the same output and an LSE offset by slope (i + Sk - Sq))."""
+    sq, sk = sizes
+    q, k, v = make_qkv(rng, np.float32, 2, sq, sk, 8, 8, 64)
+    _, lse = check_forward(xp, q, k, v, alibi_slopes=xp.asarray(ALIBI_8), causal=True)
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k.astype(np.float64)) / 8.0
+    s = s - ALIBI_8[None, :, None, None] * np.abs(i + sk - sq - j)
+    s = np.where(j <= i + sk - sq, s, -np.inf)
+    top = s.max(-1, keepdims=True)
+    np.testing.assert_allclose(lse, (top + np.log(np.exp(s - top).sum(-1, keepdims=True)))[..., 0], rtol=1e-5, atol=1e-5)
+
+
+def test_b34_decode_steps_equal_the_full_causal_call(xp, rng):
+    """Causal self-attention with ALiBi, Sq = Sk = 129, against 129 decode calls (Sq = 1, Sk = i + 1):
+    row i of the full call and decode step i are the same attention problem, so they agree within the
+    exactness rule of each against the oracle, and their LSEs match."""
+    n = 129
+    q, k, v = make_qkv(rng, np.float32, 1, n, n, 8, 8, 64)
+    full, full_lse = check_forward(xp, q, k, v, alibi_slopes=xp.asarray(ALIBI_8), causal=True)
+    for i in range(n):
+        out, lse = (np_(x) for x in cuflash.attention(*run(xp, q[:, i:i + 1], k[:, :i + 1], v[:, :i + 1]),
+                                                         alibi_slopes=xp.asarray(ALIBI_8), causal=True, return_lse=True))
+        np.testing.assert_allclose(out[:, 0], full[:, i], rtol=1e-5, atol=1e-5, err_msg=f"step {i}")
+        np.testing.assert_allclose(lse[:, :, 0], full_lse[:, :, i], rtol=1e-5, atol=1e-5, err_msg=f"step {i}")
+
+
+def test_b34_cross_attention_full_call_against_steps(xp, rng):
+    """Non-causal cross-attention with ALiBi, T = 7 queries over S = 50 keys: the anchor is
+    bottom-right (the docstrings' -slope |i + Sk - Sq - j|), so query i of the full call sits at key
+    position i + S - T, and a step sending query i alone sits at S - 1.  Every call matches the
+    oracle on its own inputs; the last query's step is the full call's last row."""
+    t, s = 7, 50
+    q, k, v = make_qkv(rng, np.float32, 2, t, s, 8, 8, 64)
+    full, full_lse = check_forward(xp, q, k, v, alibi_slopes=xp.asarray(ALIBI_8))
+    for i in range(t):
+        out, lse = check_forward(xp, q[:, i:i + 1], k, v, alibi_slopes=xp.asarray(ALIBI_8))
+        if i == t - 1:  # the same anchor: query at key position S - 1
+            np.testing.assert_allclose(out[:, 0], full[:, i], rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(lse[:, :, 0], full_lse[:, :, i], rtol=1e-5, atol=1e-5)
