@@ -8,8 +8,9 @@ process (its own kernels, compiled from its own sources) that measures all parts
 checkouts rotates from round to round, so none always goes first.  Rows: the forward and backward
 (bf16, batch * seqlen = 16k, nheads * headdim = 2048, head dims 64/128/256), decode against
 contiguous and paged caches (TB/s of cache read), varlen prefill (TF/s), (parts "widefwd" and "widebwd",
-not in the default parts) the float32/float64 forward and backward at head dims 64-256, seqlen 4k, (part "bwdmods", not in
-the default parts) the bf16 backward at head dims 64/128/256 with a key-padding mask, a bias or dropout, (part "widemods", not in the
+not in the default parts) the float32/float64 forward and backward at head dims 64-256, seqlen 4k, (parts "fwdmods" and
+"bwdmods", not in the default parts) the bf16 forward (also without a modifier) and backward at head dims 64-256 with a
+key-padding mask, a bias or dropout, (part "widemods", not in the
 default parts) their forward and backward with a bias, a key-padding mask or dropout, and (part "host") warm
 calls of tiny problems per millisecond, eager (host time, unless the kernel is slower) and
 replayed from a captured CUDA graph (the GPU's rate alone).  Per row: each checkout's median over the
@@ -33,7 +34,7 @@ from pathlib import Path
 FWD = [(d, s, c) for d in (64, 128, 256) for s, c in ((1024, False), (4096, False), (4096, True), (16384, True))]
 BWD = [(64, 4096, False), (64, 16384, True), (128, 4096, False), (128, 16384, True), (256, 4096, False)]
 BWD256 = [(192, 4096, False), (256, 4096, False), (256, 16384, True)]  # part "bwd256": the column split's head dims
-BWD_MODS = (64, 128, 256)  # part "bwdmods": the bf16 backward with a key-padding mask, a bias, dropout (issue 23's kernels)
+MODS_HEADDIMS = (64, 128, 192, 256)  # parts "fwdmods", "bwdmods": bf16 with a key-padding mask, a bias, dropout (issue 23's kernels)
 DECODE = [("mha", 1, 16384), ("mha", 8, 4096), ("mha", 64, 4096), ("gqa", 1, 65536), ("gqa", 8, 16384), ("gqa", 64, 16384)]
 VARLEN = [(d, s) for d in (64, 128) for s in (512, 2048, 8192)]
 WIDE_DTYPES = os.environ.get("AB_WIDE_DTYPES", "float32,float64").split(",")  # the wide parts' dtypes (AB_WIDE_DTYPES narrows them)
@@ -98,8 +99,20 @@ def _part(checkout: str, part: str) -> list:
             out, lse = cuflash.attention(q, k, v, return_lse=True)
             ms = time_backward(dout, q, k, v, out, lse)
             rows.append((f"bwd {np.dtype(dtype).name} d{d} s{s}", B.attention_flops(batch, heads, s, s, d, False, backward=True) / ms / 1e9))
+    elif part == "fwdmods":  # the bf16 forward without a modifier and with each (seqlen 4k, non-causal)
+        for d in MODS_HEADDIMS:
+            s, batch, heads = 4096, 4, 2048 // d
+            q, k, v = (rand((batch, s, heads, d)) for _ in range(3))
+            forms = {"none": {}, **modifier_forms(batch, heads, s, rand)}
+            for form, mods in forms.items():
+                out = cuflash.attention(q, k, v, **mods)
+                ms = B.time_gpu(lambda: cuflash.attention(q, k, v, out=out, **mods))
+                rows.append((f"fwdmods d{d} {form}", B.attention_flops(batch, heads, s, s, d, False) / ms / 1e9))
+                del mods, out
+            del forms
+            cp.get_default_memory_pool().free_all_blocks()
     elif part == "bwdmods":
-        for d in BWD_MODS:
+        for d in MODS_HEADDIMS:
             s, batch, heads = 4096, 4, 2048 // d
             q, k, v, dout = (rand((batch, s, heads, d)) for _ in range(4))
             forms = modifier_forms(batch, heads, s, rand)
