@@ -98,9 +98,7 @@ def seed_and_offset(dropout_seed, name: str = "dropout_seed"):
             raise ValueError(f"{name} as an array must have shape (2,) (seed, offset) or () (a seed); got "
                              f"{dropout_seed.shape}")
         dropout_seed = tuple(int(x) for x in dropout_seed) if dropout_seed.ndim else int(dropout_seed)
-    if isinstance(dropout_seed, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int or a (seed, offset) pair of ints; got {dropout_seed!r}")
-    if isinstance(dropout_seed, (int, np.integer)):
+    if _arrays.is_integer(dropout_seed):
         seed, offset = int(dropout_seed), 0
     elif isinstance(dropout_seed, (tuple, list)) and len(dropout_seed) == 2 and all(
             _arrays.is_integer(x) for x in dropout_seed):

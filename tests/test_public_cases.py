@@ -597,11 +597,27 @@ def _merge_ref(outs, lses):
     return out, lse
 
 
-@pytest.mark.parametrize("dtype", [np.float16, BF16, np.float32], ids=["fp16", "bf16", "fp32"])
+def _assert_merged(out, lse, outs, lses, dtype):
+    """Each element within a few units of dtype's rounding of the float64 merge (measured: half a
+    unit for fp16/bf16 outputs, about three for fp32 on the CPU), LSE within float32's."""
+    ref, ref_lse = _merge_ref(outs, lses)
+    scale, _ = _merge_ref(np.abs(outs.astype(np.float64)), lses)  # sum of |weight * part|: each element's own scale
+    eps = float(np.finfo(dtype).eps) * (2 if np.dtype(dtype).itemsize == 2 else 8)
+    err = np.abs(out.astype(np.float64) - ref)
+    assert np.all(err <= eps * scale + 1e-30), float((err / (scale + 1e-30)).max() / eps)
+    live = np.isfinite(ref_lse)
+    assert np.array_equal(np.isneginf(lse), ~live)
+    np.testing.assert_allclose(lse[live], ref_lse[live], rtol=1e-6, atol=2e-6)
+
+
+SPLIT_DTYPES = [np.float16, BF16, np.float32]
+
+
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES, ids=["fp16", "bf16", "fp32"])
 def test_b28_merge_of_empty_partitions(xp, rng, dtype):
     """Both parts empty give (0, -inf) with no NaN; one part empty gives the other bitwise; a mixed
-    batch (a quarter of the rows empty in both parts, a tenth in one) gives each row its own case;
-    equal very negative finite LSEs give the outputs' mean and LSE + ln 2."""
+    batch (a quarter of the rows empty in both parts, a tenth in one or the other) gives each row
+    its own case; equal very negative finite LSEs give the outputs' mean and LSE + ln 2."""
     (o1, o2), (l1, l2) = _merge_parts(rng, dtype, 2)
     ninf = np.full_like(l1, -np.inf)
     out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, ninf, o2, ninf)))
@@ -611,41 +627,39 @@ def test_b28_merge_of_empty_partitions(xp, rng, dtype):
     out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, ninf, o2, l2)))
     assert np.array_equal(out.view(np.uint8), o2.view(np.uint8)) and np.array_equal(lse, l2)
 
-    kind = rng.uniform(size=l1.shape)  # (heads, total): < 0.25 both empty, < 0.35 the first empty
-    m1, m2 = np.where(kind < 0.35, -np.inf, l1), np.where(kind < 0.25, -np.inf, l2)
+    kind = rng.uniform(size=l1.shape)  # (heads, total): < 0.25 both empty, < 0.3 the first, < 0.35 the second
+    m1 = np.where(kind < 0.3, -np.inf, l1).astype(np.float32)
+    m2 = np.where((kind < 0.25) | ((kind >= 0.3) & (kind < 0.35)), -np.inf, l2).astype(np.float32)
     out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, m1, o2, m2)))
-    both, first = (kind < 0.25).T, ((kind >= 0.25) & (kind < 0.35)).T  # (total, heads)
+    both, first, second = (kind < 0.25).T, ((kind >= 0.25) & (kind < 0.3)).T, ((kind >= 0.3) & (kind < 0.35)).T
     assert not np.isnan(out.astype(np.float64)).any()
     assert (out[both] == 0).all() and np.isneginf(lse.T[both]).all()
     assert np.array_equal(out[first].view(np.uint8), o2[first].view(np.uint8)) and np.array_equal(lse.T[first], l2.T[first])
-    ref, ref_lse = _merge_ref(np.stack([o1, o2]), np.stack([m1, m2]))
-    rest = ~(both | first)
-    tol = float(np.finfo(dtype).eps) * 4
-    np.testing.assert_allclose(out[rest].astype(np.float64), ref[rest], atol=tol * np.abs(ref[rest]).max())
-    np.testing.assert_allclose(lse.T[rest], ref_lse.T[rest], rtol=1e-6, atol=2e-6)
+    assert np.array_equal(out[second].view(np.uint8), o1[second].view(np.uint8)) and np.array_equal(lse.T[second], l1.T[second])
+    _assert_merged(out, lse, np.stack([o1, o2]), np.stack([m1, m2]), dtype)
 
-    far = np.full_like(l1, -1e30)
-    out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, far, o2, far)))
-    mean = (o1.astype(np.float64) + o2.astype(np.float64)) / 2
-    np.testing.assert_allclose(out.astype(np.float64), mean, atol=tol * np.abs(mean).max())
-    np.testing.assert_allclose(lse.astype(np.float64), -1e30 + np.log(2.0), rtol=1e-6)
+    for far in (-1e4, -1e30):  # exp() of either alone underflows; at -1e4 the + ln 2 shows in float32
+        lf = np.full_like(l1, far)
+        out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, o1, lf, o2, lf)))
+        _assert_merged(out, lse, np.stack([o1, o2]), np.stack([lf, lf]), dtype)
+        if far == -1e4:
+            np.testing.assert_allclose(lse.astype(np.float64), far + np.log(2.0), atol=2e-3)
 
 
+@pytest.mark.parametrize("dtype", SPLIT_DTYPES, ids=["fp16", "bf16", "fp32"])
 @pytest.mark.parametrize("parts", [1, 2, 5])
-def test_b28_n_way_merge_with_rows_empty_in_every_part(xp, rng, parts):
+def test_b28_n_way_merge_with_rows_empty_in_every_part(xp, rng, parts, dtype):
     """A stacked merge of 1, 2 or 5 parts where some rows are empty in all of them (0, -inf)
     and others in some: each row as the float64 merge of its live parts."""
-    outs, lses = _merge_parts(rng, np.float16, parts, shape=(37, 8, 64))
+    outs, lses = _merge_parts(rng, dtype, parts)
     dead = rng.uniform(size=lses.shape[1:]) < 0.2  # (heads, total): empty in every part
     some = rng.uniform(size=lses.shape) < 0.3
-    lses = np.where(dead[None] | some, -np.inf, lses)
+    lses = np.where(dead[None] | some, -np.inf, lses).astype(np.float32)
     out, lse = (np_(x) for x in cuflash.merge_states(*run(xp, outs, lses)))
     assert not np.isnan(out.astype(np.float64)).any()
-    ref, ref_lse = _merge_ref(outs, lses)
-    empty = np.isneginf(ref_lse)
-    assert (out[empty.T] == 0).all() and np.isneginf(lse[empty]).all()
-    np.testing.assert_allclose(out.astype(np.float64), ref, atol=4e-3 * np.abs(ref).max())
-    np.testing.assert_allclose(lse[~empty], ref_lse[~empty], rtol=1e-6, atol=2e-6)
+    empty = np.isneginf(_merge_ref(outs, lses)[1])
+    assert (out[empty.T] == 0).all()
+    _assert_merged(out, lse, outs, lses, dtype)
 
 
 def test_b28_merging_a_call_without_keys_changes_nothing(xp, rng):
@@ -678,7 +692,7 @@ def test_b31_value_and_padded_head_dims_backward(xp, rng, dims, heads, causal):
     """out (..., Dv), dq and dk (..., Dqk), dv (..., Dv) into NaN-poisoned buffers against the
     float64 backward, bf16 and fp16 alternating over the cases, GQA 8/2 summing its groups."""
     dqk, dv = dims
-    dtype = BF16 if (dqk // 8 + heads[1] + causal) % 2 else np.float16
+    dtype = BF16 if (dqk // 8 + (heads == (8, 2)) + causal) % 2 else np.float16
     q, k, v = make_qkv(rng, dtype, 2, 113, 203, *heads, dqk, dv)
     check_forward(xp, q, k, v, causal=causal)
     check_backward(xp, q, k, v, _columns_scaled(rng, q.shape[:3] + (dv,), dtype), causal=causal)
@@ -719,8 +733,8 @@ def test_b34_causal_alibi_lse_has_no_offset(xp, rng, sizes):
 
 def test_b34_decode_steps_equal_the_full_causal_call(xp, rng):
     """Causal self-attention with ALiBi, Sq = Sk = 129, against 129 decode calls (Sq = 1, Sk = i + 1):
-    row i of the full call and decode step i are the same attention problem, so they agree within the
-    exactness rule of each against the oracle, and their LSEs match."""
+    row i of the full call and decode step i are the same attention problem, so their outputs and
+    LSEs agree to float32's rounding (1e-5; the full call is checked against the oracle)."""
     n = 129
     q, k, v = make_qkv(rng, np.float32, 1, n, n, 8, 8, 64)
     full, full_lse = check_forward(xp, q, k, v, alibi_slopes=xp.asarray(ALIBI_8), causal=True)
