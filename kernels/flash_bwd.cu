@@ -292,13 +292,12 @@ __device__ __forceinline__ void flash_bwd_dq(const FlashParams& p) {
         const bool masked = !seq.tile_all_visible(m0, m0 + kT, n0, n0 + kT);
         PhiloxWords words{};  // dropout: the draws of tiles nt, nt + 1 (nt even) from one generator call; 0 (kept) where the call has none
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
-        const unsigned limit = ScoreMods::pair_limit(draw);
         const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
 #pragma unroll
         for (int nt = 0; nt < kT / 8; ++nt) {
             if (drop && nt % 2 == 0) words = ScoreMods::draw_words(draw, m0 + warp * 16 + lane / 4, n0 + nt * 8 + (lane % 4) * 2);
             bool kept[4];
-            DropoutKey::kept_in_tile(words, nt % 2, limit, kept);
+            DropoutKey::kept_in_tile(words, nt % 2, draw.limit, kept);
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int i = m0 + warp * 16 + lane / 4 + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -422,14 +421,12 @@ __device__ __forceinline__ void flash_bwd_dkdv(const FlashParams& p) {
                 // call each (shared with lane ^ 4); 0 (kept) where the call has none
                 unsigned words[2][2] = {{0u, 0u}, {0u, 0u}};
                 const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
-                const unsigned limit = ScoreMods::pair_limit(draw);
-                const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
+                        const bool drop = kDropout && (!Elem<T>::kWide || mods.dropout_on());  // (float32/float64: the call has dropout)
 #pragma unroll
                 for (int nt = 0; nt < kQT / 8; ++nt) {
                     if (drop && nt % 2 == 0) ScoreMods::keep_words_pair(draw, m0 + nt * 8 + (lane % 4) * 2, n0 + warp * 16 + lane / 4, lane, words);
                     bool kept[2][2];  // [query i + e % 2][key j + 8 (e / 2)]
-#pragma unroll
-                    for (int q = 0; q < 2; ++q) DropoutKey::kept_pair(words[q][nt % 2], limit, kept[q][0], kept[q][1]);
+                    ScoreMods::kept_in_pair_tile(words, nt % 2, draw, kept);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         if (kShare && !own_slot<kColSplit>(nt, e, tid / 32)) continue;  // (another warp of the slab forms it)

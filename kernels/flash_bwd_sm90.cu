@@ -186,12 +186,11 @@ __device__ __forceinline__ void flash_bwd_dq_sm90(const FlashParams& p) {
         const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
         with_tile_mask(!seq.tile_all_visible(m0, m0 + kBM, n0, n0 + kBN), [&](auto tile) {
             PhiloxWords words{};  // dropout: the draws of tiles nt, nt + 1 (nt even) from one generator call
-            const unsigned limit = ScoreMods::pair_limit(draw);
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
                 if (kDropout && nt % 2 == 0) words = ScoreMods::draw_words(draw, m0 + r_lo, n0 + nt * 8 + (lane % 4) * 2);
                 bool kept[4];
-                DropoutKey::kept_in_tile(words, nt % 2, limit, kept);
+                DropoutKey::kept_in_tile(words, nt % 2, draw.limit, kept);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int i = m0 + r_lo + 8 * (e / 2), j = n0 + nt * 8 + (lane % 4) * 2 + e % 2;
@@ -566,13 +565,11 @@ __device__ __forceinline__ void flash_bwd_dkdv_sm90(const FlashParams& p, const 
             // dropout: the draws of queries i (even), i + 1 of tiles nt, nt + 1 (nt even), a generator call each (shared with lane ^ 4)
             unsigned words[2][2] = {{0u, 0u}, {0u, 0u}};
             const ScoreMods::Draw draw = mods.dropout_draw<kDropout>();
-            const unsigned limit = ScoreMods::pair_limit(draw);
 #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {
                 if (kDropout && nt % 2 == 0) ScoreMods::keep_words_pair(draw, m0 + q_off + nt * 8 + (lane % 4) * 2, n0 + r_lo, lane, words);
                 bool kept[2][2];  // [query i + e % 2][key j + 8 (e / 2)]
-#pragma unroll
-                for (int q = 0; q < 2; ++q) DropoutKey::kept_pair(words[q][nt % 2], limit, kept[q][0], kept[q][1]);
+                ScoreMods::kept_in_pair_tile(words, nt % 2, draw, kept);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     float dcap = 1.f;

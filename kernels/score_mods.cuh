@@ -73,10 +73,11 @@ struct ScoreMods {
     }
     // What every generator call of this problem shares, known to the compiler as warp-uniform
     // (redux.sync leaves it in uniform registers): the key words, whose per-round schedule then runs
-    // on the uniform datapath, the counter words of the problem and the offset, and the threshold.
+    // on the uniform datapath, the counter words of the problem and the offset, and the keep limit
+    // (DropoutKey::pair_limit of the threshold, for kept_pair).
     // Every lane of the warp calls it; take it once per tile, outside the loop of calls.
     struct Draw {
-        unsigned k0, k1, bh, offset, threshold;
+        unsigned k0, k1, bh, offset, limit;
     };
     // (kOn false: a value never read, for kernels without dropout.)
     template <bool kOn = true>
@@ -85,7 +86,8 @@ struct ScoreMods {
             const DropoutKey key = dropout_key();
             const unsigned long long bh = static_cast<unsigned long long>(b + p.dropout_first_batch) * p.nheads_q + h;
             auto warp_word = [](unsigned long long x) { return __reduce_max_sync(0xffffffffu, static_cast<unsigned>(x)); };
-            return {warp_word(key.seed), warp_word(key.key_hi()), warp_word(bh), warp_word(key.offset), warp_word(key.threshold)};
+            return {warp_word(key.seed), warp_word(key.key_hi()), warp_word(bh), warp_word(key.offset),
+                    warp_word(DropoutKey::pair_limit(static_cast<unsigned>(key.threshold)))};
         } else {
             return {};
         }
@@ -93,18 +95,17 @@ struct ScoreMods {
     // The words of the eight elements drawn with (i, j) by one generator call (philox.cuh: rows i & ~8,
     // | 8, keys j & ~9, | 1, | 8, | 9 of this problem; batch entries numbered from dropout_first_batch),
     // DropoutKey::words' from the shared part `d`.  Each pair of draws is tested where it is applied
-    // (DropoutKey::kept_pair with pair_limit(d)), never gathered into bits (DropoutKey::keep_bits:
-    // the host's form).
+    // (DropoutKey::kept_pair with d.limit), never gathered into bits (DropoutKey::keep_bits: the
+    // host's form).
     __device__ __forceinline__ static PhiloxWords draw_words(const Draw& d, int i, int j) {
         return DropoutKey::draw(d.bh, d.offset, d.k0, d.k1, static_cast<unsigned>(i), static_cast<unsigned>(j));
     }
-    __device__ __forceinline__ static unsigned pair_limit(const Draw& d) { return DropoutKey::pair_limit(d.threshold); }
     // The transposed tiles of the dK/dV kernels: lanes lane and lane ^ 4 hold keys j and j ^ 1 (j & 1 =
     // bit 2 of lane) of the same queries i, i + 1 (i even), so the two generator calls those queries
     // need are the same for both lanes: each draws one and sends its partner the halves of the words
     // the partner tests (DropoutKey::row_halves: two words a call; half the Philox work of two calls
     // per lane).  words[q][r]: the draws of query i + q + 8 r at key j (low half) and j + 8 (high
-    // half), for DropoutKey::kept_pair with pair_limit(d).  Every lane of the warp calls it.
+    // half), for kept_in_pair_tile.  Every lane of the warp calls it.
     __device__ __forceinline__ static void keep_words_pair(const Draw& d, int i, int j, int lane, unsigned (&words)[2][2]) {
         const unsigned odd = (lane >> 2) & 1;
         const PhiloxWords w = draw_words(d, i + static_cast<int>(odd), j);
@@ -115,6 +116,14 @@ struct ScoreMods {
             words[0][r] = odd ? other : mine;
             words[1][r] = odd ? mine : other;
         }
+    }
+    // The decisions of keep_words_pair's words for tile t (t = 0, 1: queries i + 8 t, i + 1 + 8 t):
+    // kept[q][h], query i + q + 8 t at key j + 8 h (the transposed tiles' counterpart of
+    // DropoutKey::kept_in_tile).
+    __device__ __forceinline__ static void kept_in_pair_tile(const unsigned (&words)[2][2], int t, const Draw& d,
+                                                             bool (&kept)[2][2]) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) DropoutKey::kept_pair(words[q][t], d.limit, kept[q][0], kept[q][1]);
     }
     // Kept probabilities are multiplied by 1 / (1 - p): the forward applies it with 1 / l at the end
     // (so that P stays in [0, 1] in 16 bits), the backward with the keep-mask (keep_scale).  A: the

@@ -161,7 +161,6 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
     if constexpr (kDropout) {  // after the row sums (the LSE ignores dropout): one generator call per 8 probabilities
         if (Elem<T>::kWide && !mods->dropout_on()) return;  // (the float32/float64 modifier form without dropout: P as it is)
         const ScoreMods::Draw draw = mods->dropout_draw();
-        const unsigned limit = ScoreMods::pair_limit(draw);
 #pragma unroll
         for (int q = 0; q < kNT / 2; ++q) {
             // Rows qpos[0] (bit 3 clear: 16-row warp tiles, no packed rows with dropout) and qpos[1] =
@@ -171,7 +170,7 @@ __device__ __forceinline__ void softmax_tile(A (&s)[kNT][4], RowStateT<A> (&row)
 #pragma unroll
             for (int t = 0; t < 2; ++t) {
                 bool kept[4];
-                DropoutKey::kept_in_tile(w, t, limit, kept);
+                DropoutKey::kept_in_tile(w, t, draw.limit, kept);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) s[2 * q + t][e] = kept[e] ? s[2 * q + t][e] : A(0);
             }
